@@ -1,0 +1,158 @@
+//! Backing I/O: the four operations the engine needs from a disk, behind a small trait so
+//! tests can run the engine on a disk that crashes, tears and lies ([`crate::sim`]).
+//!
+//! Invariants the engine keeps at this boundary (asserted here): every offset and length is
+//! a multiple of [`SECTOR_SIZE`], and no I/O reaches past `size_bytes()`.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::Path;
+
+use aligned_vec::{AVec, ConstAlign};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::SECTOR_SIZE;
+
+pub trait Backing: Send + Sync {
+    fn size_bytes(&self) -> u64;
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Makes every completed write durable (fdatasync).
+    fn sync(&self) -> io::Result<()>;
+    /// Tells the device the range holds nothing worth keeping (hole punch / BLKDISCARD).
+    /// Contents read back afterwards are unspecified; the engine never reads them.
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+}
+
+pub fn assert_aligned(offset: u64, len: usize, size_bytes: u64) {
+    debug_assert_eq!(offset % SECTOR_SIZE as u64, 0, "unaligned backing offset {offset}");
+    debug_assert_eq!(len % SECTOR_SIZE, 0, "unaligned backing length {len}");
+    debug_assert!(offset + len as u64 <= size_bytes, "backing I/O past the end");
+}
+
+type AlignedBuf = AVec<u8, ConstAlign<4096>>;
+
+/// A regular file or block device, opened with O_DIRECT where the file system allows it.
+#[derive(Debug)]
+pub struct FileBacking {
+    file: File,
+    size_bytes: u64,
+    direct: bool,
+    block_device: bool,
+}
+
+thread_local! {
+    static BOUNCE: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AVec::new(4096));
+}
+
+impl FileBacking {
+    /// Opens `path` for the engine. `direct` asks for O_DIRECT and falls back to buffered I/O
+    /// where the file system refuses it (tmpfs). `exclusive` takes an exclusive advisory
+    /// lock (a shared one otherwise) and fails with `Locked` if another process holds it.
+    pub fn open(path: &Path, writable: bool, direct: bool, exclusive: bool) -> Result<FileBacking> {
+        let open = |direct: bool| {
+            let mut options = OpenOptions::new();
+            options.read(true).write(writable);
+            if direct {
+                options.custom_flags(libc::O_DIRECT);
+            }
+            options.open(path)
+        };
+        let (file, direct) = match open(direct) {
+            Ok(file) => (file, direct),
+            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                (open(false).map_err(|e| Error::io(format!("open {}", path.display()), e))?, false)
+            }
+            Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
+        };
+        let locked = if exclusive { file.try_lock() } else { file.try_lock_shared() };
+        if let Err(e) = locked {
+            return Err(match e {
+                std::fs::TryLockError::WouldBlock => Error::new(
+                    ErrorKind::Locked,
+                    format!("{} is open in another process (is it being served?)", path.display()),
+                ),
+                std::fs::TryLockError::Error(e) => Error::io(format!("lock {}", path.display()), e),
+            });
+        }
+        let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        let block_device = metadata.file_type().is_block_device();
+        let size_bytes = if block_device {
+            use std::io::{Seek, SeekFrom};
+            (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io(format!("size of {}", path.display()), e))?
+        } else {
+            metadata.len()
+        };
+        Ok(FileBacking { file, size_bytes, direct, block_device })
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    fn needs_bounce(&self, ptr: *const u8) -> bool {
+        self.direct && (ptr as usize) % SECTOR_SIZE != 0
+    }
+}
+
+impl Backing for FileBacking {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        assert_aligned(offset, buf.len(), self.size_bytes);
+        if !self.needs_bounce(buf.as_ptr()) {
+            return self.file.read_exact_at(buf, offset);
+        }
+        BOUNCE.with(|bounce| {
+            let mut bounce = bounce.borrow_mut();
+            bounce.resize(buf.len(), 0);
+            self.file.read_exact_at(&mut bounce[..], offset)?;
+            buf.copy_from_slice(&bounce[..]);
+            Ok(())
+        })
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        assert_aligned(offset, data.len(), self.size_bytes);
+        if !self.needs_bounce(data.as_ptr()) {
+            return self.file.write_all_at(data, offset);
+        }
+        BOUNCE.with(|bounce| {
+            let mut bounce = bounce.borrow_mut();
+            bounce.clear();
+            bounce.extend_from_slice(data);
+            self.file.write_all_at(&bounce[..], offset)
+        })
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        assert_aligned(offset, len as usize, self.size_bytes);
+        if self.block_device {
+            const BLKDISCARD: libc::c_ulong = 0x1277;
+            let range: [u64; 2] = [offset, len];
+            use std::os::fd::AsRawFd;
+            // SAFETY: BLKDISCARD reads exactly two u64 (start, length) from the pointer,
+            // which points at a live local array for the duration of the call.
+            let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), BLKDISCARD, range.as_ptr()) };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        } else {
+            use rustix::fs::{fallocate, FallocateFlags};
+            match fallocate(&self.file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len) {
+                Ok(()) => Ok(()),
+                // File systems without hole punching: discard is advisory, keep going.
+                Err(e) if e == rustix::io::Errno::OPNOTSUPP => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        }
+    }
+}

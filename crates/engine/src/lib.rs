@@ -1,0 +1,34 @@
+//! zdisk's engine: a compressed, variable-length, log-structured block store.
+//!
+//! The engine knows nothing about NBD or the CLI. It turns a [`Backing`] (a file, a block
+//! device, or the fault-injecting simulator used by tests) into a block store that
+//! compresses every 4 KiB block, packs the fragments back to back in an append-only log,
+//! and keeps the contract written in `docs/guarantees.md`:
+//!
+//! 1. after `flush` (or a FUA request) returns, every write acknowledged before it survives
+//!    a crash;
+//! 2. every write, trim and write-zeroes request is all-or-nothing across a crash;
+//! 3. nothing the client did not write ever changes;
+//! 4. corruption is detected by CRC32C and reported as an error, never returned as data.
+//!
+//! The on-disk format is specified in `docs/format.md`; the modules mirror it.
+
+mod backing;
+mod codec;
+mod error;
+mod format;
+mod map;
+pub mod sim;
+mod stats;
+mod store;
+
+pub use backing::{Backing, FileBacking};
+pub use codec::{Codec, CodecTag};
+pub use error::{Error, ErrorKind, Result};
+pub use stats::Stats;
+pub use store::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
+
+/// The logical block: the unit of compression and of the map.
+pub const BLOCK_SIZE: usize = 4096;
+/// The backing I/O unit: every backing offset and length is a multiple of it.
+pub const SECTOR_SIZE: usize = 4096;

@@ -1,0 +1,125 @@
+//! Statistics, named after the drive's capacity-stat file (see DESIGN.md and docs/format.md).
+//! Counters live in [`Counters`] (atomics, updated on the hot path without locks); a
+//! [`Stats`] is a snapshot computed from them plus the space accounting.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+/// A snapshot of the store's statistics. Every size is in bytes.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Backing bytes still available for new data (free segments plus reclaimable garbage),
+    /// less the reserve kept for GC and checkpoints.
+    pub free_space: u64,
+    /// Backing bytes holding live data and metadata (what GC cannot reclaim).
+    pub physical_size: u64,
+    /// Logical bytes written and not trimmed (zero blocks count).
+    pub logical_size: u64,
+    /// `logical_size / physical_size` (1.0 when nothing is stored).
+    pub comp_ratio: f64,
+    /// The logical capacity the client sees.
+    pub provisioned_cap: u64,
+    /// 0 normal, 1 low (free space under the low watermark), 2 full (writes get ENOSPC).
+    pub space_flag: u8,
+    pub host_write_bytes: u64,
+    pub host_read_bytes: u64,
+    /// Everything written to the backing store: data, GC copies, metadata, padding.
+    pub backing_write_bytes: u64,
+    /// `backing_write_bytes / host_write_bytes` (0 before any host write).
+    pub write_amplification: f64,
+    /// Bytes in used segments that no map entry references any more.
+    pub garbage_bytes: u64,
+    /// Bytes written only to fill a sector or the end of a segment.
+    pub padding_bytes: u64,
+    /// Record headers, checkpoints and superblocks written.
+    pub metadata_bytes: u64,
+    /// Stored (compressed) fragment bytes written for host writes, excluding GC copies.
+    pub data_bytes: u64,
+    pub checksum_errors: u64,
+    pub gc_bytes_moved: u64,
+    pub gc_segments_cleaned: u64,
+    pub checkpoints: u64,
+    pub read_ops: u64,
+    pub write_ops: u64,
+    pub trim_ops: u64,
+    pub zero_ops: u64,
+    pub flush_ops: u64,
+    pub fua_ops: u64,
+    /// Size of the backing store.
+    pub backing_size_bytes: u64,
+    pub segment_size_bytes: u64,
+    pub segments_total: u64,
+    pub segments_free: u64,
+    /// Blocks that hold stored (non-zero) data.
+    pub stored_blocks: u64,
+    /// Blocks written as zeroes (they cost no data).
+    pub zero_blocks: u64,
+}
+
+/// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub host_write_bytes: AtomicU64,
+    pub host_read_bytes: AtomicU64,
+    pub backing_write_bytes: AtomicU64,
+    pub padding_bytes: AtomicU64,
+    pub metadata_bytes: AtomicU64,
+    pub data_bytes: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    pub gc_bytes_moved: AtomicU64,
+    pub gc_segments_cleaned: AtomicU64,
+    pub checkpoints: AtomicU64,
+    pub read_ops: AtomicU64,
+    pub write_ops: AtomicU64,
+    pub trim_ops: AtomicU64,
+    pub zero_ops: AtomicU64,
+    pub flush_ops: AtomicU64,
+    pub fua_ops: AtomicU64,
+}
+
+/// The persisted form of [`Counters`], in checkpoint order.
+pub const COUNTER_COUNT: usize = 16;
+
+impl Counters {
+    fn all(&self) -> [&AtomicU64; COUNTER_COUNT] {
+        [
+            &self.host_write_bytes,
+            &self.host_read_bytes,
+            &self.backing_write_bytes,
+            &self.padding_bytes,
+            &self.metadata_bytes,
+            &self.data_bytes,
+            &self.checksum_errors,
+            &self.gc_bytes_moved,
+            &self.gc_segments_cleaned,
+            &self.checkpoints,
+            &self.read_ops,
+            &self.write_ops,
+            &self.trim_ops,
+            &self.zero_ops,
+            &self.flush_ops,
+            &self.fua_ops,
+        ]
+    }
+
+    pub fn to_array(&self) -> [u64; COUNTER_COUNT] {
+        self.all().map(|c| c.load(Ordering::Relaxed))
+    }
+
+    pub fn from_array(values: &[u64; COUNTER_COUNT]) -> Counters {
+        let counters = Counters::default();
+        for (counter, value) in counters.all().into_iter().zip(values) {
+            counter.store(*value, Ordering::Relaxed);
+        }
+        counters
+    }
+
+    pub fn add(counter: &AtomicU64, value: u64) {
+        counter.fetch_add(value, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
