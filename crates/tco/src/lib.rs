@@ -1,1 +1,9 @@
-pub fn placeholder() {}
+//! `zdisk tco` (placeholder: being written).
+
+#[derive(Debug, clap::Args)]
+pub struct TcoArgs {}
+
+pub fn run(args: &TcoArgs) -> anyhow::Result<()> {
+    let _ = args;
+    anyhow::bail!("zdisk tco is not written yet")
+}
