@@ -1,0 +1,229 @@
+//! A simulated backing store for tests: it keeps what a real disk would have durably and
+//! what is only in its volatile cache, and on a simulated power loss keeps a random subset
+//! of the un-synced writes, tearing some at sector granularity. It also injects faults on
+//! demand: failed reads, writes, syncs, ENOSPC, and bit flips.
+//!
+//! Everything random comes from a seed, so a failing run replays exactly.
+
+use std::io;
+
+use parking_lot::Mutex;
+
+use crate::backing::{assert_aligned, Backing};
+use crate::SECTOR_SIZE;
+
+/// A tiny deterministic generator (SplitMix64): the simulator must not depend on a test
+/// crate, and it needs nothing better than this.
+#[derive(Debug, Clone)]
+pub struct SimRng(u64);
+
+impl SimRng {
+    pub fn new(seed: u64) -> SimRng {
+        SimRng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+}
+
+/// Which faults to inject; counts are in backing operations of that type.
+#[derive(Debug, Clone, Default)]
+pub struct Faults {
+    /// Power is lost during the N-th write (1-based): that write is torn, and every later
+    /// operation fails until the disk is "rebooted" with [`SimDisk::crash_image`].
+    pub crash_at_write: Option<u64>,
+    pub fail_read_at: Option<u64>,
+    pub fail_write_at: Option<u64>,
+    pub fail_sync_at: Option<u64>,
+    /// Writes at or after the N-th fail with ENOSPC (a full host file system).
+    pub enospc_from_write: Option<u64>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// What reads see (the OS view, cache included).
+    current: Vec<u8>,
+    /// What survives power loss.
+    durable: Vec<u8>,
+    /// Un-synced writes in issue order.
+    pending: Vec<(u64, Vec<u8>)>,
+    faults: Faults,
+    reads: u64,
+    writes: u64,
+    syncs: u64,
+    crashed: bool,
+    rng: SimRng,
+}
+
+#[derive(Debug)]
+pub struct SimDisk {
+    state: Mutex<State>,
+    size_bytes: u64,
+}
+
+fn power_lost() -> io::Error {
+    io::Error::new(io::ErrorKind::Other, "simulated power loss")
+}
+
+impl SimDisk {
+    pub fn new(size_bytes: u64, seed: u64) -> SimDisk {
+        SimDisk::from_image(vec![0; size_bytes as usize], seed)
+    }
+
+    pub fn from_image(image: Vec<u8>, seed: u64) -> SimDisk {
+        let size_bytes = image.len() as u64;
+        SimDisk {
+            state: Mutex::new(State {
+                current: image.clone(),
+                durable: image,
+                pending: Vec::new(),
+                faults: Faults::default(),
+                reads: 0,
+                writes: 0,
+                syncs: 0,
+                crashed: false,
+                rng: SimRng::new(seed),
+            }),
+            size_bytes,
+        }
+    }
+
+    pub fn set_faults(&self, faults: Faults) {
+        let mut s = self.state.lock();
+        s.reads = 0;
+        s.writes = 0;
+        s.syncs = 0;
+        s.faults = faults;
+    }
+
+    pub fn writes(&self) -> u64 {
+        self.state.lock().writes
+    }
+
+    pub fn crashed(&self) -> bool {
+        self.state.lock().crashed
+    }
+
+    /// Flips one bit in both the durable image and the current view.
+    pub fn flip_bit(&self, offset_bytes: u64, bit: u8) {
+        let mut s = self.state.lock();
+        s.durable[offset_bytes as usize] ^= 1 << bit;
+        s.current[offset_bytes as usize] ^= 1 << bit;
+    }
+
+    /// The current view (what a clean shutdown would leave, once synced).
+    pub fn image(&self) -> Vec<u8> {
+        self.state.lock().current.clone()
+    }
+
+    /// What the disk holds after a power loss now: the durable image plus a random subset of
+    /// the un-synced writes, each lost, kept whole, or torn at sector granularity.
+    pub fn crash_image(&self) -> Vec<u8> {
+        let mut s = self.state.lock();
+        let mut image = s.durable.clone();
+        let pending = std::mem::take(&mut s.pending);
+        for (offset, data) in &pending {
+            match s.rng.below(4) {
+                0 | 1 => {}
+                2 => image[*offset as usize..*offset as usize + data.len()].copy_from_slice(data),
+                _ => {
+                    for (i, sector) in data.chunks(SECTOR_SIZE).enumerate() {
+                        if s.rng.below(2) == 0 {
+                            let at = *offset as usize + i * SECTOR_SIZE;
+                            image[at..at + sector.len()].copy_from_slice(sector);
+                        }
+                    }
+                }
+            }
+        }
+        s.pending = pending;
+        image
+    }
+}
+
+impl Backing for SimDisk {
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        assert_aligned(offset, buf.len(), self.size_bytes);
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(power_lost());
+        }
+        s.reads += 1;
+        if s.faults.fail_read_at == Some(s.reads) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        buf.copy_from_slice(&s.current[offset as usize..offset as usize + buf.len()]);
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        assert_aligned(offset, data.len(), self.size_bytes);
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(power_lost());
+        }
+        s.writes += 1;
+        let n = s.writes;
+        if s.faults.fail_write_at == Some(n) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        if s.faults.enospc_from_write.is_some_and(|from| n >= from) {
+            return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        if s.faults.crash_at_write == Some(n) {
+            // The write in flight at the moment of power loss: some of its sectors made it.
+            s.crashed = true;
+            let mut torn = Vec::new();
+            for (i, sector) in data.chunks(SECTOR_SIZE).enumerate() {
+                if s.rng.below(2) == 0 {
+                    torn.push((offset + (i * SECTOR_SIZE) as u64, sector.to_vec()));
+                }
+            }
+            s.pending.extend(torn);
+            return Err(power_lost());
+        }
+        s.current[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+        s.pending.push((offset, data.to_vec()));
+        Ok(())
+    }
+
+    fn sync(&self) -> io::Result<()> {
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(power_lost());
+        }
+        s.syncs += 1;
+        if s.faults.fail_sync_at == Some(s.syncs) {
+            // A failed fsync may have written some, all or none of the cache: leave it pending.
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        let pending = std::mem::take(&mut s.pending);
+        for (offset, data) in pending {
+            s.durable[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+        }
+        Ok(())
+    }
+
+    fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        assert_aligned(offset, len as usize, self.size_bytes);
+        let zeros = vec![0u8; len as usize];
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(power_lost());
+        }
+        s.current[offset as usize..(offset + len) as usize].copy_from_slice(&zeros);
+        s.pending.push((offset, zeros));
+        Ok(())
+    }
+}
