@@ -11,9 +11,13 @@ use crate::BLOCK_SIZE;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Codec {
     Lz4,
-    Zstd { level: i32 },
+    Zstd {
+        level: i32,
+    },
     /// Raw DEFLATE through libdeflate: the drive's GZIP-like engine.
-    Deflate { level: i32 },
+    Deflate {
+        level: i32,
+    },
 }
 
 /// How a fragment is stored on disk; the tag is 3 bits in the map and a byte in records.
@@ -33,7 +37,10 @@ impl CodecTag {
             1 => Ok(CodecTag::Lz4),
             2 => Ok(CodecTag::Zstd),
             3 => Ok(CodecTag::Deflate),
-            other => Err(Error::new(ErrorKind::Corrupt, format!("unknown codec tag {other}"))),
+            other => Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("unknown codec tag {other}"),
+            )),
         }
     }
 }
@@ -119,17 +126,29 @@ pub fn decompress_block(tag: CodecTag, input: &[u8], block: &mut [u8]) -> Result
                 false
             }
         }
-        CodecTag::Lz4 => matches!(lz4_flex::block::decompress_into(input, block), Ok(BLOCK_SIZE)),
-        CodecTag::Zstd => matches!(zstd::bulk::decompress_to_buffer(input, block), Ok(BLOCK_SIZE)),
+        CodecTag::Lz4 => matches!(
+            lz4_flex::block::decompress_into(input, block),
+            Ok(BLOCK_SIZE)
+        ),
+        CodecTag::Zstd => matches!(
+            zstd::bulk::decompress_to_buffer(input, block),
+            Ok(BLOCK_SIZE)
+        ),
         CodecTag::Deflate => {
             let mut decompressor = libdeflater::Decompressor::new();
-            matches!(decompressor.deflate_decompress(input, block), Ok(BLOCK_SIZE))
+            matches!(
+                decompressor.deflate_decompress(input, block),
+                Ok(BLOCK_SIZE)
+            )
         }
     };
     if ok {
         Ok(())
     } else {
-        Err(Error::new(ErrorKind::Checksum, format!("{tag:?} fragment of {} bytes does not decode", input.len())))
+        Err(Error::new(
+            ErrorKind::Checksum,
+            format!("{tag:?} fragment of {} bytes does not decode", input.len()),
+        ))
     }
 }
 
@@ -150,7 +169,9 @@ impl FromStr for Codec {
     fn from_str(s: &str) -> std::result::Result<Codec, String> {
         let (name, level) = match s.split_once(':') {
             Some((name, level)) => {
-                let level: i32 = level.parse().map_err(|_| format!("bad codec level in {s:?}"))?;
+                let level: i32 = level
+                    .parse()
+                    .map_err(|_| format!("bad codec level in {s:?}"))?;
                 (name, Some(level))
             }
             None => (s, None),
@@ -174,7 +195,9 @@ impl FromStr for Codec {
                     Err(format!("deflate level must be 1..=12, got {level}"))
                 }
             }
-            _ => Err(format!("unknown codec {s:?} (expected lz4, zstd[:L] or deflate[:L])")),
+            _ => Err(format!(
+                "unknown codec {s:?} (expected lz4, zstd[:L] or deflate[:L])"
+            )),
         }
     }
 }

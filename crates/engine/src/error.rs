@@ -44,7 +44,11 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, context: impl Into<String>) -> Error {
-        Error { kind, context: context.into(), source: None }
+        Error {
+            kind,
+            context: context.into(),
+            source: None,
+        }
     }
 
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Error {
@@ -53,7 +57,11 @@ impl Error {
         } else {
             ErrorKind::Io
         };
-        Error { kind, context: context.into(), source: Some(source) }
+        Error {
+            kind,
+            context: context.into(),
+            source: Some(source),
+        }
     }
 
     pub fn kind(&self) -> ErrorKind {

@@ -107,6 +107,11 @@ impl SimDisk {
         self.state.lock().writes
     }
 
+    /// Cuts the power now: every later operation fails, nothing more reaches the disk.
+    pub fn power_off(&self) {
+        self.state.lock().crashed = true;
+    }
+
     pub fn crashed(&self) -> bool {
         self.state.lock().crashed
     }

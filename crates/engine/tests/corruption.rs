@@ -1,0 +1,257 @@
+//! Corruption and backing faults: bit flips in data, a record header, one checkpoint copy
+//! and one superblock copy are detected and the store opens from what survives; ENOSPC and
+//! EIO from the backing are reported, and a failed sync leaves the store read-only.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use zdisk_engine::sim::{Faults, SimDisk};
+use zdisk_engine::{Codec, ErrorKind, Store};
+
+const DATA_START: usize = 1 << 20;
+const SLOT: usize = 16 << 10;
+const RECORD_MAGIC: [u8; 4] = 0x4345_525Au32.to_le_bytes();
+
+fn data(len: usize, tag: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            if (i / 16) % 2 == 0 {
+                tag
+            } else {
+                (i as u8).wrapping_mul(13) ^ tag
+            }
+        })
+        .collect()
+}
+
+fn fresh() -> Arc<SimDisk> {
+    new_disk(32, 64 << 10, 1 << 20, Codec::Lz4, 3)
+}
+
+fn reopen(disk: &SimDisk) -> (Arc<SimDisk>, Store) {
+    let disk = Arc::new(SimDisk::from_image(disk.image(), 5));
+    let store = Store::open_backing(disk.clone(), &test_options()).expect("reopen");
+    (disk, store)
+}
+
+/// Sector-aligned offsets of record headers in segment 0.
+fn record_offsets(image: &[u8]) -> Vec<usize> {
+    (DATA_START..DATA_START + (64 << 10))
+        .step_by(4096)
+        .filter(|&at| image[at..at + 4] == RECORD_MAGIC)
+        .collect()
+}
+
+#[test]
+fn a_flipped_data_bit_fails_that_read_only_and_is_counted() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(8 * 4096, 1), true).unwrap();
+    store.close().unwrap();
+    // The first record starts the data area: header (56 + 8*3 + 4 bytes), then fragments,
+    // each a 4-byte CRC and the compressed block. Flip a bit inside the first fragment.
+    disk.flip_bit((DATA_START + 56 + 24 + 4 + 8) as u64, 3);
+    let (_disk, store) = reopen(&disk);
+    let mut block = vec![0u8; 4096];
+    let err = store.read(0, &mut block).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Checksum, "{err}");
+    assert_eq!(store.stats().checksum_errors, 1);
+    store.read(4096, &mut block).unwrap();
+    assert!(block == data(8 * 4096, 1)[4096..8192]);
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(
+        report.problems.iter().any(|p| p.starts_with("block 0 ")),
+        "{:?}",
+        report.problems
+    );
+}
+
+#[test]
+fn a_damaged_record_header_in_the_replay_window_stops_replay_there() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(4 * 4096, 1), true).unwrap();
+    store.write(8 * 4096, &data(4 * 4096, 2), true).unwrap();
+    drop(store.flush());
+    disk.power_off();
+    drop(store);
+    let image = disk.crash_image();
+    let records = record_offsets(&image);
+    assert!(records.len() >= 2, "{records:?}");
+    let disk = Arc::new(SimDisk::from_image(image, 1));
+    disk.flip_bit(records[1] as u64 + 20, 0);
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    let image = read_all(&store);
+    assert!(
+        image[..4 * 4096] == data(4 * 4096, 1)[..],
+        "data before the damage survives"
+    );
+    assert!(
+        image[8 * 4096..12 * 4096].iter().all(|&b| b == 0),
+        "the damaged record's blocks keep their old value"
+    );
+}
+
+#[test]
+fn a_damaged_record_header_under_a_checkpoint_is_reported_and_its_segment_kept() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    // Incompressible data fills segment 0 and more, so the checkpoint lands elsewhere.
+    let mut rng = rng(9);
+    let bytes = block_data(&mut rng, 40 * 4096, 100);
+    store.write(0, &bytes, true).unwrap();
+    store.close().unwrap();
+    disk.flip_bit(DATA_START as u64 + 20, 0);
+    let (_disk, store) = reopen(&disk);
+    let image = read_all(&store);
+    assert!(
+        image[..40 * 4096] == bytes[..],
+        "the checkpointed map still finds the data"
+    );
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(
+        report.problems.iter().any(|p| p.contains("segment 0")),
+        "{:?}",
+        report.problems
+    );
+    // GC cannot parse segment 0, so it must not free it: its data stays readable.
+    store.trim(0, 4096, false).unwrap();
+    let cleaned = store.collect_garbage(8).unwrap();
+    assert!(cleaned >= 1, "GC should have tried segment 0");
+    store.checkpoint().unwrap();
+    store.checkpoint().unwrap();
+    let image = read_all(&store);
+    assert!(image[4096..40 * 4096] == bytes[4096..]);
+}
+
+fn two_checkpoints() -> (Arc<SimDisk>, Vec<u8>) {
+    let disk = fresh();
+    let mut expected = vec![0u8; 1 << 20];
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(16 * 4096, 1), false).unwrap();
+    expected[..16 * 4096].copy_from_slice(&data(16 * 4096, 1));
+    store.checkpoint().unwrap();
+    store.write(32 * 4096, &data(16 * 4096, 2), false).unwrap();
+    expected[32 * 4096..48 * 4096].copy_from_slice(&data(16 * 4096, 2));
+    store.close().unwrap();
+    (disk, expected)
+}
+
+/// The slot holding the newest checkpoint, and its first chunk's offset.
+fn newest_slot(image: &[u8]) -> (usize, u64) {
+    let generation = |slot: usize| {
+        u64::from_le_bytes(
+            image[slot * SLOT + 32..slot * SLOT + 40]
+                .try_into()
+                .unwrap(),
+        )
+    };
+    let slot = if generation(0) > generation(1) { 0 } else { 1 };
+    let chunk = u64::from_le_bytes(
+        image[slot * SLOT + 120..slot * SLOT + 128]
+            .try_into()
+            .unwrap(),
+    );
+    (slot, chunk)
+}
+
+#[test]
+fn a_damaged_newest_checkpoint_falls_back_to_the_previous_one() {
+    let (disk, expected) = two_checkpoints();
+    let (_, chunk) = newest_slot(&disk.image());
+    disk.flip_bit(chunk + 3, 1);
+    let (_disk, store) = reopen(&disk);
+    assert!(read_all(&store) == expected);
+}
+
+#[test]
+fn a_damaged_superblock_copy_falls_back_to_the_other() {
+    for newest in [true, false] {
+        let (disk, expected) = two_checkpoints();
+        let (slot, _) = newest_slot(&disk.image());
+        let damaged = if newest { slot } else { 1 - slot };
+        disk.flip_bit((damaged * SLOT + 50) as u64, 2);
+        let (_disk, store) = reopen(&disk);
+        assert!(
+            read_all(&store) == expected,
+            "damaged the {} slot",
+            if newest { "newest" } else { "older" }
+        );
+    }
+}
+
+#[test]
+fn both_superblocks_damaged_is_a_clear_error() {
+    let (disk, _) = two_checkpoints();
+    disk.flip_bit(50, 2);
+    disk.flip_bit(SLOT as u64 + 50, 2);
+    let disk = Arc::new(SimDisk::from_image(disk.image(), 1));
+    let err = Store::open_backing(disk, &test_options()).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+}
+
+#[test]
+fn enospc_from_the_backing_fails_the_flush_and_keeps_durable_data() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(4096, 1), true).unwrap();
+    disk.set_faults(Faults {
+        enospc_from_write: Some(1),
+        ..Faults::default()
+    });
+    store.write(4096, &data(4096, 2), false).unwrap();
+    let err = store.flush().unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+    assert_eq!(
+        store.write(8192, &data(4096, 3), false).unwrap_err().kind(),
+        ErrorKind::ReadOnly
+    );
+    assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
+    let mut block = vec![0u8; 4096];
+    store.read(0, &mut block).unwrap();
+    assert!(block == data(4096, 1));
+    disk.power_off();
+    drop(store);
+    let disk = Arc::new(SimDisk::from_image(disk.crash_image(), 2));
+    let store = Store::open_backing(disk, &test_options()).unwrap();
+    store.read(0, &mut block).unwrap();
+    assert!(block == data(4096, 1));
+}
+
+#[test]
+fn a_failed_sync_makes_the_store_read_only_until_reopened() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(4096, 1), false).unwrap();
+    disk.set_faults(Faults {
+        fail_sync_at: Some(1),
+        ..Faults::default()
+    });
+    assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::Io);
+    // A later flush must not claim durability the failed one lost.
+    assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
+    assert_eq!(
+        store.write(0, &data(4096, 2), true).unwrap_err().kind(),
+        ErrorKind::ReadOnly
+    );
+}
+
+#[test]
+fn a_failed_backing_read_is_an_io_error_and_the_store_keeps_serving() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(4096, 1), true).unwrap();
+    store.close().unwrap();
+    let (disk, store) = reopen(&disk);
+    disk.set_faults(Faults {
+        fail_read_at: Some(1),
+        ..Faults::default()
+    });
+    let mut block = vec![0u8; 4096];
+    assert_eq!(store.read(0, &mut block).unwrap_err().kind(), ErrorKind::Io);
+    store.read(0, &mut block).unwrap();
+    assert!(block == data(4096, 1));
+    assert_eq!(store.stats().checksum_errors, 0);
+}
