@@ -26,16 +26,9 @@ pub trait Backing: Send + Sync {
 }
 
 pub fn assert_aligned(offset: u64, len: usize, size_bytes: u64) {
-    debug_assert_eq!(
-        offset % SECTOR_SIZE as u64,
-        0,
-        "unaligned backing offset {offset}"
-    );
+    debug_assert_eq!(offset % SECTOR_SIZE as u64, 0, "unaligned backing offset {offset}");
     debug_assert_eq!(len % SECTOR_SIZE, 0, "unaligned backing length {len}");
-    debug_assert!(
-        offset + len as u64 <= size_bytes,
-        "backing I/O past the end"
-    );
+    debug_assert!(offset + len as u64 <= size_bytes, "backing I/O past the end");
 }
 
 type AlignedBuf = AVec<u8, ConstAlign<4096>>;
@@ -68,47 +61,30 @@ impl FileBacking {
         };
         let (file, direct) = match open(direct) {
             Ok(file) => (file, direct),
-            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => (
-                open(false).map_err(|e| Error::io(format!("open {}", path.display()), e))?,
-                false,
-            ),
+            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                (open(false).map_err(|e| Error::io(format!("open {}", path.display()), e))?, false)
+            }
             Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
         };
-        let locked = if exclusive {
-            file.try_lock()
-        } else {
-            file.try_lock_shared()
-        };
+        let locked = if exclusive { file.try_lock() } else { file.try_lock_shared() };
         if let Err(e) = locked {
             return Err(match e {
                 std::fs::TryLockError::WouldBlock => Error::new(
                     ErrorKind::Locked,
-                    format!(
-                        "{} is open in another process (is it being served?)",
-                        path.display()
-                    ),
+                    format!("{} is open in another process (is it being served?)", path.display()),
                 ),
                 std::fs::TryLockError::Error(e) => Error::io(format!("lock {}", path.display()), e),
             });
         }
-        let metadata = file
-            .metadata()
-            .map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+        let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
         let block_device = metadata.file_type().is_block_device();
         let size_bytes = if block_device {
             use std::io::{Seek, SeekFrom};
-            (&file)
-                .seek(SeekFrom::End(0))
-                .map_err(|e| Error::io(format!("size of {}", path.display()), e))?
+            (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io(format!("size of {}", path.display()), e))?
         } else {
             metadata.len()
         };
-        Ok(FileBacking {
-            file,
-            size_bytes,
-            direct,
-            block_device,
-        })
+        Ok(FileBacking { file, size_bytes, direct, block_device })
     }
 
     pub fn is_direct(&self) -> bool {
@@ -171,12 +147,7 @@ impl Backing for FileBacking {
             Ok(())
         } else {
             use rustix::fs::{fallocate, FallocateFlags};
-            match fallocate(
-                &self.file,
-                FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                offset,
-                len,
-            ) {
+            match fallocate(&self.file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len) {
                 Ok(()) => Ok(()),
                 // File systems without hole punching: discard is advisory, keep going.
                 Err(e) if e == rustix::io::Errno::OPNOTSUPP => Ok(()),

@@ -37,10 +37,7 @@ impl CodecTag {
             1 => Ok(CodecTag::Lz4),
             2 => Ok(CodecTag::Zstd),
             3 => Ok(CodecTag::Deflate),
-            other => Err(Error::new(
-                ErrorKind::Corrupt,
-                format!("unknown codec tag {other}"),
-            )),
+            other => Err(Error::new(ErrorKind::Corrupt, format!("unknown codec tag {other}"))),
         }
     }
 }
@@ -92,8 +89,8 @@ impl Codec {
                 zstd::bulk::compress_to_buffer(block, out, level).ok()
             }
             Codec::Deflate { level } => {
-                let level = libdeflater::CompressionLvl::new(level)
-                    .unwrap_or_else(|_| libdeflater::CompressionLvl::default());
+                let level =
+                    libdeflater::CompressionLvl::new(level).unwrap_or_else(|_| libdeflater::CompressionLvl::default());
                 let mut compressor = libdeflater::Compressor::new(level);
                 out.resize(compressor.deflate_compress_bound(BLOCK_SIZE), 0);
                 compressor.deflate_compress(block, out).ok()
@@ -126,29 +123,17 @@ pub fn decompress_block(tag: CodecTag, input: &[u8], block: &mut [u8]) -> Result
                 false
             }
         }
-        CodecTag::Lz4 => matches!(
-            lz4_flex::block::decompress_into(input, block),
-            Ok(BLOCK_SIZE)
-        ),
-        CodecTag::Zstd => matches!(
-            zstd::bulk::decompress_to_buffer(input, block),
-            Ok(BLOCK_SIZE)
-        ),
+        CodecTag::Lz4 => matches!(lz4_flex::block::decompress_into(input, block), Ok(BLOCK_SIZE)),
+        CodecTag::Zstd => matches!(zstd::bulk::decompress_to_buffer(input, block), Ok(BLOCK_SIZE)),
         CodecTag::Deflate => {
             let mut decompressor = libdeflater::Decompressor::new();
-            matches!(
-                decompressor.deflate_decompress(input, block),
-                Ok(BLOCK_SIZE)
-            )
+            matches!(decompressor.deflate_decompress(input, block), Ok(BLOCK_SIZE))
         }
     };
     if ok {
         Ok(())
     } else {
-        Err(Error::new(
-            ErrorKind::Checksum,
-            format!("{tag:?} fragment of {} bytes does not decode", input.len()),
-        ))
+        Err(Error::new(ErrorKind::Checksum, format!("{tag:?} fragment of {} bytes does not decode", input.len())))
     }
 }
 
@@ -169,9 +154,7 @@ impl FromStr for Codec {
     fn from_str(s: &str) -> std::result::Result<Codec, String> {
         let (name, level) = match s.split_once(':') {
             Some((name, level)) => {
-                let level: i32 = level
-                    .parse()
-                    .map_err(|_| format!("bad codec level in {s:?}"))?;
+                let level: i32 = level.parse().map_err(|_| format!("bad codec level in {s:?}"))?;
                 (name, Some(level))
             }
             None => (s, None),
@@ -195,9 +178,7 @@ impl FromStr for Codec {
                     Err(format!("deflate level must be 1..=12, got {level}"))
                 }
             }
-            _ => Err(format!(
-                "unknown codec {s:?} (expected lz4, zstd[:L] or deflate[:L])"
-            )),
+            _ => Err(format!("unknown codec {s:?} (expected lz4, zstd[:L] or deflate[:L])")),
         }
     }
 }

@@ -44,24 +44,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn new(kind: ErrorKind, context: impl Into<String>) -> Error {
-        Error {
-            kind,
-            context: context.into(),
-            source: None,
-        }
+        Error { kind, context: context.into(), source: None }
     }
 
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Error {
-        let kind = if source.raw_os_error() == Some(libc::ENOSPC) {
-            ErrorKind::NoSpace
-        } else {
-            ErrorKind::Io
-        };
-        Error {
-            kind,
-            context: context.into(),
-            source: Some(source),
-        }
+        let kind = if source.raw_os_error() == Some(libc::ENOSPC) { ErrorKind::NoSpace } else { ErrorKind::Io };
+        Error { kind, context: context.into(), source: Some(source) }
     }
 
     pub fn kind(&self) -> ErrorKind {

@@ -16,8 +16,7 @@ pub const SUPERBLOCK_SLOT_BYTES: usize = 16 << 10;
 pub const DATA_START_BYTES: u64 = 1 << 20;
 const SUPERBLOCK_FIXED_BYTES: usize = 120;
 const CHUNK_REF_BYTES: usize = 16;
-pub const CHUNK_REFS_MAX: usize =
-    (SUPERBLOCK_SLOT_BYTES - SUPERBLOCK_FIXED_BYTES - 4) / CHUNK_REF_BYTES;
+pub const CHUNK_REFS_MAX: usize = (SUPERBLOCK_SLOT_BYTES - SUPERBLOCK_FIXED_BYTES - 4) / CHUNK_REF_BYTES;
 
 /// Where one piece of a checkpoint lives: the payload of a `Checkpoint` record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,10 +80,7 @@ impl<'a> Reader<'a> {
     }
     pub fn bytes(&mut self, n: usize) -> Result<&'a [u8]> {
         if self.buf.len() - self.pos < n {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                format!("{} is truncated", self.what),
-            ));
+            return Err(Error::new(ErrorKind::Corrupt, format!("{} is truncated", self.what)));
         }
         let out = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -94,19 +90,13 @@ impl<'a> Reader<'a> {
         Ok(self.bytes(1)?[0])
     }
     pub fn u16(&mut self) -> Result<u16> {
-        Ok(u16::from_le_bytes(
-            self.bytes(2)?.try_into().expect("2 bytes"),
-        ))
+        Ok(u16::from_le_bytes(self.bytes(2)?.try_into().expect("2 bytes")))
     }
     pub fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(
-            self.bytes(4)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().expect("4 bytes")))
     }
     pub fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.bytes(8)?.try_into().expect("8 bytes"),
-        ))
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8 bytes")))
     }
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
@@ -119,10 +109,7 @@ fn corrupt(what: impl Into<String>) -> Error {
 
 impl Superblock {
     pub fn encode(&self) -> Vec<u8> {
-        assert!(
-            self.checkpoint_chunks.len() <= CHUNK_REFS_MAX,
-            "too many checkpoint chunks"
-        );
+        assert!(self.checkpoint_chunks.len() <= CHUNK_REFS_MAX, "too many checkpoint chunks");
         let mut buf = Vec::with_capacity(SUPERBLOCK_SLOT_BYTES);
         buf.extend_from_slice(&SUPERBLOCK_MAGIC);
         let mut w = Writer { buf: &mut buf };
@@ -160,17 +147,10 @@ impl Superblock {
     /// anything else wrong is `Corrupt`.
     pub fn decode(slot: &[u8]) -> Result<Superblock> {
         if slot.len() < SUPERBLOCK_SLOT_BYTES || slot[..8] != SUPERBLOCK_MAGIC {
-            return Err(Error::new(
-                ErrorKind::NotAStore,
-                "no zdisk superblock magic",
-            ));
+            return Err(Error::new(ErrorKind::NotAStore, "no zdisk superblock magic"));
         }
         let slot = &slot[..SUPERBLOCK_SLOT_BYTES];
-        let stored_crc = u32::from_le_bytes(
-            slot[SUPERBLOCK_SLOT_BYTES - 4..]
-                .try_into()
-                .expect("4 bytes"),
-        );
+        let stored_crc = u32::from_le_bytes(slot[SUPERBLOCK_SLOT_BYTES - 4..].try_into().expect("4 bytes"));
         if crc32c::crc32c(&slot[..SUPERBLOCK_SLOT_BYTES - 4]) != stored_crc {
             return Err(corrupt("superblock checksum mismatch"));
         }
@@ -203,23 +183,14 @@ impl Superblock {
         let chunk_count = r.u32()? as usize;
         r.bytes(16)?;
         if chunk_count > CHUNK_REFS_MAX {
-            return Err(corrupt(format!(
-                "superblock lists {chunk_count} checkpoint chunks"
-            )));
+            return Err(corrupt(format!("superblock lists {chunk_count} checkpoint chunks")));
         }
         let mut checkpoint_chunks = Vec::with_capacity(chunk_count);
         for _ in 0..chunk_count {
-            checkpoint_chunks.push(ChunkRef {
-                offset_bytes: r.u64()?,
-                length_bytes: r.u32()?,
-                crc: r.u32()?,
-            });
+            checkpoint_chunks.push(ChunkRef { offset_bytes: r.u64()?, length_bytes: r.u32()?, crc: r.u32()? });
         }
         if feature_flags != 0 {
-            return Err(Error::new(
-                ErrorKind::NewerVersion,
-                format!("unknown feature flags {feature_flags:#x}"),
-            ));
+            return Err(Error::new(ErrorKind::NewerVersion, format!("unknown feature flags {feature_flags:#x}")));
         }
         CodecTag::from_u8(codec_tag)?;
         if segment_size_bytes == 0
@@ -307,21 +278,10 @@ pub struct RelocateEntry {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody {
-    Write {
-        start_lba: u64,
-        fragments: Vec<FragmentEntry>,
-    },
-    Trim {
-        start_lba: u64,
-        block_count: u64,
-    },
-    Zero {
-        start_lba: u64,
-        block_count: u64,
-    },
-    Relocate {
-        entries: Vec<RelocateEntry>,
-    },
+    Write { start_lba: u64, fragments: Vec<FragmentEntry> },
+    Trim { start_lba: u64, block_count: u64 },
+    Zero { start_lba: u64, block_count: u64 },
+    Relocate { entries: Vec<RelocateEntry> },
     Checkpoint,
 }
 
@@ -376,18 +336,10 @@ impl RecordHeader {
         w.u32(self.payload_len);
         w.u32(self.payload_crc);
         let (lba, count, entries) = match &self.body {
-            RecordBody::Write {
-                start_lba,
-                fragments,
-            } => (*start_lba, fragments.len() as u64, fragments.len()),
-            RecordBody::Trim {
-                start_lba,
-                block_count,
+            RecordBody::Write { start_lba, fragments } => (*start_lba, fragments.len() as u64, fragments.len()),
+            RecordBody::Trim { start_lba, block_count } | RecordBody::Zero { start_lba, block_count } => {
+                (*start_lba, *block_count, 0)
             }
-            | RecordBody::Zero {
-                start_lba,
-                block_count,
-            } => (*start_lba, *block_count, 0),
             RecordBody::Relocate { entries } => (0, entries.len() as u64, entries.len()),
             RecordBody::Checkpoint => (0, 0, 0),
         };
@@ -430,9 +382,7 @@ impl RecordHeader {
             return None;
         }
         let len = u32::from_le_bytes(buf[28..32].try_into().ok()?) as usize;
-        (RECORD_FIXED_BYTES + 4..=RECORD_FIXED_BYTES + 4 + (1 << 24))
-            .contains(&len)
-            .then_some(len)
+        (RECORD_FIXED_BYTES + 4..=RECORD_FIXED_BYTES + 4 + (1 << 24)).contains(&len).then_some(len)
     }
 
     /// Decodes a header; returns it and its CRC. `buf` must hold at least the header.
@@ -441,8 +391,7 @@ impl RecordHeader {
         if buf.len() < header_len {
             return Err(corrupt("record header is truncated"));
         }
-        let stored_crc =
-            u32::from_le_bytes(buf[header_len - 4..header_len].try_into().expect("4 bytes"));
+        let stored_crc = u32::from_le_bytes(buf[header_len - 4..header_len].try_into().expect("4 bytes"));
         let crc = crc32c::crc32c(&buf[..header_len - 4]);
         if crc != stored_crc {
             return Err(corrupt("record header checksum mismatch"));
@@ -473,10 +422,7 @@ impl RecordHeader {
                     let codec = CodecTag::from_u8(r.u8()?)?;
                     fragments.push(FragmentEntry { stored_len, codec });
                 }
-                RecordBody::Write {
-                    start_lba: lba,
-                    fragments,
-                }
+                RecordBody::Write { start_lba: lba, fragments }
             }
             RecordKind::Relocate => {
                 if entry_bytes as u64 != count * RELOCATE_ENTRY_BYTES as u64 {
@@ -488,49 +434,26 @@ impl RecordHeader {
                     let old_entry = r.u64()?;
                     let stored_len = r.u16()?;
                     let codec = CodecTag::from_u8(r.u8()?)?;
-                    entries.push(RelocateEntry {
-                        lba,
-                        old_entry,
-                        fragment: FragmentEntry { stored_len, codec },
-                    });
+                    entries.push(RelocateEntry { lba, old_entry, fragment: FragmentEntry { stored_len, codec } });
                 }
                 RecordBody::Relocate { entries }
             }
-            RecordKind::Trim => RecordBody::Trim {
-                start_lba: lba,
-                block_count: count,
-            },
-            RecordKind::Zero => RecordBody::Zero {
-                start_lba: lba,
-                block_count: count,
-            },
+            RecordKind::Trim => RecordBody::Trim { start_lba: lba, block_count: count },
+            RecordKind::Zero => RecordBody::Zero { start_lba: lba, block_count: count },
             RecordKind::Checkpoint => RecordBody::Checkpoint,
         };
         if !matches!(kind, RecordKind::Write | RecordKind::Relocate) && entry_bytes != 0 {
             return Err(corrupt("record has entries it should not"));
         }
         let fragment_sum: u64 = match &body {
-            RecordBody::Write { fragments, .. } => {
-                fragments.iter().map(|f| f.stored_len as u64).sum()
-            }
-            RecordBody::Relocate { entries } => {
-                entries.iter().map(|e| e.fragment.stored_len as u64).sum()
-            }
+            RecordBody::Write { fragments, .. } => fragments.iter().map(|f| f.stored_len as u64).sum(),
+            RecordBody::Relocate { entries } => entries.iter().map(|e| e.fragment.stored_len as u64).sum(),
             _ => payload_len as u64,
         };
         if fragment_sum != payload_len as u64 {
             return Err(corrupt("record payload length disagrees with its entries"));
         }
-        let header = RecordHeader {
-            flags,
-            seq,
-            prev_crc,
-            session,
-            store_tag,
-            payload_len,
-            payload_crc,
-            body,
-        };
+        let header = RecordHeader { flags, seq, prev_crc, session, store_tag, payload_len, payload_crc, body };
         Ok((header, crc))
     }
 }
@@ -659,22 +582,13 @@ impl Checkpoint {
             if i > 0 && delta == 0 {
                 return Err(corrupt("checkpoint map LBAs not ascending"));
             }
-            lba = lba
-                .checked_add(delta)
-                .ok_or_else(|| corrupt("checkpoint map LBA overflow"))?;
+            lba = lba.checked_add(delta).ok_or_else(|| corrupt("checkpoint map LBA overflow"))?;
             map.push((lba, r.u64()?));
         }
         if r.remaining() != 0 {
             return Err(corrupt("checkpoint has trailing bytes"));
         }
-        Ok(Checkpoint {
-            seq,
-            generation,
-            logical_size_bytes,
-            counters,
-            segments,
-            map,
-        })
+        Ok(Checkpoint { seq, generation, logical_size_bytes, counters, segments, map })
     }
 }
 
@@ -697,11 +611,7 @@ mod tests {
             checkpoint_seq: 42,
             replay_offset_bytes: 5 << 20,
             replay_prev_crc: 99,
-            checkpoint_chunks: vec![ChunkRef {
-                offset_bytes: 2 << 20,
-                length_bytes: 100,
-                crc: 5,
-            }],
+            checkpoint_chunks: vec![ChunkRef { offset_bytes: 2 << 20, length_bytes: 100, crc: 5 }],
         }
     }
 
@@ -724,14 +634,8 @@ mod tests {
             body: RecordBody::Write {
                 start_lba: 5,
                 fragments: vec![
-                    FragmentEntry {
-                        stored_len: 10,
-                        codec: CodecTag::Lz4,
-                    },
-                    FragmentEntry {
-                        stored_len: 0,
-                        codec: CodecTag::Raw,
-                    },
+                    FragmentEntry { stored_len: 10, codec: CodecTag::Lz4 },
+                    FragmentEntry { stored_len: 0, codec: CodecTag::Raw },
                 ],
             },
         };

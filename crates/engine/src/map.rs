@@ -36,10 +36,7 @@ pub enum Entry {
 pub fn pack_stored(s: Stored) -> u64 {
     debug_assert!(s.offset_bytes <= OFFSET_MAX);
     debug_assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
-    KIND_STORED
-        | (s.codec as u64) << 2
-        | (s.stored_len as u64) << 5
-        | s.offset_bytes << OFFSET_SHIFT
+    KIND_STORED | (s.codec as u64) << 2 | (s.stored_len as u64) << 5 | s.offset_bytes << OFFSET_SHIFT
 }
 
 pub fn unpack(raw: u64) -> Result<Entry> {
@@ -49,10 +46,7 @@ pub fn unpack(raw: u64) -> Result<Entry> {
         2 => {
             let stored_len = ((raw >> 5) & ((1 << LEN_BITS) - 1)) as u16;
             if stored_len == 0 {
-                return Err(crate::Error::new(
-                    crate::ErrorKind::Corrupt,
-                    "map entry with zero length",
-                ));
+                return Err(crate::Error::new(crate::ErrorKind::Corrupt, "map entry with zero length"));
             }
             Ok(Entry::Stored(Stored {
                 offset_bytes: raw >> OFFSET_SHIFT,
@@ -60,10 +54,7 @@ pub fn unpack(raw: u64) -> Result<Entry> {
                 codec: CodecTag::from_u8(((raw >> 2) & 7) as u8)?,
             }))
         }
-        _ => Err(crate::Error::new(
-            crate::ErrorKind::Corrupt,
-            format!("bad map entry {raw:#x}"),
-        )),
+        _ => Err(crate::Error::new(crate::ErrorKind::Corrupt, format!("bad map entry {raw:#x}"))),
     }
 }
 
@@ -75,9 +66,7 @@ pub struct Map {
 
 impl Map {
     pub fn new(block_count: u64) -> Map {
-        Map {
-            entries: (0..block_count).map(|_| AtomicU64::new(UNMAPPED)).collect(),
-        }
+        Map { entries: (0..block_count).map(|_| AtomicU64::new(UNMAPPED)).collect() }
     }
 
     pub fn block_count(&self) -> u64 {
@@ -95,14 +84,11 @@ impl Map {
 
     /// Replaces `old` with `new` only if the entry still holds `old` (GC relocation).
     pub fn compare_swap(&self, lba: u64, old: u64, new: u64) -> bool {
-        self.entries[lba as usize]
-            .compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+        self.entries[lba as usize].compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     pub fn resize(&mut self, block_count: u64) {
-        self.entries
-            .resize_with(block_count as usize, || AtomicU64::new(UNMAPPED));
+        self.entries.resize_with(block_count as usize, || AtomicU64::new(UNMAPPED));
     }
 
     /// Every entry that is not unmapped, ascending.
@@ -124,11 +110,7 @@ mod tests {
 
     #[test]
     fn stored_entries_round_trip() {
-        let s = Stored {
-            offset_bytes: OFFSET_MAX,
-            stored_len: 4100,
-            codec: CodecTag::Deflate,
-        };
+        let s = Stored { offset_bytes: OFFSET_MAX, stored_len: 4100, codec: CodecTag::Deflate };
         assert_eq!(unpack(pack_stored(s)).unwrap(), Entry::Stored(s));
         assert_eq!(unpack(UNMAPPED).unwrap(), Entry::Unmapped);
         assert_eq!(unpack(ZERO).unwrap(), Entry::Zero);

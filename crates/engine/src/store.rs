@@ -28,10 +28,9 @@ use crate::backing::{Backing, FileBacking};
 use crate::codec::{decompress_block, Codec, CodecTag};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    Checkpoint, ChunkRef, FragmentEntry, RecordBody, RecordHeader, RelocateEntry, SegmentState,
-    SegmentUsage, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FLAG_FIRST, FLAG_LAST,
-    FORMAT_VERSION, FRAGMENT_CRC_BYTES, RECORD_FIXED_BYTES, RELOCATE_ENTRY_BYTES,
-    SUPERBLOCK_SLOT_BYTES, WRITE_ENTRY_BYTES,
+    Checkpoint, ChunkRef, FragmentEntry, RecordBody, RecordHeader, RelocateEntry, SegmentState, SegmentUsage,
+    Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, FRAGMENT_CRC_BYTES,
+    RECORD_FIXED_BYTES, RELOCATE_ENTRY_BYTES, SUPERBLOCK_SLOT_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::{self, Entry, Map, Stored};
 use crate::stats::{Counters, Stats};
@@ -144,7 +143,13 @@ enum Op {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SpaceClass {
     Host,
+    /// A host write that replaces more stored bytes than it adds: it frees space once GC
+    /// runs, so it may use one segment of the reserve that other host writes may not.
+    HostShrinking,
     HostMetadata,
+    /// GC relocations: may use the reserve but must leave room for the two checkpoints
+    /// that make cleaned segments reusable.
+    Gc,
     Internal,
 }
 
@@ -253,6 +258,8 @@ const BLOCK_LOCK_STRIPES: usize = 1024;
 const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
 /// A request is split into records of at most this many blocks, so headers stay small.
 const RECORD_BLOCKS_MAX: usize = 512;
+/// A write that finds no space runs at most this many rounds of GC before ENOSPC.
+const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
 
 fn round_up(value: u64, to: u64) -> u64 {
     value.div_ceil(to) * to
@@ -265,13 +272,8 @@ fn new_buffer(size: usize) -> AlignedBuf {
 }
 
 fn session_nonce(uuid: &[u8; 16]) -> u32 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let mut rng = crate::sim::SimRng::new(
-        nanos as u64 ^ (std::process::id() as u64) << 32 ^ store_tag(uuid) as u64,
-    );
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let mut rng = crate::sim::SimRng::new(nanos as u64 ^ (std::process::id() as u64) << 32 ^ store_tag(uuid) as u64);
     rng.next_u64() as u32 | 1
 }
 
@@ -281,28 +283,17 @@ fn store_tag(uuid: &[u8; 16]) -> u32 {
 
 fn read_superblocks(backing: &dyn Backing) -> Result<(Superblock, Option<Superblock>)> {
     if backing.size_bytes() < 2 * SUPERBLOCK_SLOT_BYTES as u64 {
-        return Err(Error::new(
-            ErrorKind::NotAStore,
-            "too small to hold a zdisk superblock",
-        ));
+        return Err(Error::new(ErrorKind::NotAStore, "too small to hold a zdisk superblock"));
     }
     let mut slots = vec![0u8; 2 * SUPERBLOCK_SLOT_BYTES];
-    backing
-        .read_at(0, &mut slots)
-        .map_err(|e| Error::io("read superblocks", e))?;
+    backing.read_at(0, &mut slots).map_err(|e| Error::io("read superblocks", e))?;
     pick_superblock(&slots, backing.size_bytes())
 }
 
 /// Chooses the newest valid superblock slot; also returns the other one if valid.
-fn pick_superblock(
-    slots: &[u8],
-    backing_size_bytes: u64,
-) -> Result<(Superblock, Option<Superblock>)> {
+fn pick_superblock(slots: &[u8], backing_size_bytes: u64) -> Result<(Superblock, Option<Superblock>)> {
     if slots.len() < 2 * SUPERBLOCK_SLOT_BYTES {
-        return Err(Error::new(
-            ErrorKind::NotAStore,
-            "too small to hold a zdisk superblock",
-        ));
+        return Err(Error::new(ErrorKind::NotAStore, "too small to hold a zdisk superblock"));
     }
     let decoded = [
         Superblock::decode(&slots[..SUPERBLOCK_SLOT_BYTES]),
@@ -323,10 +314,7 @@ fn pick_superblock(
                 return Err(Error::new(kind, e.to_string()));
             }
         }
-        return Err(Error::new(
-            ErrorKind::NotAStore,
-            "no valid zdisk superblock",
-        ));
+        return Err(Error::new(ErrorKind::NotAStore, "no valid zdisk superblock"));
     }
     valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
     let best = valid.remove(0);
@@ -334,19 +322,14 @@ fn pick_superblock(
     if best.physical_size_bytes > backing_size_bytes {
         return Err(Error::new(
             ErrorKind::Truncated,
-            format!(
-                "the superblock says {} bytes, the backing has {}",
-                best.physical_size_bytes, backing_size_bytes
-            ),
+            format!("the superblock says {} bytes, the backing has {}", best.physical_size_bytes, backing_size_bytes),
         ));
     }
     Ok((best, other))
 }
 
 fn info_from(sb: &Superblock) -> StoreInfo {
-    let codec = Codec::from_parts(sb.codec_tag, sb.codec_level)
-        .map(|c| c.to_string())
-        .unwrap_or_default();
+    let codec = Codec::from_parts(sb.codec_tag, sb.codec_level).map(|c| c.to_string()).unwrap_or_default();
     StoreInfo {
         uuid: uuid::Uuid::from_bytes(sb.uuid).to_string(),
         format_version: sb.format_version,
@@ -376,29 +359,20 @@ impl Store {
                 .create_new(true)
                 .open(path)
                 .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-            file.set_len(options.physical_size_bytes)
-                .map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+            file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
         }
         let backing = FileBacking::open(path, true, false, true)?;
-        let is_file = std::fs::metadata(path)
-            .map(|m| m.is_file())
-            .unwrap_or(false);
+        let is_file = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(false);
         if exists && !options.force {
             if let Ok(info) = Store::info_backing(&backing) {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
-                    format!(
-                        "{} already holds zdisk store {}; use --force to overwrite it",
-                        path.display(),
-                        info.uuid
-                    ),
+                    format!("{} already holds zdisk store {}; use --force to overwrite it", path.display(), info.uuid),
                 ));
             }
             if backing.size_bytes() > 0 {
                 let mut head = vec![0u8; SECTOR_SIZE];
-                backing
-                    .read_at(0, &mut head)
-                    .map_err(|e| Error::io("read", e))?;
+                backing.read_at(0, &mut head).map_err(|e| Error::io("read", e))?;
                 if head.iter().any(|&b| b != 0) {
                     return Err(Error::new(
                         ErrorKind::InvalidArgument,
@@ -413,8 +387,7 @@ impl Store {
                 .write(true)
                 .open(path)
                 .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-            file.set_len(options.physical_size_bytes)
-                .map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+            file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
             FileBacking::open(path, true, false, true)?
         } else {
             backing
@@ -425,20 +398,15 @@ impl Store {
     /// Formats an already opened backing store (its whole size).
     pub fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> Result<StoreInfo> {
         let physical_size_bytes = backing.size_bytes() / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
-        let segment_size_bytes = options
-            .segment_size_bytes
-            .unwrap_or_else(|| default_segment_size(physical_size_bytes));
-        if segment_size_bytes < 64 << 10
-            || segment_size_bytes % (64 << 10) != 0
-            || segment_size_bytes > 256 << 20
-        {
+        let segment_size_bytes =
+            options.segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
+        if segment_size_bytes < 64 << 10 || segment_size_bytes % (64 << 10) != 0 || segment_size_bytes > 256 << 20 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("segment size {segment_size_bytes} must be a multiple of 64 KiB between 64 KiB and 256 MiB"),
             ));
         }
-        let segment_count =
-            physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
+        let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
         if segment_count < 8 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -448,10 +416,7 @@ impl Store {
             ));
         }
         if physical_size_bytes > map::OFFSET_MAX {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                "physical size above 64 TiB",
-            ));
+            return Err(Error::new(ErrorKind::InvalidArgument, "physical size above 64 TiB"));
         }
         let logical = options.logical_size_bytes;
         if logical == 0 || logical % BLOCK_SIZE as u64 != 0 || logical > 1 << 46 {
@@ -479,33 +444,24 @@ impl Store {
         // Purge: old log records must not be mistaken for ours (they would not chain anyway,
         // but discarding also gives the space back to a thin backing).
         let data_bytes = segment_count * segment_size_bytes;
-        backing
-            .discard(DATA_START_BYTES, data_bytes)
-            .map_err(|e| Error::io("discard data area", e))?;
+        backing.discard(DATA_START_BYTES, data_bytes).map_err(|e| Error::io("discard data area", e))?;
         let mut slots = sb.encode();
         sb.generation = 0;
         slots.extend_from_slice(&sb.encode());
         slots.resize(DATA_START_BYTES as usize, 0);
-        backing
-            .write_at(0, &slots)
-            .map_err(|e| Error::io("write superblocks", e))?;
-        backing
-            .sync()
-            .map_err(|e| Error::io("sync superblocks", e))?;
+        backing.write_at(0, &slots).map_err(|e| Error::io("write superblocks", e))?;
+        backing.sync().map_err(|e| Error::io("sync superblocks", e))?;
         Ok(info_from(&sb))
     }
 
     /// Reads the superblock without locking or recovering (works while the store is served).
     pub fn info(path: &Path) -> Result<StoreInfo> {
         use std::io::{Read, Seek, SeekFrom};
-        let mut file = std::fs::File::open(path)
-            .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-        let size_bytes = file
-            .seek(SeekFrom::End(0))
-            .map_err(|e| Error::io(format!("size of {}", path.display()), e))?;
+        let mut file = std::fs::File::open(path).map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        let size_bytes =
+            file.seek(SeekFrom::End(0)).map_err(|e| Error::io(format!("size of {}", path.display()), e))?;
         let mut slots = Vec::with_capacity(2 * SUPERBLOCK_SLOT_BYTES);
-        file.seek(SeekFrom::Start(0))
-            .map_err(|e| Error::io(format!("seek {}", path.display()), e))?;
+        file.seek(SeekFrom::Start(0)).map_err(|e| Error::io(format!("seek {}", path.display()), e))?;
         (&mut file)
             .take(2 * SUPERBLOCK_SLOT_BYTES as u64)
             .read_to_end(&mut slots)
@@ -521,12 +477,7 @@ impl Store {
 
     /// Opens and recovers the store at `path` (locked against other processes).
     pub fn open(path: &Path, options: &OpenOptions) -> Result<Store> {
-        let backing = FileBacking::open(
-            path,
-            !options.read_only,
-            options.direct_io,
-            !options.read_only,
-        )?;
+        let backing = FileBacking::open(path, !options.read_only, options.direct_io, !options.read_only)?;
         Store::open_backing(Arc::new(backing), options)
     }
 
@@ -554,9 +505,7 @@ impl Store {
             physical_size_bytes: sb.physical_size_bytes,
             codec,
         };
-        let logical_size_bytes = checkpoint
-            .as_ref()
-            .map_or(sb.logical_size_bytes, |cp| cp.logical_size_bytes);
+        let logical_size_bytes = checkpoint.as_ref().map_or(sb.logical_size_bytes, |cp| cp.logical_size_bytes);
         let block_count = logical_size_bytes / BLOCK_SIZE as u64;
         let map = Map::new(block_count);
         let mut segments = vec![
@@ -572,18 +521,12 @@ impl Store {
         let counters;
         if let Some(cp) = &checkpoint {
             if cp.segments.len() != segments.len() {
-                return Err(Error::new(
-                    ErrorKind::Corrupt,
-                    "checkpoint segment table does not match the geometry",
-                ));
+                return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"));
             }
             segments.clone_from(&cp.segments);
             for &(lba, raw) in &cp.map {
                 if lba >= block_count {
-                    return Err(Error::new(
-                        ErrorKind::Corrupt,
-                        format!("checkpoint maps LBA {lba} past the end"),
-                    ));
+                    return Err(Error::new(ErrorKind::Corrupt, format!("checkpoint maps LBA {lba} past the end")));
                 }
                 map::unpack(raw)?;
                 map.swap(lba, raw);
@@ -612,11 +555,7 @@ impl Store {
             stored_blocks: 0,
             zero_blocks: 0,
             buffer_pool: Vec::new(),
-            checkpoint_bytes: sb
-                .checkpoint_chunks
-                .iter()
-                .map(|c| c.length_bytes as u64)
-                .sum(),
+            checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
             unparseable: Vec::new(),
         };
         let inner = Inner {
@@ -635,10 +574,7 @@ impl Store {
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             durable_seq: AtomicU64::new(0),
             block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
-            signal: Mutex::new(WorkerSignal {
-                stop: false,
-                kick: false,
-            }),
+            signal: Mutex::new(WorkerSignal { stop: false, kick: false }),
             signal_cv: Condvar::new(),
             gc_lock: Mutex::new(()),
         };
@@ -656,23 +592,14 @@ impl Store {
         inner.replay(&mut log, &sb)?;
         // Segments pinned by the retained checkpoints' chunks.
         log.pinned = vec![chunk_segments(&inner.geometry, &sb)];
-        if let Some(other) = read_superblocks(inner.backing.as_ref())
-            .ok()
-            .and_then(|(a, b)| {
-                [Some(a), b]
-                    .into_iter()
-                    .flatten()
-                    .find(|s| s.generation != sb.generation && s.generation < sb.generation)
-            })
-        {
+        if let Some(other) = read_superblocks(inner.backing.as_ref()).ok().and_then(|(a, b)| {
+            [Some(a), b].into_iter().flatten().find(|s| s.generation != sb.generation && s.generation < sb.generation)
+        }) {
             log.pinned.push(chunk_segments(&inner.geometry, &other));
         }
         for (id, s) in log.segments.iter_mut().enumerate() {
             if s.state == SegmentState::Cleaned && s.free_at_generation <= sb.generation {
-                *s = SegmentUsage {
-                    state: SegmentState::Free,
-                    ..*s
-                };
+                *s = SegmentUsage { state: SegmentState::Free, ..*s };
             }
             if s.state == SegmentState::Free {
                 s.live_bytes = 0;
@@ -694,21 +621,14 @@ impl Store {
         } else {
             None
         };
-        Ok(Store {
-            inner,
-            worker,
-            closed: false,
-        })
+        Ok(Store { inner, worker, closed: false })
     }
 
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
     /// new end. Persisted by a checkpoint before it returns.
     pub fn resize(&self, logical_size_bytes: u64) -> Result<()> {
         self.inner.check_writable()?;
-        if logical_size_bytes == 0
-            || logical_size_bytes % BLOCK_SIZE as u64 != 0
-            || logical_size_bytes > 1 << 46
-        {
+        if logical_size_bytes == 0 || logical_size_bytes % BLOCK_SIZE as u64 != 0 || logical_size_bytes > 1 << 46 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 64 TiB"),
@@ -718,9 +638,7 @@ impl Store {
             let _log = self.inner.log.lock();
             let mut map = self.inner.map.write();
             let new_blocks = logical_size_bytes / BLOCK_SIZE as u64;
-            let mapped_beyond = (new_blocks..map.block_count())
-                .filter(|&lba| map.get(lba) != map::UNMAPPED)
-                .count();
+            let mapped_beyond = (new_blocks..map.block_count()).filter(|&lba| map.get(lba) != map::UNMAPPED).count();
             if mapped_beyond > 0 {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
@@ -730,9 +648,7 @@ impl Store {
                 ));
             }
             map.resize(new_blocks);
-            self.inner
-                .logical_size_bytes
-                .store(logical_size_bytes, Ordering::Release);
+            self.inner.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
         }
         self.inner.checkpoint_now()
     }
@@ -884,39 +800,25 @@ fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<Option<Chec
     let mut compressed = Vec::new();
     for chunk in &sb.checkpoint_chunks {
         let start = chunk.offset_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
-        let end = round_up(
-            chunk.offset_bytes + chunk.length_bytes as u64,
-            SECTOR_SIZE as u64,
-        );
+        let end = round_up(chunk.offset_bytes + chunk.length_bytes as u64, SECTOR_SIZE as u64);
         if start < DATA_START_BYTES || end > sb.physical_size_bytes {
-            return Err(Error::new(
-                ErrorKind::Corrupt,
-                "checkpoint chunk outside the data area",
-            ));
+            return Err(Error::new(ErrorKind::Corrupt, "checkpoint chunk outside the data area"));
         }
         let mut buf = vec![0u8; (end - start) as usize];
-        backing
-            .read_at(start, &mut buf)
-            .map_err(|e| Error::io("read checkpoint", e))?;
+        backing.read_at(start, &mut buf).map_err(|e| Error::io("read checkpoint", e))?;
         let at = (chunk.offset_bytes - start) as usize;
         let bytes = &buf[at..at + chunk.length_bytes as usize];
         if crc32c::crc32c(bytes) != chunk.crc {
             return Err(Error::new(
                 ErrorKind::Corrupt,
-                format!(
-                    "checkpoint chunk at {} fails its checksum",
-                    chunk.offset_bytes
-                ),
+                format!("checkpoint chunk at {} fails its checksum", chunk.offset_bytes),
             ));
         }
         compressed.extend_from_slice(bytes);
     }
     let cp = Checkpoint::decode(&compressed)?;
     if cp.seq != sb.checkpoint_seq || cp.generation != sb.generation {
-        return Err(Error::new(
-            ErrorKind::Corrupt,
-            "checkpoint does not match its superblock",
-        ));
+        return Err(Error::new(ErrorKind::Corrupt, "checkpoint does not match its superblock"));
     }
     Ok(Some(cp))
 }
@@ -933,10 +835,7 @@ struct FoundRecord {
 impl Inner {
     fn check_writable(&self) -> Result<()> {
         if self.read_only {
-            return Err(Error::new(
-                ErrorKind::ReadOnly,
-                "the store was opened read-only",
-            ));
+            return Err(Error::new(ErrorKind::ReadOnly, "the store was opened read-only"));
         }
         if self.failed.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -959,9 +858,7 @@ impl Inner {
             Some(end) if end <= size => Ok(()),
             _ => Err(Error::new(
                 ErrorKind::OutOfRange,
-                format!(
-                    "request [{offset}, +{length}) is past the end of the device ({size} bytes)"
-                ),
+                format!("request [{offset}, +{length}) is past the end of the device ({size} bytes)"),
             )),
         }
     }
@@ -979,14 +876,9 @@ impl Inner {
         let block_count = (last_lba - first_lba + 1) as usize;
         let map = self.map.read();
         if last_lba >= map.block_count() {
-            return Err(Error::new(
-                ErrorKind::OutOfRange,
-                "request past the end (resized)",
-            ));
+            return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
         }
-        let entries: Vec<Entry> = (first_lba..=last_lba)
-            .map(|lba| map::unpack(map.get(lba)))
-            .collect::<Result<_>>()?;
+        let entries: Vec<Entry> = (first_lba..=last_lba).map(|lba| map::unpack(map.get(lba))).collect::<Result<_>>()?;
         let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
         self.fetch_blocks(&entries, &mut blocks, first_lba)?;
         drop(map);
@@ -1026,10 +918,7 @@ impl Inner {
         let mut run_start = 0;
         while run_start < on_disk.len() {
             let start = on_disk[run_start].1.offset_bytes / sector * sector;
-            let mut end = round_up(
-                on_disk[run_start].1.offset_bytes + on_disk[run_start].1.stored_len as u64,
-                sector,
-            );
+            let mut end = round_up(on_disk[run_start].1.offset_bytes + on_disk[run_start].1.stored_len as u64, sector);
             let mut run_end = run_start + 1;
             while run_end < on_disk.len() {
                 let s = on_disk[run_end].1;
@@ -1042,9 +931,7 @@ impl Inner {
                 run_end += 1;
             }
             let mut raw = new_buffer((end - start) as usize);
-            self.backing
-                .read_at(start, &mut raw)
-                .map_err(|e| Error::io(format!("read at {start}"), e))?;
+            self.backing.read_at(start, &mut raw).map_err(|e| Error::io(format!("read at {start}"), e))?;
             for &(i, s) in &on_disk[run_start..run_end] {
                 let at = (s.offset_bytes - start) as usize;
                 self.decode_fragment(
@@ -1059,19 +946,10 @@ impl Inner {
         Ok(())
     }
 
-    fn decode_fragment(
-        &self,
-        s: Stored,
-        fragment: &[u8],
-        block: &mut [u8],
-        lba: u64,
-    ) -> Result<()> {
+    fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: u64) -> Result<()> {
         let checksum_error = |why: &str| {
             Counters::add(&self.counters.checksum_errors, 1);
-            Error::new(
-                ErrorKind::Checksum,
-                format!("block {lba} (fragment at {}): {why}", s.offset_bytes),
-            )
+            Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
         };
         if fragment.len() < FRAGMENT_CRC_BYTES {
             return Err(checksum_error("fragment too short"));
@@ -1101,25 +979,13 @@ impl Inner {
 
     fn compress(&self, block: &[u8], scratch: &mut Vec<u8>) -> Block {
         if block.iter().all(|&b| b == 0) {
-            return Block {
-                entry: FragmentEntry {
-                    stored_len: 0,
-                    codec: CodecTag::Raw,
-                },
-                bytes: Vec::new(),
-            };
+            return Block { entry: FragmentEntry { stored_len: 0, codec: CodecTag::Raw }, bytes: Vec::new() };
         }
         let codec = self.geometry.codec.compress_block(block, scratch);
         let mut bytes = Vec::with_capacity(FRAGMENT_CRC_BYTES + scratch.len());
         bytes.extend_from_slice(&crc32c::crc32c(block).to_le_bytes());
         bytes.extend_from_slice(scratch);
-        Block {
-            entry: FragmentEntry {
-                stored_len: bytes.len() as u16,
-                codec,
-            },
-            bytes,
-        }
+        Block { entry: FragmentEntry { stored_len: bytes.len() as u16, codec }, bytes }
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
@@ -1142,16 +1008,10 @@ impl Inner {
         if tail_end != 0 && last_lba != first_lba {
             edge_lbas.push(last_lba);
         }
-        let mut stripes: Vec<usize> = edge_lbas
-            .iter()
-            .map(|&lba| (lba as usize) % BLOCK_LOCK_STRIPES)
-            .collect();
+        let mut stripes: Vec<usize> = edge_lbas.iter().map(|&lba| (lba as usize) % BLOCK_LOCK_STRIPES).collect();
         stripes.sort_unstable();
         stripes.dedup();
-        let _guards: Vec<_> = stripes
-            .iter()
-            .map(|&s| self.block_locks[s].lock())
-            .collect();
+        let _guards: Vec<_> = stripes.iter().map(|&s| self.block_locks[s].lock()).collect();
 
         let mut scratch = Vec::with_capacity(BLOCK_SIZE * 2);
         let mut blocks = Vec::with_capacity((last_lba - first_lba + 1) as usize);
@@ -1169,13 +1029,24 @@ impl Inner {
             data_at += take;
         }
         debug_assert_eq!(data_at, data.len());
-        let (seq, _) = self.append_group(
-            vec![Op::Write {
-                start_lba: first_lba,
-                blocks,
-            }],
-            SpaceClass::Host,
-        )?;
+        let class = {
+            let map = self.map.read();
+            let replaced_bytes: u64 = (first_lba..=last_lba.min(map.block_count().saturating_sub(1)))
+                .map(|lba| match map::unpack(map.get(lba)) {
+                    Ok(Entry::Stored(s)) => s.stored_len as u64,
+                    _ => 0,
+                })
+                .sum();
+            let added_bytes: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
+            if added_bytes < replaced_bytes {
+                SpaceClass::HostShrinking
+            } else {
+                SpaceClass::Host
+            }
+        };
+        let (seq, _) = self
+            .append_group(vec![Op::Write { start_lba: first_lba, blocks }], class)
+            .inspect_err(|e| self.note_no_space(e))?;
         Counters::add(&self.counters.host_write_bytes, data.len() as u64);
         drop(_guards);
         if fua {
@@ -1186,14 +1057,7 @@ impl Inner {
     }
 
     fn trim_or_zero(&self, offset: u64, length: u64, fua: bool, zero: bool) -> Result<()> {
-        Counters::add(
-            if zero {
-                &self.counters.zero_ops
-            } else {
-                &self.counters.trim_ops
-            },
-            1,
-        );
+        Counters::add(if zero { &self.counters.zero_ops } else { &self.counters.trim_ops }, 1);
         self.check_writable()?;
         self.validate_range(offset, length)?;
         if length == 0 {
@@ -1220,37 +1084,25 @@ impl Inner {
                 if offset < full_start {
                     let mut b = self.read_block(offset / block)?;
                     b[(offset % block) as usize..].fill(0);
-                    ops.push(Op::Write {
-                        start_lba: offset / block,
-                        blocks: vec![self.compress(&b, &mut scratch)],
-                    });
+                    ops.push(Op::Write { start_lba: offset / block, blocks: vec![self.compress(&b, &mut scratch)] });
                 }
                 if full_end > full_start {
-                    ops.push(Op::Zero {
-                        start_lba: full_start / block,
-                        block_count: (full_end - full_start) / block,
-                    });
+                    ops.push(Op::Zero { start_lba: full_start / block, block_count: (full_end - full_start) / block });
                 }
                 if offset + length > full_end {
                     let mut b = self.read_block(full_end / block)?;
                     b[..((offset + length) % block) as usize].fill(0);
-                    ops.push(Op::Write {
-                        start_lba: full_end / block,
-                        blocks: vec![self.compress(&b, &mut scratch)],
-                    });
+                    ops.push(Op::Write { start_lba: full_end / block, blocks: vec![self.compress(&b, &mut scratch)] });
                 }
             }
         } else if full_end > full_start {
             // Trim is advisory for partial blocks: only whole blocks are unmapped.
-            ops.push(Op::Trim {
-                start_lba: full_start / block,
-                block_count: (full_end - full_start) / block,
-            });
+            ops.push(Op::Trim { start_lba: full_start / block, block_count: (full_end - full_start) / block });
         }
         let seq = if ops.is_empty() {
             None
         } else {
-            Some(self.append_group(ops, SpaceClass::HostMetadata)?.0)
+            Some(self.append_group(ops, SpaceClass::HostMetadata).inspect_err(|e| self.note_no_space(e))?.0)
         };
         if fua {
             match seq {
@@ -1269,12 +1121,15 @@ impl Inner {
         let mapped = log.stored_blocks + log.zero_blocks;
         // Uncompressed, a checkpoint is 16 bytes per mapped block and 33 per segment; zstd
         // shrinks that, but the reserve must not depend on how well.
-        let checkpoint_estimate =
-            (mapped * 16 + self.geometry.segment_count * 33 + 4096).max(log.checkpoint_bytes);
+        let checkpoint_estimate = (mapped * 16 + self.geometry.segment_count * 33 + 4096).max(log.checkpoint_bytes);
         let checkpoint_segments = checkpoint_estimate.div_ceil(capacity);
         match class {
-            SpaceClass::Host => 3 + 2 * checkpoint_segments,
-            SpaceClass::HostMetadata => 1 + checkpoint_segments,
+            // Each class leaves the ones below it room to work; GC must always be able to
+            // run, and the two checkpoints that follow it must always fit.
+            SpaceClass::Host => 4 + 2 * checkpoint_segments,
+            SpaceClass::HostShrinking => 3 + 2 * checkpoint_segments,
+            SpaceClass::HostMetadata => 2 + 2 * checkpoint_segments,
+            SpaceClass::Gc => 2 * checkpoint_segments,
             SpaceClass::Internal => 0,
         }
     }
@@ -1288,31 +1143,29 @@ impl Inner {
                     let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
                     payload
                         + blocks.len() as u64 * WRITE_ENTRY_BYTES as u64
-                        + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64
-                            * (RECORD_FIXED_BYTES as u64 + 4)
+                        + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
                 }
                 Op::Relocate { entries } => {
                     let payload: u64 = entries.iter().map(|(_, _, b)| b.bytes.len() as u64).sum();
                     payload
                         + entries.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-                        + (entries.len() / RECORD_BLOCKS_MAX + 1) as u64
-                            * (RECORD_FIXED_BYTES as u64 + 4)
+                        + (entries.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
                 }
                 Op::Trim { .. } | Op::Zero { .. } => RECORD_FIXED_BYTES as u64 + 4,
                 Op::Checkpoint { bytes } => {
                     bytes.len() as u64
-                        + (bytes.len() as u64 / self.geometry.segment_capacity() + 1)
-                            * (RECORD_FIXED_BYTES as u64 + 4)
+                        + (bytes.len() as u64 / self.geometry.segment_capacity() + 1) * (RECORD_FIXED_BYTES as u64 + 4)
                 }
             };
         }
-        let room = log.open.as_ref().map_or(0, |o| {
-            self.geometry.segment_size_bytes - o.append_offset as u64
-        });
-        if bytes + (BLOCK_SIZE as u64 + 128) <= room {
+        let room = log.open.as_ref().map_or(0, |o| self.geometry.segment_size_bytes - o.append_offset as u64);
+        // What does not fit the open segment (less the worst case wasted at its end) goes
+        // to new segments, each holding at least `segment_capacity` bytes of records.
+        let room_usable = room.saturating_sub(BLOCK_SIZE as u64 + 128);
+        if bytes <= room_usable {
             0
         } else {
-            bytes.div_ceil(self.geometry.segment_capacity()) + 1
+            (bytes - room_usable).div_ceil(self.geometry.segment_capacity())
         }
     }
 
@@ -1327,17 +1180,13 @@ impl Inner {
             let reserve = self.reserve_segments(&log, class);
             if needed == 0 || log.free.len() as u64 >= needed + reserve {
                 let appended = self.append_locked(&mut log, ops)?;
-                if class != SpaceClass::Internal {
+                if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
                     self.space_exhausted.store(false, Ordering::Relaxed);
                 }
-                let unwritten = log
-                    .open
-                    .as_ref()
-                    .map_or(0, |o| o.append_offset - o.written_offset);
+                let unwritten = log.open.as_ref().map_or(0, |o| o.append_offset - o.written_offset);
                 let sealed = log.sealed_unwritten.len();
                 drop(log);
-                let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes)
-                    .max(2) as usize;
+                let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
                 if sealed >= sealed_max || !self.options.background && sealed > 0 {
                     self.write_out(false)?;
                 } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
@@ -1346,37 +1195,35 @@ impl Inner {
                 return Ok(appended);
             }
             drop(log);
-            if class == SpaceClass::Internal || attempts >= 3 {
-                if class != SpaceClass::Internal {
-                    self.space_exhausted.store(true, Ordering::Relaxed);
-                }
-                return Err(Error::new(
-                    ErrorKind::NoSpace,
-                    "physical space is exhausted",
-                ));
+            // Foreground GC, in bounded rounds: clean what we can, then checkpoint twice so
+            // the cleaned segments become reusable under the reuse rule.
+            if matches!(class, SpaceClass::Internal | SpaceClass::Gc) || attempts >= FOREGROUND_GC_ROUNDS_MAX {
+                return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
             attempts += 1;
-            // Foreground GC: clean what we can, then checkpoint twice so the cleaned segments
-            // become reusable under the reuse rule.
             let mut cleaned = 0;
-            while cleaned < 8 && self.gc_once(true)? {
-                cleaned += 1;
+            while cleaned < 8 {
+                match self.gc_once(true) {
+                    Ok(true) => cleaned += 1,
+                    Ok(false) => break,
+                    Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                    Err(e) => return Err(e),
+                }
             }
-            let has_cleaned = self
-                .log
-                .lock()
-                .segments
-                .iter()
-                .any(|s| s.state == SegmentState::Cleaned);
+            let has_cleaned = self.log.lock().segments.iter().any(|s| s.state == SegmentState::Cleaned);
             if cleaned == 0 && !has_cleaned {
-                self.space_exhausted.store(true, Ordering::Relaxed);
-                return Err(Error::new(
-                    ErrorKind::NoSpace,
-                    "physical space is exhausted",
-                ));
+                return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
             self.checkpoint_now()?;
             self.checkpoint_now()?;
+        }
+    }
+
+    /// Remembers that a host request was refused for lack of space (`space_flag` 2) until
+    /// one succeeds again.
+    fn note_no_space(&self, e: &Error) {
+        if e.kind() == ErrorKind::NoSpace {
+            self.space_exhausted.store(true, Ordering::Relaxed);
         }
     }
 
@@ -1391,20 +1238,12 @@ impl Inner {
                 written_offset: open.written_offset,
             });
         }
-        let id = log
-            .free
-            .pop_first()
-            .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
+        let id = log.free.pop_first().ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
         let usage = &mut log.segments[id as usize];
         debug_assert_eq!(usage.state, SegmentState::Free);
         debug_assert_eq!(usage.live_bytes, 0);
-        *usage = SegmentUsage {
-            state: SegmentState::Open,
-            live_bytes: 0,
-            end_bytes: 0,
-            last_seq: 0,
-            free_at_generation: 0,
-        };
+        *usage =
+            SegmentUsage { state: SegmentState::Open, live_bytes: 0, end_bytes: 0, last_seq: 0, free_at_generation: 0 };
         let size = self.geometry.segment_size_bytes as usize;
         let data = match log.buffer_pool.pop() {
             Some(mut buf) => {
@@ -1413,35 +1252,20 @@ impl Inner {
             }
             None => new_buffer(size),
         };
-        let buffer = Arc::new(SegmentBuffer {
-            segment: id,
-            data: RwLock::new(data),
-        });
+        let buffer = Arc::new(SegmentBuffer { segment: id, data: RwLock::new(data) });
         self.buffered.write().push(Arc::clone(&buffer));
-        log.open = Some(OpenSegment {
-            buffer,
-            append_offset: 0,
-            written_offset: 0,
-        });
+        log.open = Some(OpenSegment { buffer, append_offset: 0, written_offset: 0 });
         Ok(())
     }
 
     /// Room left in the open segment (0 if none is open).
     fn room(&self, log: &Log) -> usize {
-        log.open.as_ref().map_or(0, |o| {
-            self.geometry.segment_size_bytes as usize - o.append_offset
-        })
+        log.open.as_ref().map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset)
     }
 
     /// Writes one record into the open segment; returns (record offset, payload offset) as
     /// physical byte addresses.
-    fn put_record(
-        &self,
-        log: &mut Log,
-        flags: u8,
-        body: RecordBody,
-        payload: &[&[u8]],
-    ) -> (u64, u64) {
+    fn put_record(&self, log: &mut Log, flags: u8, body: RecordBody, payload: &[&[u8]]) -> (u64, u64) {
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
         let mut payload_crc = 0u32;
         for part in payload {
@@ -1483,10 +1307,7 @@ impl Inner {
         log.next_seq += 1;
         log.bytes_since_checkpoint += total as u64;
         Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
-        (
-            base + record_at as u64,
-            base + (record_at + header_bytes.len()) as u64,
-        )
+        (base + record_at as u64, base + (record_at + header_bytes.len()) as u64)
     }
 
     /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
@@ -1502,21 +1323,11 @@ impl Inner {
         for op in &ops {
             let (start, count) = match op {
                 Op::Write { start_lba, blocks } => (*start_lba, blocks.len() as u64),
-                Op::Trim {
-                    start_lba,
-                    block_count,
-                }
-                | Op::Zero {
-                    start_lba,
-                    block_count,
-                } => (*start_lba, *block_count),
+                Op::Trim { start_lba, block_count } | Op::Zero { start_lba, block_count } => (*start_lba, *block_count),
                 _ => (0, 0),
             };
             if start + count > map.block_count() {
-                return Err(Error::new(
-                    ErrorKind::OutOfRange,
-                    "request past the end (resized)",
-                ));
+                return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
             }
         }
         // Split the ops into records first, so FIRST and LAST can be set.
@@ -1531,20 +1342,11 @@ impl Inner {
             match op {
                 Op::Write { start_lba, blocks } => {
                     for (i, chunk) in blocks.chunks(RECORD_BLOCKS_MAX).enumerate() {
-                        pieces.push(Piece::Write(
-                            start_lba + (i * RECORD_BLOCKS_MAX) as u64,
-                            chunk,
-                        ));
+                        pieces.push(Piece::Write(start_lba + (i * RECORD_BLOCKS_MAX) as u64, chunk));
                     }
                 }
-                Op::Trim {
-                    start_lba,
-                    block_count,
-                } => pieces.push(Piece::Range(false, *start_lba, *block_count)),
-                Op::Zero {
-                    start_lba,
-                    block_count,
-                } => pieces.push(Piece::Range(true, *start_lba, *block_count)),
+                Op::Trim { start_lba, block_count } => pieces.push(Piece::Range(false, *start_lba, *block_count)),
+                Op::Zero { start_lba, block_count } => pieces.push(Piece::Range(true, *start_lba, *block_count)),
                 Op::Relocate { entries } => {
                     for chunk in entries.chunks(RECORD_BLOCKS_MAX) {
                         pieces.push(Piece::Relocate(chunk));
@@ -1581,11 +1383,7 @@ impl Inner {
                         }
                         let part = &blocks[done..done + take];
                         let flags = if first { FLAG_FIRST } else { 0 }
-                            | if last_piece && done + take == blocks.len() {
-                                FLAG_LAST
-                            } else {
-                                0
-                            };
+                            | if last_piece && done + take == blocks.len() { FLAG_LAST } else { 0 };
                         first = false;
                         let body = RecordBody::Write {
                             start_lba: start_lba + done as u64,
@@ -1617,19 +1415,12 @@ impl Inner {
                 }
                 Piece::Range(zero, start_lba, block_count) => {
                     self.ensure_room(log, header_fixed)?;
-                    let flags =
-                        if first { FLAG_FIRST } else { 0 } | if last_piece { FLAG_LAST } else { 0 };
+                    let flags = if first { FLAG_FIRST } else { 0 } | if last_piece { FLAG_LAST } else { 0 };
                     first = false;
                     let body = if zero {
-                        RecordBody::Zero {
-                            start_lba,
-                            block_count,
-                        }
+                        RecordBody::Zero { start_lba, block_count }
                     } else {
-                        RecordBody::Trim {
-                            start_lba,
-                            block_count,
-                        }
+                        RecordBody::Trim { start_lba, block_count }
                     };
                     self.put_record(log, flags, body, &[]);
                     let new = if zero { map::ZERO } else { map::UNMAPPED };
@@ -1662,17 +1453,11 @@ impl Inner {
                         let body = RecordBody::Relocate {
                             entries: part
                                 .iter()
-                                .map(|(lba, old, b)| RelocateEntry {
-                                    lba: *lba,
-                                    old_entry: *old,
-                                    fragment: b.entry,
-                                })
+                                .map(|(lba, old, b)| RelocateEntry { lba: *lba, old_entry: *old, fragment: b.entry })
                                 .collect(),
                         };
-                        let payload: Vec<&[u8]> =
-                            part.iter().map(|(_, _, b)| b.bytes.as_slice()).collect();
-                        let (_, payload_at) =
-                            self.put_record(log, FLAG_FIRST | FLAG_LAST, body, &payload);
+                        let payload: Vec<&[u8]> = part.iter().map(|(_, _, b)| b.bytes.as_slice()).collect();
+                        let (_, payload_at) = self.put_record(log, FLAG_FIRST | FLAG_LAST, body, &payload);
                         let mut at = payload_at;
                         for (lba, old, block) in part {
                             let new = map::pack_stored(Stored {
@@ -1684,10 +1469,7 @@ impl Inner {
                             if *lba < map.block_count() && map.compare_swap(*lba, *old, new) {
                                 self.account(log, *old, false);
                                 self.account(log, new, true);
-                                Counters::add(
-                                    &self.counters.gc_bytes_moved,
-                                    block.bytes.len() as u64,
-                                );
+                                Counters::add(&self.counters.gc_bytes_moved, block.bytes.len() as u64);
                             }
                         }
                         done += take;
@@ -1704,12 +1486,8 @@ impl Inner {
                         }
                         let take = room.min(bytes.len() - done);
                         let part = &bytes[done..done + take];
-                        let (_, payload_at) = self.put_record(
-                            log,
-                            FLAG_FIRST | FLAG_LAST,
-                            RecordBody::Checkpoint,
-                            &[part],
-                        );
+                        let (_, payload_at) =
+                            self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Checkpoint, &[part]);
                         chunk_refs.push(ChunkRef {
                             offset_bytes: payload_at,
                             length_bytes: take as u32,
@@ -1734,10 +1512,7 @@ impl Inner {
                     usage.live_bytes += s.stored_len as u64;
                     log.stored_blocks += 1;
                 } else {
-                    debug_assert!(
-                        usage.live_bytes >= s.stored_len as u64,
-                        "live bytes underflow"
-                    );
+                    debug_assert!(usage.live_bytes >= s.stored_len as u64, "live bytes underflow");
                     usage.live_bytes = usage.live_bytes.saturating_sub(s.stored_len as u64);
                     log.stored_blocks -= 1;
                 }
@@ -1768,10 +1543,7 @@ impl Inner {
             target_seq = log.next_seq - 1;
             while let Some(sealed) = log.sealed_unwritten.pop_front() {
                 let end = round_up(sealed.end_offset as u64, sector as u64) as usize;
-                Counters::add(
-                    &self.counters.padding_bytes,
-                    (end - sealed.end_offset) as u64,
-                );
+                Counters::add(&self.counters.padding_bytes, (end - sealed.end_offset) as u64);
                 if end > sealed.written_offset {
                     jobs.push((sealed.buffer, sealed.written_offset, end, true));
                 } else {
@@ -1824,9 +1596,7 @@ impl Inner {
             }
         }
         if flush {
-            self.backing
-                .sync()
-                .map_err(|e| self.fail(Error::io("sync", e)))?;
+            self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
             self.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
         }
         Ok(target_seq)
@@ -1863,9 +1633,7 @@ impl Inner {
             log.snapshot_generation += 1;
             let map = self.map.read();
             let replay_offset_bytes = match &log.open {
-                Some(open) => {
-                    self.geometry.segment_base(open.buffer.segment) + open.append_offset as u64
-                }
+                Some(open) => self.geometry.segment_base(open.buffer.segment) + open.append_offset as u64,
                 None => DATA_START_BYTES,
             };
             let snapshot = Checkpoint {
@@ -1880,17 +1648,9 @@ impl Inner {
             (snapshot, replay_offset_bytes, log.prev_crc)
         };
         let encoded = snapshot.encode();
-        let (_, chunks) = self.append_group(
-            vec![Op::Checkpoint {
-                bytes: encoded.clone(),
-            }],
-            SpaceClass::Internal,
-        )?;
+        let (_, chunks) = self.append_group(vec![Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)?;
         if chunks.len() > CHUNK_REFS_MAX {
-            return Err(Error::new(
-                ErrorKind::NoSpace,
-                "checkpoint too large for the superblock",
-            ));
+            return Err(Error::new(ErrorKind::NoSpace, "checkpoint too large for the superblock"));
         }
         self.write_out(true)?;
         let sb = Superblock {
@@ -1904,17 +1664,10 @@ impl Inner {
         };
         let slot = (sb.generation % 2) as u64 * SUPERBLOCK_SLOT_BYTES as u64;
         let bytes = sb.encode();
-        self.backing
-            .write_at(slot, &bytes)
-            .map_err(|e| self.fail(Error::io("write superblock", e)))?;
-        self.backing
-            .sync()
-            .map_err(|e| self.fail(Error::io("sync superblock", e)))?;
+        self.backing.write_at(slot, &bytes).map_err(|e| self.fail(Error::io("write superblock", e)))?;
+        self.backing.sync().map_err(|e| self.fail(Error::io("sync superblock", e)))?;
         Counters::add(&self.counters.backing_write_bytes, bytes.len() as u64);
-        Counters::add(
-            &self.counters.metadata_bytes,
-            (bytes.len() + encoded.len()) as u64,
-        );
+        Counters::add(&self.counters.metadata_bytes, (bytes.len() + encoded.len()) as u64);
         Counters::add(&self.counters.checkpoints, 1);
         // Free what the reuse rule allows, after every reader that might still hold an old
         // map entry into those segments is done (the map write lock waits for them).
@@ -1930,9 +1683,7 @@ impl Inner {
                 .segments
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| {
-                    s.state == SegmentState::Cleaned && s.free_at_generation <= generation
-                })
+                .filter(|(_, s)| s.state == SegmentState::Cleaned && s.free_at_generation <= generation)
                 .map(|(id, _)| id as u32)
                 .collect();
             if !freed.is_empty() {
@@ -1990,7 +1741,8 @@ impl Inner {
                 // the cost of reading the segment and writing its live data.
                 let u = s.live_bytes as f64 / size;
                 let age = (now - s.last_seq.min(now)) as f64 + 1.0;
-                let score = (1.0 - u) * age / (1.0 + u);
+                // In the foreground a writer is waiting: take the emptiest segment (greedy).
+                let score = if foreground { 1.0 - u } else { (1.0 - u) * age / (1.0 + u) };
                 if best.is_none_or(|(b, _)| score > b) {
                     best = Some((score, id));
                 }
@@ -2007,9 +1759,7 @@ impl Inner {
         };
         let mut image = new_buffer(end as usize);
         if end > 0 {
-            self.backing
-                .read_at(base, &mut image)
-                .map_err(|e| Error::io(format!("GC read of segment {victim}"), e))?;
+            self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {victim}"), e))?;
         }
         let mut live: Vec<(u64, u64, Block)> = Vec::new();
         {
@@ -2017,17 +1767,10 @@ impl Inner {
             for record in parse_segment(&image, base, self.geometry.store_tag) {
                 let mut at = record.payload_offset_bytes;
                 let fragments: Vec<(u64, FragmentEntry)> = match &record.header.body {
-                    RecordBody::Write {
-                        start_lba,
-                        fragments,
-                    } => fragments
-                        .iter()
-                        .enumerate()
-                        .map(|(i, f)| (start_lba + i as u64, *f))
-                        .collect(),
-                    RecordBody::Relocate { entries } => {
-                        entries.iter().map(|e| (e.lba, e.fragment)).collect()
+                    RecordBody::Write { start_lba, fragments } => {
+                        fragments.iter().enumerate().map(|(i, f)| (start_lba + i as u64, *f)).collect()
                     }
+                    RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
                     _ => Vec::new(),
                 };
                 for (lba, fragment) in fragments {
@@ -2040,14 +1783,7 @@ impl Inner {
                         if map.get(lba) == raw {
                             let from = (at - base) as usize;
                             let bytes = image[from..from + fragment.stored_len as usize].to_vec();
-                            live.push((
-                                lba,
-                                raw,
-                                Block {
-                                    entry: fragment,
-                                    bytes,
-                                },
-                            ));
+                            live.push((lba, raw, Block { entry: fragment, bytes }));
                         }
                     }
                     at += fragment.stored_len as u64;
@@ -2055,26 +1791,19 @@ impl Inner {
             }
         }
         if !live.is_empty() {
-            self.append_group(vec![Op::Relocate { entries: live }], SpaceClass::Internal)?;
+            self.append_group(vec![Op::Relocate { entries: live }], SpaceClass::Gc)?;
         }
         let mut log = self.log.lock();
         let usage = log.segments[victim as usize];
         if usage.live_bytes != 0 {
             // Live data that parsing did not find: a damaged record header (or a bug). Never
             // free such a segment; leave it out of GC from now on; `check` reports it.
-            tracing::error!(
-                "segment {victim} still has {} live bytes after GC; keeping it",
-                usage.live_bytes
-            );
+            tracing::error!("segment {victim} still has {} live bytes after GC; keeping it", usage.live_bytes);
             log.unparseable.push(victim);
             return Ok(true);
         }
         let free_at_generation = log.snapshot_generation + 2;
-        log.segments[victim as usize] = SegmentUsage {
-            state: SegmentState::Cleaned,
-            free_at_generation,
-            ..usage
-        };
+        log.segments[victim as usize] = SegmentUsage { state: SegmentState::Cleaned, free_at_generation, ..usage };
         Counters::add(&self.counters.gc_segments_cleaned, 1);
         Ok(true)
     }
@@ -2087,8 +1816,7 @@ impl Inner {
                     return;
                 }
                 if !signal.kick {
-                    self.signal_cv
-                        .wait_for(&mut signal, Duration::from_millis(100));
+                    self.signal_cv.wait_for(&mut signal, Duration::from_millis(100));
                 }
                 signal.kick = false;
                 if signal.stop {
@@ -2107,12 +1835,7 @@ impl Inner {
     fn background_step(&self) -> Result<()> {
         let (unwritten, sealed) = {
             let log = self.log.lock();
-            (
-                log.open
-                    .as_ref()
-                    .map_or(0, |o| o.append_offset - o.written_offset),
-                log.sealed_unwritten.len(),
-            )
+            (log.open.as_ref().map_or(0, |o| o.append_offset - o.written_offset), log.sealed_unwritten.len())
         };
         if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.write_out(false)?;
@@ -2122,17 +1845,8 @@ impl Inner {
             let log = self.log.lock();
             let reserve = self.reserve_segments(&log, SpaceClass::Host);
             let cushion = (self.geometry.segment_count / 8).max(4);
-            let cleaned = log
-                .segments
-                .iter()
-                .filter(|s| s.state == SegmentState::Cleaned)
-                .count() as u64;
-            (
-                log.free.len() as u64,
-                cleaned,
-                reserve + cushion,
-                log.bytes_since_checkpoint,
-            )
+            let cleaned = log.segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
+            (log.free.len() as u64, cleaned, reserve + cushion, log.bytes_since_checkpoint)
         };
         if free + cleaned < low {
             let mut rounds = 0;
@@ -2140,13 +1854,7 @@ impl Inner {
                 rounds += 1;
             }
         }
-        let cleaned_now = self
-            .log
-            .lock()
-            .segments
-            .iter()
-            .filter(|s| s.state == SegmentState::Cleaned)
-            .count() as u64;
+        let cleaned_now = self.log.lock().segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
         if since >= self.options.checkpoint_interval_bytes || (free < low && cleaned_now > 0) {
             self.checkpoint_now()?;
         }
@@ -2156,13 +1864,7 @@ impl Inner {
     // ---------------------------------------------------------------- recovery
 
     /// Reads the record at `offset` if it is the one expected next in the chain.
-    fn record_at(
-        &self,
-        cache: &mut SegmentCache,
-        offset: u64,
-        seq: u64,
-        prev_crc: u32,
-    ) -> Option<FoundRecord> {
+    fn record_at(&self, cache: &mut SegmentCache, offset: u64, seq: u64, prev_crc: u32) -> Option<FoundRecord> {
         if offset < DATA_START_BYTES {
             return None;
         }
@@ -2199,8 +1901,7 @@ impl Inner {
                     }
                 }
                 if let Ok((header, _)) = RecordHeader::decode(&head) {
-                    if header.seq > sb.checkpoint_seq && header.store_tag == self.geometry.store_tag
-                    {
+                    if header.seq > sb.checkpoint_seq && header.store_tag == self.geometry.store_tag {
                         index.entry(header.seq).or_default().push(id as u32);
                     }
                 }
@@ -2217,14 +1918,14 @@ impl Inner {
                 .record_at(&mut cache, offset, seq, prev_crc)
                 .or_else(|| {
                     let aligned = round_up(offset, sector);
-                    (aligned != offset)
-                        .then(|| self.record_at(&mut cache, aligned, seq, prev_crc))
-                        .flatten()
+                    (aligned != offset).then(|| self.record_at(&mut cache, aligned, seq, prev_crc)).flatten()
                 })
                 .or_else(|| {
-                    index.get(&seq).into_iter().flatten().find_map(|&id| {
-                        self.record_at(&mut cache, self.geometry.segment_base(id), seq, prev_crc)
-                    })
+                    index
+                        .get(&seq)
+                        .into_iter()
+                        .flatten()
+                        .find_map(|&id| self.record_at(&mut cache, self.geometry.segment_base(id), seq, prev_crc))
                 });
             let Some(record) = found else { break };
             let segment = self.geometry.segment_of(record.offset_bytes) as usize;
@@ -2264,21 +1965,14 @@ impl Inner {
     fn apply_replayed(&self, log: &mut Log, map: &Map, record: &FoundRecord) {
         let block_count = map.block_count();
         match &record.header.body {
-            RecordBody::Write {
-                start_lba,
-                fragments,
-            } => {
+            RecordBody::Write { start_lba, fragments } => {
                 let mut at = record.payload_offset_bytes;
                 for (i, f) in fragments.iter().enumerate() {
                     let lba = start_lba + i as u64;
                     let raw = if f.stored_len == 0 {
                         map::ZERO
                     } else {
-                        map::pack_stored(Stored {
-                            offset_bytes: at,
-                            stored_len: f.stored_len,
-                            codec: f.codec,
-                        })
+                        map::pack_stored(Stored { offset_bytes: at, stored_len: f.stored_len, codec: f.codec })
                     };
                     at += f.stored_len as u64;
                     if lba < block_count {
@@ -2288,19 +1982,8 @@ impl Inner {
                     }
                 }
             }
-            RecordBody::Trim {
-                start_lba,
-                block_count: count,
-            }
-            | RecordBody::Zero {
-                start_lba,
-                block_count: count,
-            } => {
-                let new = if matches!(record.header.body, RecordBody::Zero { .. }) {
-                    map::ZERO
-                } else {
-                    map::UNMAPPED
-                };
+            RecordBody::Trim { start_lba, block_count: count } | RecordBody::Zero { start_lba, block_count: count } => {
+                let new = if matches!(record.header.body, RecordBody::Zero { .. }) { map::ZERO } else { map::UNMAPPED };
                 let end = (start_lba.saturating_add(*count)).min(block_count);
                 for lba in *start_lba..end {
                     let old = map.swap(lba, new);
@@ -2348,14 +2031,8 @@ impl Inner {
             let start = (lba * block).max(offset);
             let end = ((lba + 1) * block).min(offset + length);
             match extents.last_mut() {
-                Some(e) if e.kind == kind && e.offset + e.length == start => {
-                    e.length += end - start
-                }
-                _ => extents.push(Extent {
-                    offset: start,
-                    length: end - start,
-                    kind,
-                }),
+                Some(e) if e.kind == kind && e.offset + e.length == start => e.length += end - start,
+                _ => extents.push(Extent { offset: start, length: end - start, kind }),
             }
         }
         Ok(extents)
@@ -2381,13 +2058,9 @@ impl Inner {
                 SegmentState::Free => {}
             }
         }
-        let open_room = log
-            .open
-            .as_ref()
-            .map_or(0, |o| segment_size - o.append_offset as u64);
+        let open_room = log.open.as_ref().map_or(0, |o| segment_size - o.append_offset as u64);
         let reserve = self.reserve_segments(&log, SpaceClass::Host) * segment_size;
-        let free_space = (log.free.len() as u64 * segment_size + reclaimable + open_room)
-            .saturating_sub(reserve);
+        let free_space = (log.free.len() as u64 * segment_size + reclaimable + open_room).saturating_sub(reserve);
         let checkpoint_bytes = log.checkpoint_bytes * 2;
         let physical_size = live + checkpoint_bytes + 2 * SUPERBLOCK_SLOT_BYTES as u64;
         let logical_size = (log.stored_blocks + log.zero_blocks) * BLOCK_SIZE as u64;
@@ -2405,11 +2078,7 @@ impl Inner {
             free_space,
             physical_size,
             logical_size,
-            comp_ratio: if logical_size == 0 {
-                1.0
-            } else {
-                logical_size as f64 / physical_size as f64
-            },
+            comp_ratio: if logical_size == 0 { 1.0 } else { logical_size as f64 / physical_size as f64 },
             provisioned_cap: self.logical_size_bytes.load(Ordering::Acquire),
             space_flag,
             host_write_bytes,
@@ -2450,10 +2119,7 @@ impl Inner {
         let mut report = CheckReport::default();
         let (segments, buffered_ids): (Vec<SegmentUsage>, Vec<u32>) = {
             let log = self.log.lock();
-            (
-                log.segments.clone(),
-                self.buffered.read().iter().map(|b| b.segment).collect(),
-            )
+            (log.segments.clone(), self.buffered.read().iter().map(|b| b.segment).collect())
         };
         let map = self.map.read();
         let block_count = map.block_count();
@@ -2471,9 +2137,7 @@ impl Inner {
             let base = self.geometry.segment_base(id as u32);
             let mut image = new_buffer(round_up(s.end_bytes, SECTOR_SIZE as u64) as usize);
             if let Err(e) = self.backing.read_at(base, &mut image) {
-                report
-                    .problems
-                    .push(format!("segment {id}: read failed: {e}"));
+                report.problems.push(format!("segment {id}: read failed: {e}"));
                 continue;
             }
             let mut parsed_end = 0;
@@ -2498,13 +2162,9 @@ impl Inner {
             match map::unpack(raw) {
                 Ok(Entry::Stored(s)) => {
                     report.blocks_checked += 1;
-                    recomputed_live[self.geometry.segment_of(s.offset_bytes) as usize] +=
-                        s.stored_len as u64;
+                    recomputed_live[self.geometry.segment_of(s.offset_bytes) as usize] += s.stored_len as u64;
                     if let Err(e) = self.fetch_blocks(&[Entry::Stored(s)], &mut block, lba) {
-                        report.problems.push(format!(
-                            "block {lba} (byte offset {}): {e}",
-                            lba * BLOCK_SIZE as u64
-                        ));
+                        report.problems.push(format!("block {lba} (byte offset {}): {e}", lba * BLOCK_SIZE as u64));
                     }
                 }
                 Ok(_) => {}
@@ -2535,10 +2195,7 @@ impl SegmentCache {
     fn get(&mut self, inner: &Inner, segment: u32) -> Option<&[u8]> {
         if self.segment != Some(segment) {
             let mut image = vec![0u8; inner.geometry.segment_size_bytes as usize];
-            inner
-                .backing
-                .read_at(inner.geometry.segment_base(segment), &mut image)
-                .ok()?;
+            inner.backing.read_at(inner.geometry.segment_base(segment), &mut image).ok()?;
             self.image = image;
             self.segment = Some(segment);
         }
@@ -2582,18 +2239,12 @@ fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> Vec<FoundRecord> {
     loop {
         let found = parse_record_at(image, base, offset, store_tag).or_else(|| {
             let aligned = round_up(offset, SECTOR_SIZE as u64);
-            (aligned != offset)
-                .then(|| parse_record_at(image, base, aligned, store_tag))
-                .flatten()
+            (aligned != offset).then(|| parse_record_at(image, base, aligned, store_tag)).flatten()
         });
         match found {
             // Records of one incarnation have increasing sequence numbers; a stale record
             // from before the segment was reused would break that.
-            Some(r)
-                if records
-                    .last()
-                    .is_none_or(|p: &FoundRecord| r.header.seq == p.header.seq + 1) =>
-            {
+            Some(r) if records.last().is_none_or(|p: &FoundRecord| r.header.seq == p.header.seq + 1) => {
                 offset = r.end_bytes;
                 records.push(r);
             }

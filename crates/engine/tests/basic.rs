@@ -2,12 +2,7 @@
 
 use zdisk_engine::{Codec, ErrorKind, ExtentKind, FormatOptions, OpenOptions, Store};
 
-fn format(
-    dir: &tempfile::TempDir,
-    physical: u64,
-    logical: u64,
-    codec: Codec,
-) -> std::path::PathBuf {
+fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) -> std::path::PathBuf {
     let path = dir.path().join("store.zdisk");
     Store::format(
         &path,
@@ -26,13 +21,7 @@ fn format(
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     // Half-compressible: text-like runs.
     (0..len)
-        .map(|i| {
-            if (i / 64) % 2 == 0 {
-                b'a' + ((i / 7) % 20) as u8
-            } else {
-                (i as u8).wrapping_mul(seed) ^ seed
-            }
-        })
+        .map(|i| if (i / 64) % 2 == 0 { b'a' + ((i / 7) % 20) as u8 } else { (i as u8).wrapping_mul(seed) ^ seed })
         .collect()
 }
 
@@ -67,16 +56,8 @@ fn unaligned_writes_merge_with_neighbours() {
     let path = format(&dir, 32 << 20, 32 << 20, Codec::Zstd { level: 3 });
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     let mut model = vec![0u8; 64 << 10];
-    for (i, (offset, len)) in [
-        (100usize, 5000usize),
-        (4000, 200),
-        (8191, 2),
-        (0, 1),
-        (65535, 1),
-        (30000, 20000),
-    ]
-    .into_iter()
-    .enumerate()
+    for (i, (offset, len)) in
+        [(100usize, 5000usize), (4000, 200), (8191, 2), (0, 1), (65535, 1), (30000, 20000)].into_iter().enumerate()
     {
         let data = pattern(len, i as u8 + 1);
         store.write(offset as u64, &data, false).unwrap();
@@ -101,28 +82,10 @@ fn zero_length_and_out_of_range_requests() {
     store.read(0, &mut []).unwrap();
     store.trim(0, 0, false).unwrap();
     store.write_zeroes(0, 0, true).unwrap();
-    assert_eq!(
-        store
-            .write((16 << 20) - 1, &[1, 2], false)
-            .unwrap_err()
-            .kind(),
-        ErrorKind::OutOfRange
-    );
-    assert_eq!(
-        store.read(16 << 20, &mut [0]).unwrap_err().kind(),
-        ErrorKind::OutOfRange
-    );
-    assert_eq!(
-        store.trim(u64::MAX - 1, 10, false).unwrap_err().kind(),
-        ErrorKind::OutOfRange
-    );
-    assert_eq!(
-        store
-            .write_zeroes(0, (16 << 20) + 1, false)
-            .unwrap_err()
-            .kind(),
-        ErrorKind::OutOfRange
-    );
+    assert_eq!(store.write((16 << 20) - 1, &[1, 2], false).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(store.read(16 << 20, &mut [0]).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(store.trim(u64::MAX - 1, 10, false).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(store.write_zeroes(0, (16 << 20) + 1, false).unwrap_err().kind(), ErrorKind::OutOfRange);
     assert!(store.block_status(u64::MAX, 1).is_err());
 }
 
@@ -135,17 +98,10 @@ fn block_status_reports_holes_zeroes_and_data() {
     store.write_zeroes(8192, 8192, false).unwrap();
     store.write(16384, &vec![0u8; 4096], false).unwrap();
     let extents = store.block_status(0, 32768).unwrap();
-    let kinds: Vec<(u64, u64, ExtentKind)> = extents
-        .iter()
-        .map(|e| (e.offset, e.length, e.kind))
-        .collect();
+    let kinds: Vec<(u64, u64, ExtentKind)> = extents.iter().map(|e| (e.offset, e.length, e.kind)).collect();
     assert_eq!(
         kinds,
-        vec![
-            (0, 8192, ExtentKind::Data),
-            (8192, 12288, ExtentKind::Zero),
-            (20480, 12288, ExtentKind::Hole)
-        ]
+        vec![(0, 8192, ExtentKind::Data), (8192, 12288, ExtentKind::Zero), (20480, 12288, ExtentKind::Hole)]
     );
 }
 
@@ -155,18 +111,8 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
     let foreign = dir.path().join("foreign");
     std::fs::write(&foreign, pattern(4 << 20, 9)).unwrap();
     let before = std::fs::read(&foreign).unwrap();
-    assert_eq!(
-        Store::open(&foreign, &OpenOptions::default())
-            .err()
-            .unwrap()
-            .kind(),
-        ErrorKind::NotAStore
-    );
-    assert_eq!(
-        std::fs::read(&foreign).unwrap(),
-        before,
-        "nothing may be written to a foreign file"
-    );
+    assert_eq!(Store::open(&foreign, &OpenOptions::default()).err().unwrap().kind(), ErrorKind::NotAStore);
+    assert_eq!(std::fs::read(&foreign).unwrap(), before, "nothing may be written to a foreign file");
     let err = Store::format(
         &foreign,
         &FormatOptions {
@@ -185,15 +131,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
         let store = Store::open(&path, &OpenOptions::default()).unwrap();
         let second = Store::open(&path, &OpenOptions::default()).err().unwrap();
         assert_eq!(second.kind(), ErrorKind::Locked);
-        let reader = Store::open(
-            &path,
-            &OpenOptions {
-                read_only: true,
-                ..OpenOptions::default()
-            },
-        )
-        .err()
-        .unwrap();
+        let reader = Store::open(&path, &OpenOptions { read_only: true, ..OpenOptions::default() }).err().unwrap();
         assert_eq!(reader.kind(), ErrorKind::Locked);
         store.close().unwrap();
     }
@@ -208,36 +146,18 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
         bytes[at + 16380..at + 16384].copy_from_slice(&crc.to_le_bytes());
     }
     std::fs::write(&newer, &bytes).unwrap();
-    assert_eq!(
-        Store::open(&newer, &OpenOptions::default())
-            .err()
-            .unwrap()
-            .kind(),
-        ErrorKind::NewerVersion
-    );
+    assert_eq!(Store::open(&newer, &OpenOptions::default()).err().unwrap().kind(), ErrorKind::NewerVersion);
     assert_eq!(std::fs::read(&newer).unwrap(), bytes);
     // Truncated.
     let truncated = dir.path().join("truncated");
     std::fs::copy(&path, &truncated).unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&truncated)
-        .unwrap()
-        .set_len(8 << 20)
-        .unwrap();
-    assert_eq!(
-        Store::open(&truncated, &OpenOptions::default())
-            .err()
-            .unwrap()
-            .kind(),
-        ErrorKind::Truncated
-    );
+    std::fs::OpenOptions::new().write(true).open(&truncated).unwrap().set_len(8 << 20).unwrap();
+    assert_eq!(Store::open(&truncated, &OpenOptions::default()).err().unwrap().kind(), ErrorKind::Truncated);
 }
 
 #[test]
 fn every_codec_round_trips_text_binary_zero_and_random_data() {
-    let text =
-        std::fs::read("/usr/share/common-licenses/GPL-3").unwrap_or_else(|_| pattern(64 << 10, 1));
+    let text = std::fs::read("/usr/share/common-licenses/GPL-3").unwrap_or_else(|_| pattern(64 << 10, 1));
     let binary = std::fs::read(std::env::current_exe().unwrap()).unwrap();
     let mut random = vec![0u8; 64 << 10];
     let mut x = 0x1234_5678_9abc_def0u64;
@@ -260,12 +180,7 @@ fn every_codec_round_trips_text_binary_zero_and_random_data() {
         let store = Store::open(&path, &OpenOptions::default()).unwrap();
         let mut offset = 0u64;
         let mut written = Vec::new();
-        for data in [
-            &text[..text.len().min(1 << 20)],
-            &binary[..binary.len().min(1 << 20)],
-            &zero[..],
-            &random[..],
-        ] {
+        for data in [&text[..text.len().min(1 << 20)], &binary[..binary.len().min(1 << 20)], &zero[..], &random[..]] {
             store.write(offset, data, false).unwrap();
             written.push((offset, data.to_vec()));
             offset += (data.len() as u64).div_ceil(4096) * 4096;
@@ -285,10 +200,7 @@ fn every_codec_round_trips_text_binary_zero_and_random_data() {
 fn codec_names_parse_and_bad_ones_are_refused() {
     assert_eq!("lz4".parse::<Codec>().unwrap(), Codec::Lz4);
     assert_eq!("zstd:7".parse::<Codec>().unwrap(), Codec::Zstd { level: 7 });
-    assert_eq!(
-        "deflate".parse::<Codec>().unwrap(),
-        Codec::Deflate { level: 6 }
-    );
+    assert_eq!("deflate".parse::<Codec>().unwrap(), Codec::Deflate { level: 6 });
     for bad in ["gzip", "zstd:0", "zstd:x", "deflate:13", "lz4:1", ""] {
         assert!(bad.parse::<Codec>().is_err(), "{bad}");
     }
@@ -299,23 +211,14 @@ fn resize_grows_and_refuses_a_shrink_that_would_drop_data() {
     let dir = tempfile::tempdir().unwrap();
     let path = format(&dir, 16 << 20, 160 << 20, Codec::Lz4);
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
-    store
-        .write((160 << 20) - 4096, &pattern(4096, 5), false)
-        .unwrap();
-    assert_eq!(
-        store.resize(80 << 20).unwrap_err().kind(),
-        ErrorKind::InvalidArgument
-    );
+    store.write((160 << 20) - 4096, &pattern(4096, 5), false).unwrap();
+    assert_eq!(store.resize(80 << 20).unwrap_err().kind(), ErrorKind::InvalidArgument);
     store.resize(320 << 20).unwrap();
-    store
-        .write((320 << 20) - 4096, &pattern(4096, 6), false)
-        .unwrap();
+    store.write((320 << 20) - 4096, &pattern(4096, 6), false).unwrap();
     store.close().unwrap();
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     assert_eq!(store.logical_size_bytes(), 320 << 20);
-    store
-        .trim((160 << 20) - 4096, (160 << 20) + 4096, false)
-        .unwrap();
+    store.trim((160 << 20) - 4096, (160 << 20) + 4096, false).unwrap();
     store.resize(80 << 20).unwrap();
     assert_eq!(store.logical_size_bytes(), 80 << 20);
 }

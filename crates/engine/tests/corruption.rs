@@ -15,15 +15,7 @@ const SLOT: usize = 16 << 10;
 const RECORD_MAGIC: [u8; 4] = 0x4345_525Au32.to_le_bytes();
 
 fn data(len: usize, tag: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            if (i / 16) % 2 == 0 {
-                tag
-            } else {
-                (i as u8).wrapping_mul(13) ^ tag
-            }
-        })
-        .collect()
+    (0..len).map(|i| if (i / 16) % 2 == 0 { tag } else { (i as u8).wrapping_mul(13) ^ tag }).collect()
 }
 
 fn fresh() -> Arc<SimDisk> {
@@ -38,10 +30,7 @@ fn reopen(disk: &SimDisk) -> (Arc<SimDisk>, Store) {
 
 /// Sector-aligned offsets of record headers in segment 0.
 fn record_offsets(image: &[u8]) -> Vec<usize> {
-    (DATA_START..DATA_START + (64 << 10))
-        .step_by(4096)
-        .filter(|&at| image[at..at + 4] == RECORD_MAGIC)
-        .collect()
+    (DATA_START..DATA_START + (64 << 10)).step_by(4096).filter(|&at| image[at..at + 4] == RECORD_MAGIC).collect()
 }
 
 #[test]
@@ -61,11 +50,7 @@ fn a_flipped_data_bit_fails_that_read_only_and_is_counted() {
     store.read(4096, &mut block).unwrap();
     assert!(block == data(8 * 4096, 1)[4096..8192]);
     let report = store.check(&mut |_, _| {}).unwrap();
-    assert!(
-        report.problems.iter().any(|p| p.starts_with("block 0 ")),
-        "{:?}",
-        report.problems
-    );
+    assert!(report.problems.iter().any(|p| p.starts_with("block 0 ")), "{:?}", report.problems);
 }
 
 #[test]
@@ -84,14 +69,8 @@ fn a_damaged_record_header_in_the_replay_window_stops_replay_there() {
     disk.flip_bit(records[1] as u64 + 20, 0);
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     let image = read_all(&store);
-    assert!(
-        image[..4 * 4096] == data(4 * 4096, 1)[..],
-        "data before the damage survives"
-    );
-    assert!(
-        image[8 * 4096..12 * 4096].iter().all(|&b| b == 0),
-        "the damaged record's blocks keep their old value"
-    );
+    assert!(image[..4 * 4096] == data(4 * 4096, 1)[..], "data before the damage survives");
+    assert!(image[8 * 4096..12 * 4096].iter().all(|&b| b == 0), "the damaged record's blocks keep their old value");
 }
 
 #[test]
@@ -106,16 +85,9 @@ fn a_damaged_record_header_under_a_checkpoint_is_reported_and_its_segment_kept()
     disk.flip_bit(DATA_START as u64 + 20, 0);
     let (_disk, store) = reopen(&disk);
     let image = read_all(&store);
-    assert!(
-        image[..40 * 4096] == bytes[..],
-        "the checkpointed map still finds the data"
-    );
+    assert!(image[..40 * 4096] == bytes[..], "the checkpointed map still finds the data");
     let report = store.check(&mut |_, _| {}).unwrap();
-    assert!(
-        report.problems.iter().any(|p| p.contains("segment 0")),
-        "{:?}",
-        report.problems
-    );
+    assert!(report.problems.iter().any(|p| p.contains("segment 0")), "{:?}", report.problems);
     // GC cannot parse segment 0, so it must not free it: its data stays readable.
     store.trim(0, 4096, false).unwrap();
     let cleaned = store.collect_garbage(8).unwrap();
@@ -141,19 +113,9 @@ fn two_checkpoints() -> (Arc<SimDisk>, Vec<u8>) {
 
 /// The slot holding the newest checkpoint, and its first chunk's offset.
 fn newest_slot(image: &[u8]) -> (usize, u64) {
-    let generation = |slot: usize| {
-        u64::from_le_bytes(
-            image[slot * SLOT + 32..slot * SLOT + 40]
-                .try_into()
-                .unwrap(),
-        )
-    };
+    let generation = |slot: usize| u64::from_le_bytes(image[slot * SLOT + 32..slot * SLOT + 40].try_into().unwrap());
     let slot = if generation(0) > generation(1) { 0 } else { 1 };
-    let chunk = u64::from_le_bytes(
-        image[slot * SLOT + 120..slot * SLOT + 128]
-            .try_into()
-            .unwrap(),
-    );
+    let chunk = u64::from_le_bytes(image[slot * SLOT + 120..slot * SLOT + 128].try_into().unwrap());
     (slot, chunk)
 }
 
@@ -174,11 +136,7 @@ fn a_damaged_superblock_copy_falls_back_to_the_other() {
         let damaged = if newest { slot } else { 1 - slot };
         disk.flip_bit((damaged * SLOT + 50) as u64, 2);
         let (_disk, store) = reopen(&disk);
-        assert!(
-            read_all(&store) == expected,
-            "damaged the {} slot",
-            if newest { "newest" } else { "older" }
-        );
+        assert!(read_all(&store) == expected, "damaged the {} slot", if newest { "newest" } else { "older" });
     }
 }
 
@@ -197,17 +155,11 @@ fn enospc_from_the_backing_fails_the_flush_and_keeps_durable_data() {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     store.write(0, &data(4096, 1), true).unwrap();
-    disk.set_faults(Faults {
-        enospc_from_write: Some(1),
-        ..Faults::default()
-    });
+    disk.set_faults(Faults { enospc_from_write: Some(1), ..Faults::default() });
     store.write(4096, &data(4096, 2), false).unwrap();
     let err = store.flush().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
-    assert_eq!(
-        store.write(8192, &data(4096, 3), false).unwrap_err().kind(),
-        ErrorKind::ReadOnly
-    );
+    assert_eq!(store.write(8192, &data(4096, 3), false).unwrap_err().kind(), ErrorKind::ReadOnly);
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
     let mut block = vec![0u8; 4096];
     store.read(0, &mut block).unwrap();
@@ -225,17 +177,11 @@ fn a_failed_sync_makes_the_store_read_only_until_reopened() {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     store.write(0, &data(4096, 1), false).unwrap();
-    disk.set_faults(Faults {
-        fail_sync_at: Some(1),
-        ..Faults::default()
-    });
+    disk.set_faults(Faults { fail_sync_at: Some(1), ..Faults::default() });
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::Io);
     // A later flush must not claim durability the failed one lost.
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
-    assert_eq!(
-        store.write(0, &data(4096, 2), true).unwrap_err().kind(),
-        ErrorKind::ReadOnly
-    );
+    assert_eq!(store.write(0, &data(4096, 2), true).unwrap_err().kind(), ErrorKind::ReadOnly);
 }
 
 #[test]
@@ -245,10 +191,7 @@ fn a_failed_backing_read_is_an_io_error_and_the_store_keeps_serving() {
     store.write(0, &data(4096, 1), true).unwrap();
     store.close().unwrap();
     let (disk, store) = reopen(&disk);
-    disk.set_faults(Faults {
-        fail_read_at: Some(1),
-        ..Faults::default()
-    });
+    disk.set_faults(Faults { fail_read_at: Some(1), ..Faults::default() });
     let mut block = vec![0u8; 4096];
     assert_eq!(store.read(0, &mut block).unwrap_err().kind(), ErrorKind::Io);
     store.read(0, &mut block).unwrap();

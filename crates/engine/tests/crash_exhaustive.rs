@@ -37,15 +37,7 @@ const OPS: [Op; 8] = [
 const LOGICAL: u64 = 24 * BLOCK;
 
 fn data(len: usize, tag: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| {
-            if i % 3 == 0 {
-                tag
-            } else {
-                (i as u8).wrapping_mul(31) ^ tag
-            }
-        })
-        .collect()
+    (0..len).map(|i| if i % 3 == 0 { tag } else { (i as u8).wrapping_mul(31) ^ tag }).collect()
 }
 
 /// Runs `sequence` on a store over `disk`; returns the requests issued (the last one possibly
@@ -57,42 +49,12 @@ fn run_sequence(disk: &Arc<SimDisk>, sequence: &[Op], model: &mut Model) {
         let (request, fua) = match op {
             Op::BigWrite => {
                 let mut rng = rng(tag as u64);
-                (
-                    Some(Request::Write {
-                        offset: 4 * BLOCK,
-                        data: block_data(&mut rng, 20 * 4096, 100),
-                    }),
-                    false,
-                )
+                (Some(Request::Write { offset: 4 * BLOCK, data: block_data(&mut rng, 20 * 4096, 100) }), false)
             }
-            Op::WriteUnalignedAcross01 => (
-                Some(Request::Write {
-                    offset: 2048,
-                    data: data(4096, tag),
-                }),
-                false,
-            ),
-            Op::FuaWriteBlock2 => (
-                Some(Request::Write {
-                    offset: 2 * BLOCK,
-                    data: data(4096, tag),
-                }),
-                true,
-            ),
-            Op::TrimBlocks01 => (
-                Some(Request::Trim {
-                    offset: 0,
-                    len: 2 * BLOCK,
-                }),
-                false,
-            ),
-            Op::ZeroUnaligned => (
-                Some(Request::Zero {
-                    offset: 3000,
-                    len: 6000,
-                }),
-                false,
-            ),
+            Op::WriteUnalignedAcross01 => (Some(Request::Write { offset: 2048, data: data(4096, tag) }), false),
+            Op::FuaWriteBlock2 => (Some(Request::Write { offset: 2 * BLOCK, data: data(4096, tag) }), true),
+            Op::TrimBlocks01 => (Some(Request::Trim { offset: 0, len: 2 * BLOCK }), false),
+            Op::ZeroUnaligned => (Some(Request::Zero { offset: 3000, len: 6000 }), false),
             _ => (None, false),
         };
         let result = match (&request, op) {
@@ -111,10 +73,7 @@ fn run_sequence(disk: &Arc<SimDisk>, sequence: &[Op], model: &mut Model) {
                 }
             }
             Err(e) => {
-                assert!(
-                    disk.crashed(),
-                    "unexpected error without a crash in {sequence:?}: {e}"
-                );
+                assert!(disk.crashed(), "unexpected error without a crash in {sequence:?}: {e}");
                 break;
             }
         }
@@ -129,10 +88,7 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
     let mut base_model = Model::new(LOGICAL);
     {
         let store = Store::open_backing(base.clone(), &test_options()).unwrap();
-        let request = Request::Write {
-            offset: 0,
-            data: data(LOGICAL as usize, 0x11),
-        };
+        let request = Request::Write { offset: 0, data: data(LOGICAL as usize, 0x11) };
         request.run(&store, false).unwrap();
         base_model.pending.push(request);
         store.close().unwrap();
@@ -142,11 +98,7 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
 
     let mut sequences: Vec<Vec<Op>> = OPS.iter().map(|&op| vec![op]).collect();
     for len in 2..=3 {
-        let shorter: Vec<Vec<Op>> = sequences
-            .iter()
-            .filter(|s| s.len() == len - 1)
-            .cloned()
-            .collect();
+        let shorter: Vec<Vec<Op>> = sequences.iter().filter(|s| s.len() == len - 1).cloned().collect();
         for s in shorter {
             for &op in &OPS {
                 let mut longer = s.clone();
@@ -160,30 +112,19 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
         // Count the writes of an uninterrupted run, then cut the power at each of them.
         let probe = Arc::new(SimDisk::from_image(base_image.clone(), 0));
         probe.set_faults(Faults::default());
-        let mut probe_model = Model {
-            durable: base_model.durable.clone(),
-            pending: Vec::new(),
-        };
+        let mut probe_model = Model { durable: base_model.durable.clone(), pending: Vec::new() };
         run_sequence(&probe, sequence, &mut probe_model);
         let writes = probe.writes();
         for crash_at in 1..=writes + 1 {
             for tear_seed in 0..2u64 {
-                let disk = Arc::new(SimDisk::from_image(
-                    base_image.clone(),
-                    crash_at * 2 + tear_seed,
-                ));
-                disk.set_faults(Faults {
-                    crash_at_write: Some(crash_at),
-                    ..Faults::default()
-                });
-                let mut model = Model {
-                    durable: base_model.durable.clone(),
-                    pending: Vec::new(),
-                };
+                let disk = Arc::new(SimDisk::from_image(base_image.clone(), crash_at * 2 + tear_seed));
+                disk.set_faults(Faults { crash_at_write: Some(crash_at), ..Faults::default() });
+                let mut model = Model { durable: base_model.durable.clone(), pending: Vec::new() };
                 run_sequence(&disk, sequence, &mut model);
                 let recovered_disk = Arc::new(SimDisk::from_image(disk.crash_image(), 7));
-                let store = Store::open_backing(recovered_disk.clone(), &test_options())
-                    .unwrap_or_else(|e| panic!("{sequence:?} crash at write {crash_at} (tear {tear_seed}): reopen: {e}"));
+                let store = Store::open_backing(recovered_disk.clone(), &test_options()).unwrap_or_else(|e| {
+                    panic!("{sequence:?} crash at write {crash_at} (tear {tear_seed}): reopen: {e}")
+                });
                 let image = read_all(&store);
                 if let Err(e) = model.check_recovered(&image) {
                     panic!("{sequence:?} crash at write {crash_at} (tear {tear_seed}): {e}");
@@ -191,11 +132,7 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
                 // The recovered store must itself be sound and writable.
                 store.write(0, &data(100, 0x77), true).unwrap();
                 let report = store.check(&mut |_, _| {}).unwrap();
-                assert!(
-                    report.problems.is_empty(),
-                    "{sequence:?} crash at {crash_at}: {:?}",
-                    report.problems
-                );
+                assert!(report.problems.is_empty(), "{sequence:?} crash at {crash_at}: {:?}", report.problems);
                 runs += 1;
             }
         }

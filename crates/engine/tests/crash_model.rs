@@ -50,50 +50,32 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
         1 => Codec::Zstd { level: 1 },
         _ => Codec::Deflate { level: 6 },
     };
-    let mut disk = new_disk(
-        s.segments,
-        s.segment_bytes,
-        s.logical_bytes,
-        codec,
-        rng.gen(),
-    );
+    let mut disk = new_disk(s.segments, s.segment_bytes, s.logical_bytes, codec, rng.gen());
     let mut model = Model::new(s.logical_bytes);
     let options = test_options();
     if s.fill {
-        let store = Store::open_backing(disk.clone(), &options)
-            .map_err(|e| format!("open for fill: {e}"))?;
+        let store = Store::open_backing(disk.clone(), &options).map_err(|e| format!("open for fill: {e}"))?;
         for offset in (0..s.logical_bytes).step_by(64 << 10) {
             let len = (64 << 10).min(s.logical_bytes - offset);
             let data = block_data(&mut rng, len as usize, s.incompressible_percent);
-            store
-                .write(offset, &data, false)
-                .map_err(|e| format!("fill write at {offset}: {e}"))?;
+            store.write(offset, &data, false).map_err(|e| format!("fill write at {offset}: {e}"))?;
             model.pending.push(Request::Write { offset, data });
             if offset % (1 << 20) == 0 {
-                store
-                    .maintain()
-                    .map_err(|e| format!("fill maintain: {e}"))?;
+                store.maintain().map_err(|e| format!("fill maintain: {e}"))?;
             }
         }
-        store
-            .close()
-            .map_err(|e| format!("close after fill: {e}"))?;
+        store.close().map_err(|e| format!("close after fill: {e}"))?;
         model.flushed();
     }
     let mut crashes = 0;
     let mut no_space = 0;
     for cycle in 0..s.cycles {
-        let store = Store::open_backing(disk.clone(), &options)
-            .map_err(|e| format!("cycle {cycle}: reopen failed: {e}"))?;
+        let store =
+            Store::open_backing(disk.clone(), &options).map_err(|e| format!("cycle {cycle}: reopen failed: {e}"))?;
         let recovered = read_all(&store);
-        model
-            .check_recovered(&recovered)
-            .map_err(|e| format!("cycle {cycle}: {e}"))?;
+        model.check_recovered(&recovered).map_err(|e| format!("cycle {cycle}: {e}"))?;
         let crash_at = rng.gen_bool(0.7).then(|| rng.gen_range(1..=30));
-        disk.set_faults(Faults {
-            crash_at_write: crash_at,
-            ..Faults::default()
-        });
+        disk.set_faults(Faults { crash_at_write: crash_at, ..Faults::default() });
         for op in 0..s.ops_per_cycle {
             let roll = rng.gen_range(0..100);
             let failed = |e: zdisk_engine::Error, what: &str| -> Result<bool, String> {
@@ -102,9 +84,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
                 } else if e.kind() == ErrorKind::NoSpace {
                     Ok(false)
                 } else {
-                    Err(format!(
-                        "cycle {cycle} op {op}: unexpected error from {what}: {e}"
-                    ))
+                    Err(format!("cycle {cycle} op {op}: unexpected error from {what}: {e}"))
                 }
             };
             let w = s.write_percent;
@@ -119,10 +99,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
             } else if roll < w + 14 {
                 let request = if roll < w {
                     let (offset, len) = random_range(&mut rng, s.logical_bytes, 16);
-                    Request::Write {
-                        offset,
-                        data: block_data(&mut rng, len as usize, s.incompressible_percent),
-                    }
+                    Request::Write { offset, data: block_data(&mut rng, len as usize, s.incompressible_percent) }
                 } else if roll < w + 7 {
                     let (offset, len) = random_range(&mut rng, s.logical_bytes, 64);
                     Request::Trim { offset, len }
@@ -157,7 +134,9 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
                     Ok(()) => {
                         let current = model.current();
                         if buf[..] != current[offset as usize..(offset + len) as usize] {
-                            return Err(format!("cycle {cycle} op {op}: read [{offset}, +{len}) does not return the latest write"));
+                            return Err(format!(
+                                "cycle {cycle} op {op}: read [{offset}, +{len}) does not return the latest write"
+                            ));
                         }
                         false
                     }
@@ -183,14 +162,9 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
         drop(store);
         disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
     }
-    let store =
-        Store::open_backing(disk.clone(), &options).map_err(|e| format!("final reopen: {e}"))?;
-    model
-        .check_recovered(&read_all(&store))
-        .map_err(|e| format!("final: {e}"))?;
-    let report = store
-        .check(&mut |_, _| {})
-        .map_err(|e| format!("check: {e}"))?;
+    let store = Store::open_backing(disk.clone(), &options).map_err(|e| format!("final reopen: {e}"))?;
+    model.check_recovered(&read_all(&store)).map_err(|e| format!("final: {e}"))?;
+    let report = store.check(&mut |_, _| {}).map_err(|e| format!("check: {e}"))?;
     if !report.problems.is_empty() {
         return Err(format!("check found problems: {:?}", report.problems));
     }

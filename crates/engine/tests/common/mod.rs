@@ -26,9 +26,7 @@ impl Request {
             Request::Write { offset, data } => {
                 image[*offset as usize..*offset as usize + data.len()].copy_from_slice(data)
             }
-            Request::Zero { offset, len } => {
-                image[*offset as usize..(*offset + *len) as usize].fill(0)
-            }
+            Request::Zero { offset, len } => image[*offset as usize..(*offset + *len) as usize].fill(0),
             Request::Trim { offset, len } => {
                 // Only whole blocks are unmapped (read as zero); partial edges keep their data.
                 let start = offset.div_ceil(BLOCK) * BLOCK;
@@ -88,10 +86,7 @@ pub struct Model {
 
 impl Model {
     pub fn new(logical_bytes: u64) -> Model {
-        Model {
-            durable: vec![0; logical_bytes as usize],
-            pending: Vec::new(),
-        }
+        Model { durable: vec![0; logical_bytes as usize], pending: Vec::new() }
     }
 
     pub fn current(&self) -> Vec<u8> {
@@ -117,26 +112,16 @@ impl Model {
             .iter()
             .map(|r| {
                 let (o, l) = r.range();
-                (
-                    (o / BLOCK * BLOCK) as usize,
-                    ((o + l).div_ceil(BLOCK) * BLOCK) as usize,
-                )
+                ((o / BLOCK * BLOCK) as usize, ((o + l).div_ceil(BLOCK) * BLOCK) as usize)
             })
             .collect();
-        let is_touched = |block: usize| {
-            touched
-                .iter()
-                .any(|&(s, e)| block * BLOCK as usize >= s && block * (BLOCK as usize) < e)
-        };
-        for (block, (got, want)) in recovered
-            .chunks(BLOCK as usize)
-            .zip(self.durable.chunks(BLOCK as usize))
-            .enumerate()
+        let is_touched =
+            |block: usize| touched.iter().any(|&(s, e)| block * BLOCK as usize >= s && block * (BLOCK as usize) < e);
+        for (block, (got, want)) in
+            recovered.chunks(BLOCK as usize).zip(self.durable.chunks(BLOCK as usize)).enumerate()
         {
             if !is_touched(block) && got != want {
-                return Err(format!(
-                    "block {block} changed although no request after the last flush touched it"
-                ));
+                return Err(format!("block {block} changed although no request after the last flush touched it"));
             }
         }
         let matches = |image: &[u8]| touched.iter().all(|&(s, e)| recovered[s..e] == image[s..e]);
@@ -161,9 +146,7 @@ impl Model {
                 let first_bad = touched
                     .iter()
                     .flat_map(|&(s, e)| (s..e).step_by(BLOCK as usize))
-                    .find(|&at| {
-                        recovered[at..at + BLOCK as usize] != self.durable[at..at + BLOCK as usize]
-                    });
+                    .find(|&at| recovered[at..at + BLOCK as usize] != self.durable[at..at + BLOCK as usize]);
                 Err(format!(
                     "recovered image is not the last flushed state plus a prefix of the {} later requests (first differing block from the flushed state at byte {:?}); requests: {:?}",
                     self.pending.len(),
@@ -178,28 +161,16 @@ impl Model {
 pub fn read_all(store: &Store) -> Vec<u8> {
     let mut image = vec![0u8; store.logical_size_bytes() as usize];
     for (i, chunk) in image.chunks_mut(1 << 20).enumerate() {
-        store
-            .read((i as u64) << 20, chunk)
-            .expect("read after recovery");
+        store.read((i as u64) << 20, chunk).expect("read after recovery");
     }
     image
 }
 
 pub fn test_options() -> OpenOptions {
-    OpenOptions {
-        background: false,
-        checkpoint_interval_bytes: 192 << 10,
-        ..OpenOptions::default()
-    }
+    OpenOptions { background: false, checkpoint_interval_bytes: 192 << 10, ..OpenOptions::default() }
 }
 
-pub fn new_disk(
-    segments: u64,
-    segment_bytes: u64,
-    logical_bytes: u64,
-    codec: Codec,
-    seed: u64,
-) -> Arc<SimDisk> {
+pub fn new_disk(segments: u64, segment_bytes: u64, logical_bytes: u64, codec: Codec, seed: u64) -> Arc<SimDisk> {
     let disk = Arc::new(SimDisk::new((1 << 20) + segments * segment_bytes, seed));
     Store::format_backing(
         disk.as_ref(),
@@ -220,13 +191,8 @@ pub fn seeds(count: u64) -> Vec<u64> {
     if let Ok(seed) = std::env::var("ZDISK_TEST_SEED") {
         return vec![seed.parse().expect("ZDISK_TEST_SEED must be a number")];
     }
-    let base = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    (0..count)
-        .map(|i| base.wrapping_mul(6364136223846793005).wrapping_add(i))
-        .collect()
+    let base = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    (0..count).map(|i| base.wrapping_mul(6364136223846793005).wrapping_add(i)).collect()
 }
 
 pub fn rng(seed: u64) -> StdRng {

@@ -1,0 +1,216 @@
+//! Space management: running out of physical space is an everyday event. Writes that need
+//! space fail with ENOSPC and no partial effect, reads/trim/zero/flush keep working, trims
+//! give the space back, and a crash while full harms nothing.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use rand::Rng;
+use zdisk_engine::sim::{Faults, SimDisk};
+use zdisk_engine::{Codec, ErrorKind, Store};
+
+#[test]
+fn out_of_space_cycles_lose_nothing_and_trims_give_space_back() {
+    for seed in seeds(1) {
+        let outcome = std::panic::catch_unwind(|| out_of_space_cycles(seed));
+        if outcome.is_err() {
+            panic!("out_of_space_cycles failed with seed {seed}; rerun: ZDISK_TEST_SEED={seed} cargo test -p zdisk-engine --test space");
+        }
+    }
+}
+
+fn out_of_space_cycles(seed: u64) {
+    let mut rng = rng(seed);
+    let logical = 4u64 << 20; // twice the physical data area: incompressible data cannot fit
+    let mut disk = new_disk(32, 64 << 10, logical, Codec::Lz4, seed);
+    let mut model = Model::new(logical);
+    let mut store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    let mut full_cycles = 0;
+    for cycle in 0..100 {
+        let crash_this_cycle = cycle % 10 == 9;
+        if crash_this_cycle {
+            disk.set_faults(Faults { crash_at_write: Some(rng.gen_range(1..40)), ..Faults::default() });
+        }
+        let mut writes_ok = 0;
+        let mut crashed = false;
+        loop {
+            let offset = rng.gen_range(0..logical / BLOCK - 4) * BLOCK;
+            let request = Request::Write { offset, data: block_data(&mut rng, 4 * BLOCK as usize, 100) };
+            match request.run(&store, false) {
+                Ok(()) => {
+                    model.pending.push(request);
+                    writes_ok += 1;
+                    if writes_ok % 8 == 0 {
+                        match store.flush() {
+                            Ok(()) => model.flushed(),
+                            Err(_) if disk.crashed() => {
+                                crashed = true;
+                                break;
+                            }
+                            Err(e) => panic!("cycle {cycle}: flush: {e}"),
+                        }
+                    }
+                }
+                Err(_) if disk.crashed() => {
+                    model.pending.push(request);
+                    crashed = true;
+                    break;
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::NoSpace, "cycle {cycle}: {e}");
+                    full_cycles += 1;
+                    break;
+                }
+            }
+        }
+        if crashed {
+            disk.power_off();
+            drop(store);
+            disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
+            store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+            model.check_recovered(&read_all(&store)).unwrap_or_else(|e| panic!("cycle {cycle} after crash: {e}"));
+            continue;
+        }
+        // Full: everything written before reads back, flush and reads still work.
+        assert_eq!(store.stats().space_flag, 2, "cycle {cycle}");
+        store.flush().unwrap();
+        model.flushed();
+        assert!(read_all(&store) == model.current(), "cycle {cycle}: data differs after ENOSPC");
+        // Trim about 10% of the device (trim must work while full), then write again.
+        for _ in 0..8 {
+            let offset = rng.gen_range(0..logical / BLOCK - 13) * BLOCK;
+            let request = Request::Trim { offset, len: 13 * BLOCK };
+            request.run(&store, false).unwrap_or_else(|e| panic!("cycle {cycle}: trim while full: {e}"));
+            model.pending.push(request);
+        }
+        let zero = Request::Zero { offset: rng.gen_range(0..logical / BLOCK - 2) * BLOCK, len: 2 * BLOCK };
+        zero.run(&store, true).unwrap_or_else(|e| panic!("cycle {cycle}: write-zeroes while full: {e}"));
+        model.pending.push(zero);
+        model.flushed();
+        let offset = rng.gen_range(0..logical / BLOCK - 1) * BLOCK;
+        let request = Request::Write { offset, data: block_data(&mut rng, BLOCK as usize, 100) };
+        request
+            .run(&store, true)
+            .unwrap_or_else(|e| panic!("cycle {cycle}: write after trimming: {e}; {:?}", store.stats()));
+        model.pending.push(request);
+        model.flushed();
+    }
+    assert!(full_cycles >= 80, "only {full_cycles} cycles reached ENOSPC");
+    store.close().unwrap();
+}
+
+#[test]
+fn overwriting_compressible_data_with_incompressible_until_full_and_back() {
+    let mut rng = rng(11);
+    let logical = 5u64 << 20; // 1.25x the physical data area
+    let disk = new_disk(64, 64 << 10, logical, Codec::Zstd { level: 1 }, 11);
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    let mut image = vec![0u8; logical as usize];
+    for offset in (0..logical).step_by(64 << 10) {
+        let data = block_data(&mut rng, 64 << 10, 0);
+        store.write(offset, &data, false).unwrap();
+        image[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+    }
+    let ratio = store.stats().comp_ratio;
+    assert!(ratio > 1.5, "2:1 data stored at ratio {ratio}");
+    let mut full_at = None;
+    for offset in (0..logical).step_by(16 << 10) {
+        let data = block_data(&mut rng, 16 << 10, 100);
+        match store.write(offset, &data, false) {
+            Ok(()) => image[offset as usize..offset as usize + data.len()].copy_from_slice(&data),
+            Err(e) => {
+                assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
+                full_at = Some(offset);
+                break;
+            }
+        }
+    }
+    let full_at = full_at.expect("1.25x of incompressible data cannot fit");
+    // Full must mean full: most of the data area holds live data by then.
+    let stats = store.stats();
+    let data_area = stats.segments_total * stats.segment_size_bytes;
+    assert!(
+        stats.physical_size * 10 >= data_area * 7,
+        "ENOSPC with only {} of {data_area} bytes live",
+        stats.physical_size
+    );
+    assert!(read_all(&store) == image);
+    // The reverse: compressible data over the incompressible part always fits.
+    for offset in (0..full_at).step_by(16 << 10) {
+        let data = block_data(&mut rng, 16 << 10, 0);
+        store
+            .write(offset, &data, false)
+            .unwrap_or_else(|e| panic!("compressible overwrite at {offset}: {e} {:?}", store.stats()));
+        image[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+    }
+    store.flush().unwrap();
+    assert!(read_all(&store) == image);
+    assert!(store.stats().space_flag < 2);
+}
+
+#[test]
+fn ten_times_logical_capacity_holds_a_sparse_pattern_and_grows() {
+    let mut rng = rng(12);
+    let physical_data = 32u64 * (64 << 10);
+    let logical = 10 * ((1 << 20) + physical_data);
+    let disk = new_disk(32, 64 << 10, logical, Codec::Lz4, 12);
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    let mut written = Vec::new();
+    for offset in (0..logical).step_by(256 << 10) {
+        let data = block_data(&mut rng, BLOCK as usize, 30);
+        store.write(offset, &data, false).unwrap();
+        written.push((offset, data));
+    }
+    store.write(logical - BLOCK, &block_data(&mut rng, BLOCK as usize, 0), true).unwrap();
+    assert!(store.resize(logical / 2).is_err(), "shrink below mapped data must be refused");
+    store.resize(2 * logical).unwrap();
+    store.write(2 * logical - BLOCK, &[7u8; 4096], true).unwrap();
+    store.close().unwrap();
+    let disk = Arc::new(SimDisk::from_image(disk.image(), 1));
+    let store = Store::open_backing(disk, &test_options()).unwrap();
+    assert_eq!(store.logical_size_bytes(), 2 * logical);
+    for (offset, data) in written {
+        let mut back = vec![0u8; data.len()];
+        store.read(offset, &mut back).unwrap();
+        assert!(back == data, "block at {offset}");
+    }
+    let mut back = [0u8; 4096];
+    store.read(2 * logical - BLOCK, &mut back).unwrap();
+    assert_eq!(back, [7u8; 4096]);
+}
+
+#[test]
+fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    Store::format(
+        &path,
+        &zdisk_engine::FormatOptions {
+            physical_size_bytes: 64 << 20,
+            logical_size_bytes: 64 << 20,
+            codec: Codec::Lz4,
+            segment_size_bytes: Some(1 << 20),
+            force: false,
+        },
+    )
+    .unwrap();
+    let store = Store::open(&path, &zdisk_engine::OpenOptions { background: false, ..Default::default() }).unwrap();
+    let mut rng = rng(13);
+    let data = block_data(&mut rng, 32 << 20, 100);
+    store.write(0, &data, true).unwrap();
+    let allocated_full = std::fs::metadata(&path).unwrap().blocks() * 512;
+    assert!(allocated_full >= 28 << 20, "allocated {allocated_full}");
+    store.trim(0, 32 << 20, true).unwrap();
+    while store.collect_garbage(64).unwrap() > 0 {}
+    store.checkpoint().unwrap();
+    store.checkpoint().unwrap();
+    let allocated_after = std::fs::metadata(&path).unwrap().blocks() * 512;
+    assert!(
+        allocated_after < allocated_full / 4,
+        "backing file still holds {allocated_after} of {allocated_full} bytes"
+    );
+    assert!(store.stats().free_space > 48 << 20);
+}
