@@ -32,3 +32,18 @@ pub use store::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, Sto
 pub const BLOCK_SIZE: usize = 4096;
 /// The backing I/O unit: every backing offset and length is a multiple of it.
 pub const SECTOR_SIZE: usize = 4096;
+
+/// Entry points for the fuzz targets in `fuzz/`: every on-disk decoder, fed arbitrary bytes,
+/// must return an error rather than panic or hang.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub fn decode_superblock(bytes: &[u8]) -> bool {
+        crate::format::Superblock::decode(bytes).is_ok()
+    }
+    pub fn decode_record_header(bytes: &[u8]) -> bool {
+        crate::format::RecordHeader::decode(bytes).is_ok()
+    }
+    pub fn decode_checkpoint(bytes: &[u8]) -> bool {
+        crate::format::Checkpoint::decode(bytes).is_ok()
+    }
+}

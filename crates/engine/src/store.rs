@@ -193,6 +193,8 @@ struct Log {
     checkpoint_bytes: u64,
     /// Segments GC could not fully parse (damaged); never cleaned.
     unparseable: Vec<u32>,
+    /// Moving average of the bytes a cleaned segment gives back (segment size − live).
+    gc_freed_bytes_average: f64,
 }
 
 struct Geometry {
@@ -557,6 +559,7 @@ impl Store {
             buffer_pool: Vec::new(),
             checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
             unparseable: Vec::new(),
+            gc_freed_bytes_average: sb.segment_size_bytes as f64,
         };
         let inner = Inner {
             backing,
@@ -716,13 +719,28 @@ impl Store {
     #[doc(hidden)]
     pub fn maintain(&self) -> Result<()> {
         self.inner.check_writable()?;
-        self.inner.background_step()
+        self.inner.background_step().map(|_| ())
     }
 
     /// Writes a checkpoint now (and frees segments it makes reusable).
     pub fn checkpoint(&self) -> Result<()> {
         self.inner.check_writable()?;
         self.inner.checkpoint_now()
+    }
+
+    /// Drops the store like a power cut would: no flush, no checkpoint; what was not yet
+    /// durable is gone. For crash benchmarks and tests on real files.
+    #[doc(hidden)]
+    pub fn abandon(mut self) {
+        self.closed = true;
+        self.inner.failed.store(true, Ordering::Release);
+        let mut signal = self.inner.signal.lock();
+        signal.stop = true;
+        self.inner.signal_cv.notify_all();
+        drop(signal);
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
     }
 
     /// Flushes and writes a checkpoint, so the next open replays nothing.
@@ -777,6 +795,7 @@ fn empty_log() -> Log {
         buffer_pool: Vec::new(),
         checkpoint_bytes: 0,
         unparseable: Vec::new(),
+        gc_freed_bytes_average: 0.0,
     }
 }
 
@@ -1119,9 +1138,14 @@ impl Inner {
     fn reserve_segments(&self, log: &Log, class: SpaceClass) -> u64 {
         let capacity = self.geometry.segment_capacity();
         let mapped = log.stored_blocks + log.zero_blocks;
-        // Uncompressed, a checkpoint is 16 bytes per mapped block and 33 per segment; zstd
-        // shrinks that, but the reserve must not depend on how well.
-        let checkpoint_estimate = (mapped * 16 + self.geometry.segment_count * 33 + 4096).max(log.checkpoint_bytes);
+        // A checkpoint is at most 16 bytes per mapped block and 33 per segment before zstd;
+        // until one has been written, assume that. After, twice the last one's size (the
+        // map would have to more than double in a checkpoint interval to outgrow it).
+        let checkpoint_estimate = if log.checkpoint_bytes == 0 {
+            mapped * 16 + self.geometry.segment_count * 33 + 4096
+        } else {
+            2 * log.checkpoint_bytes + 4096
+        };
         let checkpoint_segments = checkpoint_estimate.div_ceil(capacity);
         match class {
             // Each class leaves the ones below it room to work; GC must always be able to
@@ -1202,7 +1226,8 @@ impl Inner {
             }
             attempts += 1;
             let mut cleaned = 0;
-            while cleaned < 8 {
+            let batch = self.gc_batch_segments().max(8);
+            while cleaned < batch {
                 match self.gc_once(true) {
                     Ok(true) => cleaned += 1,
                     Ok(false) => break,
@@ -1753,9 +1778,10 @@ impl Inner {
             }
         };
         let base = self.geometry.segment_base(victim);
-        let end = {
+        let (end, usage_live_before) = {
             let log = self.log.lock();
-            round_up(log.segments[victim as usize].end_bytes, SECTOR_SIZE as u64)
+            let usage = log.segments[victim as usize];
+            (round_up(usage.end_bytes, SECTOR_SIZE as u64), usage.live_bytes)
         };
         let mut image = new_buffer(end as usize);
         if end > 0 {
@@ -1803,6 +1829,8 @@ impl Inner {
             return Ok(true);
         }
         let free_at_generation = log.snapshot_generation + 2;
+        let freed = (self.geometry.segment_size_bytes - usage_live_before.min(self.geometry.segment_size_bytes)) as f64;
+        log.gc_freed_bytes_average = 0.9 * log.gc_freed_bytes_average + 0.1 * freed;
         log.segments[victim as usize] = SegmentUsage { state: SegmentState::Cleaned, free_at_generation, ..usage };
         Counters::add(&self.counters.gc_segments_cleaned, 1);
         Ok(true)
@@ -1826,13 +1854,17 @@ impl Inner {
             if self.check_writable().is_err() {
                 continue;
             }
-            if let Err(e) = self.background_step() {
-                tracing::warn!("background work: {e}");
+            match self.background_step() {
+                Ok(true) => self.kick_worker(),
+                Ok(false) => {}
+                Err(e) => tracing::warn!("background work: {e}"),
             }
         }
     }
 
-    fn background_step(&self) -> Result<()> {
+    /// One round of background work; returns whether it did any GC or checkpoint work (the
+    /// worker then goes again at once instead of sleeping).
+    fn background_step(&self) -> Result<bool> {
         let (unwritten, sealed) = {
             let log = self.log.lock();
             (log.open.as_ref().map_or(0, |o| o.append_offset - o.written_offset), log.sealed_unwritten.len())
@@ -1840,25 +1872,43 @@ impl Inner {
         if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.write_out(false)?;
         }
-        // Keep a cushion of free segments so host writes rarely wait for GC.
-        let (free, cleaned, low, since) = {
+        // GC keeps a cushion of free segments so host writes rarely wait for it. Cleaned
+        // segments become free only through checkpoints, and a checkpoint costs about the
+        // size of the map, so checkpoints are batched: one per `batch` cleaned segments,
+        // sized so the checkpoint is at most an eighth of the space it frees.
+        let (free, cleaned, reserve, cushion, batch, since) = {
             let log = self.log.lock();
+            let segment_size = self.geometry.segment_size_bytes;
             let reserve = self.reserve_segments(&log, SpaceClass::Host);
-            let cushion = (self.geometry.segment_count / 8).max(4);
+            // Space a cleaned segment gives back, from the recent victims.
+            let freed_per_segment = (log.gc_freed_bytes_average as u64).clamp(segment_size / 64, segment_size);
+            let batch = (8 * log.checkpoint_bytes).div_ceil(freed_per_segment).max(2);
+            let cushion = (self.geometry.segment_count / 32).max(4).max(2 * batch + 2);
             let cleaned = log.segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
-            (log.free.len() as u64, cleaned, reserve + cushion, log.bytes_since_checkpoint)
+            (log.free.len() as u64, cleaned, reserve, cushion, batch, log.bytes_since_checkpoint)
         };
-        if free + cleaned < low {
-            let mut rounds = 0;
-            while rounds < 4 && self.gc_once(false)? {
-                rounds += 1;
+        let mut cleaned_now = cleaned;
+        let mut busy = false;
+        if free + cleaned < reserve + cushion {
+            while cleaned_now < 2 * batch + 2 && self.gc_once(false)? {
+                cleaned_now += 1;
+                busy = true;
             }
         }
-        let cleaned_now = self.log.lock().segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
-        if since >= self.options.checkpoint_interval_bytes || (free < low && cleaned_now > 0) {
+        let urgent = free < reserve + 2 && cleaned_now > 0;
+        if since >= self.options.checkpoint_interval_bytes || cleaned_now >= batch || urgent {
             self.checkpoint_now()?;
+            busy = true;
         }
-        Ok(())
+        Ok(busy)
+    }
+
+    /// How many segments foreground GC cleans before it checkpoints (see `background_step`).
+    fn gc_batch_segments(&self) -> u64 {
+        let log = self.log.lock();
+        let segment_size = self.geometry.segment_size_bytes;
+        let freed_per_segment = (log.gc_freed_bytes_average as u64).clamp(segment_size / 64, segment_size);
+        (8 * log.checkpoint_bytes).div_ceil(freed_per_segment).max(2)
     }
 
     // ---------------------------------------------------------------- recovery
