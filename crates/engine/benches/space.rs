@@ -102,6 +102,48 @@ fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
     store.close().unwrap();
 }
 
+/// Padding plus metadata as a share of the physical bytes used, after a sequential fill with
+/// 2:1 data in 128 KiB writes (the reviewers' fill), flushed every 64 MiB.
+fn fill_overhead(logical_bytes: u64) {
+    let dir = bench_dir();
+    let path = dir.path().join("fill.zdisk");
+    Store::format(
+        &path,
+        &FormatOptions {
+            physical_size_bytes: logical_bytes,
+            logical_size_bytes: logical_bytes,
+            codec: Codec::Lz4,
+            segment_size_bytes: None,
+            force: true,
+        },
+    )
+    .unwrap();
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    let mut rng = StdRng::seed_from_u64(2);
+    let mut buf = vec![0u8; 128 << 10];
+    for offset in (0..logical_bytes).step_by(128 << 10) {
+        for chunk in buf.chunks_mut(4096) {
+            two_to_one_block(&mut rng, chunk);
+        }
+        store.write(offset, &buf, false).unwrap();
+        if offset % (64 << 20) == 0 {
+            store.flush().unwrap();
+        }
+    }
+    store.close().unwrap();
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    let s = store.stats();
+    println!(
+        "fill: {} MiB of 2:1 data in 128 KiB writes: comp_ratio {:.3}, backing written {} bytes, metadata {} + padding {} = {:.2}% of it",
+        logical_bytes >> 20,
+        s.comp_ratio,
+        s.backing_write_bytes,
+        s.metadata_bytes,
+        s.padding_bytes,
+        100.0 * (s.metadata_bytes + s.padding_bytes) as f64 / s.backing_write_bytes as f64
+    );
+}
+
 fn recovery_time(logical_written_bytes: u64) {
     let dir = bench_dir();
     let path = dir.path().join("recovery.zdisk");
@@ -165,12 +207,17 @@ fn main() {
     println!("| util | logical MiB | WA | worst write ms | ratio | segs cleaned | ENOSPC |");
     println!("|---|---|---|---|---|---|---|");
     let points: Vec<f64> = match std::env::var("ZDISK_BENCH_UTIL") {
-        Ok(list) => list.split(',').map(|p| p.parse().expect("ZDISK_BENCH_UTIL: comma-separated fractions")).collect(),
+        Ok(list) => list
+            .split(',')
+            .filter(|p| !p.is_empty())
+            .map(|p| p.parse().expect("ZDISK_BENCH_UTIL: comma-separated fractions"))
+            .collect(),
         Err(_) => vec![0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9],
     };
     for utilisation in points {
         wa_point(physical, utilisation, quick);
     }
+    fill_overhead(if quick { 256 << 20 } else { 1 << 30 });
     if std::env::var("ZDISK_BENCH_NO_RECOVERY").is_err() {
         recovery_time(if quick { 512 << 20 } else { 2 << 30 });
     }
