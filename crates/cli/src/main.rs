@@ -1,1 +1,103 @@
-fn main() {}
+//! `zdisk`: format, serve, inspect, check, attach and benchmark zdisk stores.
+//!
+//! A thin front end: storage logic lives in `zdisk_engine`, NBD in nbdkit and the plugin.
+//! Wrong use exits non-zero with a one-line reason (clap usage errors exit 2; `check` exits
+//! 3 when it finds damage; every other failure exits 1).
+
+mod attach;
+mod commands;
+mod demo;
+mod runtime;
+mod serve;
+mod size;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "zdisk",
+    version,
+    about = "zdisk: a software compressing block device served over NBD",
+    long_about = "zdisk turns a file or block device into a compressed, thin-provisioned, \
+                  log-structured, crash-safe block store, and serves it over NBD through nbdkit.\n\n\
+                  Sizes take K/M/G/T suffixes (binary: 1K = 1024). A logical size may also be \
+                  written Nx: N times the physical size.\n\n\
+                  Quick start:\n  \
+                  zdisk format disk.zdisk --physical-size 10G --logical-size 3x\n  \
+                  zdisk serve disk.zdisk --unix /tmp/zdisk.sock\n  \
+                  zdisk stat disk.zdisk"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Create a store on a file (created at the physical size) or a block device.
+    ///
+    /// Refuses to overwrite an existing zdisk store or other data unless --force.
+    Format(commands::FormatArgs),
+    /// Serve a store over NBD with nbdkit, in the foreground.
+    ///
+    /// Prints the NBD URI on stdout once the server accepts connections. SIGINT/SIGTERM stop it
+    /// cleanly: connections close, the store is flushed and checkpointed. A store that is
+    /// already being served is refused.
+    Serve(serve::ServeArgs),
+    /// Show the capacity statistics and the engine's counters, served or not.
+    ///
+    /// The capacity-stat table (free_space physical_size logical_size comp_ratio
+    /// provisioned_cap space_flag, in bytes), write amplification and every engine statistic.
+    /// When the store is being served the numbers are the server's live ones.
+    Stat(commands::StatArgs),
+    /// Verify every record header, every block checksum and the space accounting.
+    ///
+    /// Progress goes to stderr. Exit 0 when clean, 3 with the list of problems otherwise.
+    /// The store must not be being served.
+    Check(commands::CheckArgs),
+    /// Change the logical size (capacity multiplier).
+    ///
+    /// Offline: grow or shrink (a shrink is refused while data is mapped past the new end).
+    /// While served: grow only; clients see the new size when they reconnect.
+    Resize(commands::ResizeArgs),
+    /// Print a block device backed by the store's server (starting one if needed).
+    ///
+    /// Uses the kernel NBD client where /dev/nbd* exists, otherwise nbdfuse plus a loop device.
+    Attach(attach::AttachArgs),
+    /// Undo `zdisk attach`: release the device and stop the server attach started.
+    Detach(attach::DetachArgs),
+    /// Format a scratch store, serve it, write real data through NBD, show the statistics.
+    Demo(demo::DemoArgs),
+    /// Benchmark zdisk against a raw baseline with fio.
+    Bench(zdisk_bench::BenchArgs),
+    /// Total-cost-of-ownership model for compressed storage.
+    Tco(zdisk_tco::TcoArgs),
+}
+
+fn main() {
+    // SAFETY: restoring the default SIGPIPE action before any thread starts, so that
+    // `zdisk stat | head` ends quietly like other Unix tools instead of panicking on EPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Cmd::Format(args) => commands::format(args).map(|()| 0),
+        Cmd::Serve(args) => serve::run(args).map(|()| 0),
+        Cmd::Stat(args) => commands::stat(args).map(|()| 0),
+        Cmd::Check(args) => commands::check(args),
+        Cmd::Resize(args) => commands::resize(args).map(|()| 0),
+        Cmd::Attach(args) => attach::attach(args).map(|()| 0),
+        Cmd::Detach(args) => attach::detach(args).map(|()| 0),
+        Cmd::Demo(args) => demo::run(args).map(|()| 0),
+        Cmd::Bench(args) => zdisk_bench::run(args).map(|()| 0),
+        Cmd::Tco(args) => zdisk_tco::run(args).map(|()| 0),
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(error) => {
+            eprintln!("zdisk: error: {error:#}");
+            std::process::exit(1);
+        }
+    }
+}

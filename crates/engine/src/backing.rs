@@ -92,7 +92,7 @@ impl FileBacking {
     }
 
     fn needs_bounce(&self, ptr: *const u8) -> bool {
-        self.direct && (ptr as usize) % SECTOR_SIZE != 0
+        self.direct && !(ptr as usize).is_multiple_of(SECTOR_SIZE)
     }
 }
 

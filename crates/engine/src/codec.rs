@@ -8,8 +8,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::BLOCK_SIZE;
 
 /// A codec as chosen at format time (with its level).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Codec {
+    #[default]
     Lz4,
     Zstd {
         level: i32,
@@ -39,12 +40,6 @@ impl CodecTag {
             3 => Ok(CodecTag::Deflate),
             other => Err(Error::new(ErrorKind::Corrupt, format!("unknown codec tag {other}"))),
         }
-    }
-}
-
-impl Default for Codec {
-    fn default() -> Codec {
-        Codec::Lz4
     }
 }
 

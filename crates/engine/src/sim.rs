@@ -69,7 +69,7 @@ pub struct SimDisk {
 }
 
 fn power_lost() -> io::Error {
-    io::Error::new(io::ErrorKind::Other, "simulated power loss")
+    io::Error::other("simulated power loss")
 }
 
 impl SimDisk {

@@ -402,7 +402,10 @@ impl Store {
         let physical_size_bytes = backing.size_bytes() / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
         let segment_size_bytes =
             options.segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
-        if segment_size_bytes < 64 << 10 || segment_size_bytes % (64 << 10) != 0 || segment_size_bytes > 256 << 20 {
+        if segment_size_bytes < 64 << 10
+            || !segment_size_bytes.is_multiple_of(64 << 10)
+            || segment_size_bytes > 256 << 20
+        {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("segment size {segment_size_bytes} must be a multiple of 64 KiB between 64 KiB and 256 MiB"),
@@ -421,7 +424,7 @@ impl Store {
             return Err(Error::new(ErrorKind::InvalidArgument, "physical size above 64 TiB"));
         }
         let logical = options.logical_size_bytes;
-        if logical == 0 || logical % BLOCK_SIZE as u64 != 0 || logical > 1 << 46 {
+        if logical == 0 || !logical.is_multiple_of(BLOCK_SIZE as u64) || logical > 1 << 46 {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("logical size {logical} must be a non-zero multiple of 4096 up to 64 TiB"),
@@ -631,7 +634,10 @@ impl Store {
     /// new end. Persisted by a checkpoint before it returns.
     pub fn resize(&self, logical_size_bytes: u64) -> Result<()> {
         self.inner.check_writable()?;
-        if logical_size_bytes == 0 || logical_size_bytes % BLOCK_SIZE as u64 != 0 || logical_size_bytes > 1 << 46 {
+        if logical_size_bytes == 0
+            || !logical_size_bytes.is_multiple_of(BLOCK_SIZE as u64)
+            || logical_size_bytes > 1 << 46
+        {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 64 TiB"),
@@ -1687,7 +1693,7 @@ impl Inner {
             checkpoint_chunks: chunks,
             ..durable_sb.clone()
         };
-        let slot = (sb.generation % 2) as u64 * SUPERBLOCK_SLOT_BYTES as u64;
+        let slot = (sb.generation % 2) * SUPERBLOCK_SLOT_BYTES as u64;
         let bytes = sb.encode();
         self.backing.write_at(slot, &bytes).map_err(|e| self.fail(Error::io("write superblock", e)))?;
         self.backing.sync().map_err(|e| self.fail(Error::io("sync superblock", e)))?;

@@ -31,19 +31,12 @@ pub struct BenchFigures {
 /// Reads the measured figures; fails when the report holds neither.
 pub fn read_bench_report(report: &Value) -> anyhow::Result<BenchFigures> {
     let Some(top) = report.as_object() else {
-        bail!(
-            "bench report must be a JSON object, got {}",
-            json_kind(report)
-        );
+        bail!("bench report must be a JSON object, got {}", json_kind(report));
     };
     // `zdisk bench` writes `null` for a figure it could not measure: treat it as absent.
     let present = |key: &str| top.get(key).filter(|v| !v.is_null());
-    let mut comp_ratio = present("comp_ratio")
-        .map(|v| positive_number(v, "comp_ratio"))
-        .transpose()?;
-    let mut perf_ratio = present("perf_multiplier")
-        .map(|v| positive_number(v, "perf_multiplier"))
-        .transpose()?;
+    let mut comp_ratio = present("comp_ratio").map(|v| positive_number(v, "comp_ratio")).transpose()?;
+    let mut perf_ratio = present("perf_multiplier").map(|v| positive_number(v, "perf_multiplier")).transpose()?;
     let mut sources = Vec::new();
     if comp_ratio.is_some() {
         sources.push("comp_ratio".to_string());
@@ -54,20 +47,14 @@ pub fn read_bench_report(report: &Value) -> anyhow::Result<BenchFigures> {
 
     if comp_ratio.is_none() || perf_ratio.is_none() {
         if let Some(summary) = present("summary") {
-            let rows = summary.as_array().with_context(|| {
-                format!(
-                    "bench report `summary` must be an array, got {}",
-                    json_kind(summary)
-                )
-            })?;
+            let rows = summary
+                .as_array()
+                .with_context(|| format!("bench report `summary` must be an array, got {}", json_kind(summary)))?;
             let mut comps = Vec::new();
             let mut perfs = Vec::new();
             for (index, row) in rows.iter().enumerate() {
                 let Some(row) = row.as_object() else {
-                    bail!(
-                        "bench report `summary[{index}]` must be an object, got {}",
-                        json_kind(row)
-                    );
+                    bail!("bench report `summary[{index}]` must be an object, got {}", json_kind(row));
                 };
                 let at = |key: &str| format!("summary[{index}].{key}");
                 let field = |key: &str| row.get(key).filter(|v| !v.is_null());
@@ -84,10 +71,7 @@ pub fn read_bench_report(report: &Value) -> anyhow::Result<BenchFigures> {
             }
             if comp_ratio.is_none() && !comps.is_empty() {
                 comp_ratio = Some(geometric_mean(&comps));
-                sources.push(format!(
-                    "geometric mean of summary[].comp_ratio over {} rows",
-                    comps.len()
-                ));
+                sources.push(format!("geometric mean of summary[].comp_ratio over {} rows", comps.len()));
             }
             if perf_ratio.is_none() && !perfs.is_empty() {
                 perf_ratio = Some(geometric_mean(&perfs));
@@ -112,22 +96,14 @@ pub fn read_bench_report(report: &Value) -> anyhow::Result<BenchFigures> {
              `zdisk_iops` and `raw_iops`); top-level keys present: {keys:?}{why}"
         );
     }
-    Ok(BenchFigures {
-        comp_ratio,
-        perf_ratio,
-        source: sources.join("; "),
-    })
+    Ok(BenchFigures { comp_ratio, perf_ratio, source: sources.join("; ") })
 }
 
 /// Fills the measured figures into the existing column named `column`:
 /// `compression_ratio = comp_ratio`, `performance_multiplier = 1 / perf_ratio` (a column that
 /// is k times slower needs k times the hardware for the same throughput). A figure the report
 /// lacks leaves the field as it was.
-pub fn apply_bench_report(
-    config: &mut Config,
-    report: &Value,
-    column: &str,
-) -> anyhow::Result<BenchFigures> {
+pub fn apply_bench_report(config: &mut Config, report: &Value, column: &str) -> anyhow::Result<BenchFigures> {
     let figures = read_bench_report(report)?;
     let Some(index) = config.column_index(column) else {
         let names: Vec<&str> = config.columns.iter().map(|c| c.name.as_str()).collect();
@@ -142,9 +118,7 @@ pub fn apply_bench_report(
     if let Some(perf_ratio) = figures.perf_ratio {
         workload.performance_multiplier = 1.0 / perf_ratio;
     }
-    updated
-        .validate()
-        .context("the config after applying the bench report")?;
+    updated.validate().context("the config after applying the bench report")?;
     *config = updated;
     Ok(figures)
 }
@@ -153,10 +127,7 @@ fn positive_number(value: &Value, key: &str) -> anyhow::Result<f64> {
     match value.as_f64() {
         Some(number) if number.is_finite() && number > 0.0 => Ok(number),
         Some(number) => bail!("bench report `{key}` must be > 0, got {number}"),
-        None => bail!(
-            "bench report `{key}` must be a number, got {}",
-            json_kind(value)
-        ),
+        None => bail!("bench report `{key}` must be a number, got {}", json_kind(value)),
     }
 }
 
@@ -204,12 +175,8 @@ mod tests {
     #[test]
     fn wrong_type_names_the_key() {
         let err = read_bench_report(&json!({"comp_ratio": "2"})).unwrap_err();
-        assert!(
-            err.to_string().contains("`comp_ratio` must be a number"),
-            "{err}"
-        );
-        let err =
-            read_bench_report(&json!({"summary": [{"raw_iops": 0, "zdisk_iops": 1}]})).unwrap_err();
+        assert!(err.to_string().contains("`comp_ratio` must be a number"), "{err}");
+        let err = read_bench_report(&json!({"summary": [{"raw_iops": 0, "zdisk_iops": 1}]})).unwrap_err();
         assert!(err.to_string().contains("summary[0].raw_iops"), "{err}");
     }
 }

@@ -107,8 +107,7 @@ pub struct Workload {
 impl Config {
     /// The appendix's three columns.
     pub fn published_default() -> Config {
-        Config::from_toml_str(PUBLISHED_DEFAULT_TOML)
-            .expect("the built-in published_default.toml is valid (tested)")
+        Config::from_toml_str(PUBLISHED_DEFAULT_TOML).expect("the built-in published_default.toml is valid (tested)")
     }
 
     /// Parses and validates; errors name the failing field.
@@ -121,8 +120,7 @@ impl Config {
     pub fn from_file(path: &std::path::Path) -> anyhow::Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read TCO configuration {}", path.display()))?;
-        Config::from_toml_str(&text)
-            .with_context(|| format!("in TCO configuration {}", path.display()))
+        Config::from_toml_str(&text).with_context(|| format!("in TCO configuration {}", path.display()))
     }
 
     pub fn to_toml_string(&self) -> anyhow::Result<String> {
@@ -148,10 +146,7 @@ impl Config {
                 bail!("config field `{path}.name` must not be empty");
             }
             if !names.insert(column.name.as_str()) {
-                bail!(
-                    "config field `{path}.name`: column name {:?} is used twice",
-                    column.name
-                );
+                bail!("config field `{path}.name`: column name {:?} is used twice", column.name);
             }
             if !self.racks.contains_key(&column.rack) {
                 let known: Vec<&str> = self.racks.keys().map(String::as_str).collect();
@@ -181,12 +176,7 @@ impl RackProfile {
 
     fn validate(&self, path: &str) -> anyhow::Result<()> {
         use Rule::*;
-        check(
-            path,
-            "datacenter_usd_per_rack_month",
-            self.datacenter_usd_per_rack_month,
-            NonNegative,
-        )?;
+        check(path, "datacenter_usd_per_rack_month", self.datacenter_usd_per_rack_month, NonNegative)?;
         check(path, "rack_usd", self.rack_usd, NonNegative)?;
         check(path, "server_usd", self.server_usd, NonNegative)?;
         check(path, "jbod_usd", self.jbod_usd, NonNegative)?;
@@ -194,19 +184,9 @@ impl RackProfile {
         check(path, "server_watts", self.server_watts, NonNegative)?;
         check(path, "jbod_watts", self.jbod_watts, NonNegative)?;
         check(path, "switch_watts", self.switch_watts, NonNegative)?;
-        check(
-            path,
-            "electricity_usd_per_kwh",
-            self.electricity_usd_per_kwh,
-            NonNegative,
-        )?;
+        check(path, "electricity_usd_per_kwh", self.electricity_usd_per_kwh, NonNegative)?;
         check(path, "pue", self.pue, AtLeast(1.0))?;
-        check(
-            path,
-            "drive_replacement_usd",
-            self.drive_replacement_usd,
-            NonNegative,
-        )?;
+        check(path, "drive_replacement_usd", self.drive_replacement_usd, NonNegative)?;
         // Capacity divides every per-TB figure, so a rack without drives is an input error.
         if self.drives_per_rack() == 0 {
             bail!(
@@ -235,24 +215,9 @@ impl Workload {
         use Rule::*;
         check(path, "deployment_years", self.deployment_years, Positive)?;
         // Below 1 the encoding would create capacity out of nothing.
-        check(
-            path,
-            "encoding_overhead",
-            self.encoding_overhead,
-            AtLeast(1.0),
-        )?;
-        check(
-            path,
-            "performance_multiplier",
-            self.performance_multiplier,
-            Positive,
-        )?;
-        check(
-            path,
-            "capacity_utilization_percent",
-            self.capacity_utilization_percent,
-            PositivePercent,
-        )?;
+        check(path, "encoding_overhead", self.encoding_overhead, AtLeast(1.0))?;
+        check(path, "performance_multiplier", self.performance_multiplier, Positive)?;
+        check(path, "capacity_utilization_percent", self.capacity_utilization_percent, PositivePercent)?;
         check(path, "duty_cycle_percent", self.duty_cycle_percent, Percent)?;
         check(path, "compression_ratio", self.compression_ratio, Positive)
     }
@@ -321,11 +286,7 @@ mod tests {
     #[test]
     fn effective_per_raw_of_the_published_columns() {
         let config = Config::published_default();
-        let factors: Vec<f64> = config
-            .columns
-            .iter()
-            .map(|c| c.workload.effective_per_raw())
-            .collect();
+        let factors: Vec<f64> = config.columns.iter().map(|c| c.workload.effective_per_raw()).collect();
         // 0.9 x 2.2 / 1.5 / 1.32 = 1 ; 0.9 x 2 / 1.5 / 1 = 1.2
         assert!((factors[0] - 1.0).abs() < 1e-12);
         assert!((factors[1] - 1.2).abs() < 1e-12);

@@ -78,8 +78,8 @@ pub fn output(args: &TcoArgs) -> anyhow::Result<String> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read bench report {}", path.display()))?;
-            let report: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("bench report {} is not JSON", path.display()))?;
+            let report: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("bench report {} is not JSON", path.display()))?;
             add_column_like_first(&mut config, &args.bench_column);
             let figures = apply_bench_report(&mut config, &report, &args.bench_column)
                 .with_context(|| format!("in bench report {}", path.display()))?;
@@ -89,11 +89,7 @@ pub fn output(args: &TcoArgs) -> anyhow::Result<String> {
     };
     let report = compute(&config);
     if args.json {
-        let document = JsonOutput {
-            config: &config,
-            bench: bench.as_ref(),
-            report: &report,
-        };
+        let document = JsonOutput { config: &config, bench: bench.as_ref(), report: &report };
         let mut text = serde_json::to_string_pretty(&document)?;
         text.push('\n');
         return Ok(text);
@@ -115,11 +111,7 @@ pub fn add_column_like_first(config: &mut Config, name: &str) {
     if config.column_index(name).is_some() {
         return;
     }
-    let mut column = config
-        .columns
-        .first()
-        .expect("a validated config has a column")
-        .clone();
+    let mut column = config.columns.first().expect("a validated config has a column").clone();
     column.name = name.to_string();
     column.workload.performance_multiplier = 1.0;
     config.columns.push(column);

@@ -78,10 +78,8 @@ pub fn compute(config: &Config) -> Report {
         .columns
         .iter()
         .map(|column| {
-            let rack = config
-                .racks
-                .get(&column.rack)
-                .expect("validate() checked that every column's rack profile exists");
+            let rack =
+                config.racks.get(&column.rack).expect("validate() checked that every column's rack profile exists");
             compute_column(column, rack)
         })
         .collect();
@@ -97,23 +95,16 @@ fn compute_column(column: &Column, rack: &RackProfile) -> ColumnReport {
     let jbods_f = f64::from(rack.jbods_per_rack);
 
     // Totals: utility servers cost money, power and space but hold no drives.
-    let rack_capex_usd =
-        rack.rack_usd + servers_f * rack.server_usd + jbods_f * rack.jbod_usd + rack.switch_usd;
+    let rack_capex_usd = rack.rack_usd + servers_f * rack.server_usd + jbods_f * rack.jbod_usd + rack.switch_usd;
     let rack_watts = servers_f * rack.server_watts + jbods_f * rack.jbod_watts + rack.switch_watts;
     let rack_size_ru = rack.all_servers_per_rack() * u64::from(rack.server_ru)
         + u64::from(rack.jbods_per_rack) * u64::from(rack.jbod_ru)
         + u64::from(rack.switch_ru);
 
     let effective = workload.effective_per_raw();
-    assert!(
-        effective.is_finite() && effective > 0.0,
-        "validated inputs give a positive factor"
-    );
+    assert!(effective.is_finite() && effective > 0.0, "validated inputs give a positive factor");
     let capacity_per_rack_tb = drive.capacity_gb * drives_f / GB_PER_TB;
-    assert!(
-        capacity_per_rack_tb > 0.0,
-        "validate() requires drives and capacity"
-    );
+    assert!(capacity_per_rack_tb > 0.0, "validate() requires drives and capacity");
     let effective_capacity_per_rack_tbe = capacity_per_rack_tb * effective;
     let months = workload.deployment_years * MONTHS_PER_YEAR;
     let hours = workload.deployment_years * HOURS_PER_YEAR;
@@ -128,17 +119,14 @@ fn compute_column(column: &Column, rack: &RackProfile) -> ColumnReport {
 
     // OpEx. Energy is billed at the facility meter, so IT watts are scaled by the PUE.
     let duty = workload.duty_cycle_percent / 100.0;
-    let power_storage_watts =
-        drives_f * (drive.active_watts * duty + drive.idle_watts * (1.0 - duty));
+    let power_storage_watts = drives_f * (drive.active_watts * duty + drive.idle_watts * (1.0 - duty));
     // The rack's power budget must cover every drive active at once.
     let power_max_watts = rack_watts + drives_f * drive.active_watts;
     let usd_per_watt_term = hours / WATTS_PER_KW * rack.electricity_usd_per_kwh * rack.pue;
     let opex_storage_usd = power_storage_watts * usd_per_watt_term;
     let opex_rack_usd = rack_watts * usd_per_watt_term;
-    let opex_drive_failures_usd = drives_f
-        * (drive.afr_percent / 100.0)
-        * workload.deployment_years
-        * rack.drive_replacement_usd;
+    let opex_drive_failures_usd =
+        drives_f * (drive.afr_percent / 100.0) * workload.deployment_years * rack.drive_replacement_usd;
     let opex_rackspace_cooling_usd = rack.datacenter_usd_per_rack_month * months;
     let opex_total_per_rack_usd =
         opex_storage_usd + opex_rack_usd + opex_drive_failures_usd + opex_rackspace_cooling_usd;

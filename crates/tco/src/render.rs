@@ -17,67 +17,34 @@ const LINES: &[Line] = &[
     Line::Row("Power per rack (W)", |c| format!("{:.1}", c.rack_watts)),
     Line::Row("Size per rack (RU)", |c| c.rack_size_ru.to_string()),
     Line::Section("Workload"),
-    Line::Row("Compression ratio (logical:stored)", |c| {
-        format!("{:.2}:1", c.compression_ratio)
-    }),
-    Line::Row("Data reduction ratio (stored/logical)", |c| {
-        format!("{:.2}%", c.data_reduction_percent)
-    }),
-    Line::Row("Performance multiplier", |c| {
-        format!("{:.3}", c.performance_multiplier)
-    }),
-    Line::Row("Effective TB per raw TB", |c| {
-        format!("{:.4}", c.effective_tb_per_raw_tb)
-    }),
+    Line::Row("Compression ratio (logical:stored)", |c| format!("{:.2}:1", c.compression_ratio)),
+    Line::Row("Data reduction ratio (stored/logical)", |c| format!("{:.2}%", c.data_reduction_percent)),
+    Line::Row("Performance multiplier", |c| format!("{:.3}", c.performance_multiplier)),
+    Line::Row("Effective TB per raw TB", |c| format!("{:.4}", c.effective_tb_per_raw_tb)),
     Line::Section("CapEx"),
-    Line::Row("Capacity per rack (TB)", |c| {
-        format!("{:.2}", c.capacity_per_rack_tb)
-    }),
-    Line::Row("CapEx storage (per rack)", |c| {
-        usd(c.capex_storage_per_rack_usd)
-    }),
+    Line::Row("Capacity per rack (TB)", |c| format!("{:.2}", c.capacity_per_rack_tb)),
+    Line::Row("CapEx storage (per rack)", |c| usd(c.capex_storage_per_rack_usd)),
     Line::Row("CapEx rack", |c| usd(c.capex_rack_usd)),
-    Line::Row(
-        "CapEx total (per rack)",
-        |c| usd(c.capex_total_per_rack_usd),
-    ),
+    Line::Row("CapEx total (per rack)", |c| usd(c.capex_total_per_rack_usd)),
     Line::Row("CapEx total per TB raw", |c| usd(c.capex_per_tb_raw_usd)),
-    Line::Row("CapEx total per TBe (effective)", |c| {
-        usd(c.capex_per_tbe_usd)
-    }),
-    Line::Row("CapEx per TBe per month of deployment", |c| {
-        usd(c.capex_per_tbe_month_usd)
-    }),
+    Line::Row("CapEx total per TBe (effective)", |c| usd(c.capex_per_tbe_usd)),
+    Line::Row("CapEx per TBe per month of deployment", |c| usd(c.capex_per_tbe_month_usd)),
     Line::Section("OpEx (over the deployment term)"),
-    Line::Row("Power storage (active/idle/duty, W)", |c| {
-        format!("{:.1}", c.power_storage_watts)
-    }),
-    Line::Row("Power max (rack limit, W)", |c| {
-        format!("{:.1}", c.power_max_watts)
-    }),
+    Line::Row("Power storage (active/idle/duty, W)", |c| format!("{:.1}", c.power_storage_watts)),
+    Line::Row("Power max (rack limit, W)", |c| format!("{:.1}", c.power_max_watts)),
     Line::Row("OpEx storage", |c| usd(c.opex_storage_usd)),
     Line::Row("OpEx rack", |c| usd(c.opex_rack_usd)),
-    Line::Row("OpEx drive failures / replacement", |c| {
-        usd(c.opex_drive_failures_usd)
-    }),
-    Line::Row("OpEx rackspace / cooling", |c| {
-        usd(c.opex_rackspace_cooling_usd)
-    }),
+    Line::Row("OpEx drive failures / replacement", |c| usd(c.opex_drive_failures_usd)),
+    Line::Row("OpEx rackspace / cooling", |c| usd(c.opex_rackspace_cooling_usd)),
     Line::Row("OpEx total per rack", |c| usd(c.opex_total_per_rack_usd)),
     Line::Row("OpEx per TB raw", |c| usd(c.opex_per_tb_raw_usd)),
     Line::Row("OpEx per TBe (effective)", |c| usd(c.opex_per_tbe_usd)),
     Line::Row("OpEx per TBe per month", |c| usd(c.opex_per_tbe_month_usd)),
     Line::Section("Total cost of ownership"),
     Line::Row("TCO (OpEx + CapEx) per TBe", |c| usd(c.tco_per_tbe_usd)),
-    Line::Row("TCO per TBe per month of deployment", |c| {
-        usd(c.tco_per_tbe_month_usd)
-    }),
-    Line::Row("Capacity per rack (PB)", |c| {
-        format!("{:.3}", c.capacity_per_rack_pb)
-    }),
-    Line::Row("Effective capacity per rack (PBe)", |c| {
-        format!("{:.3}", c.effective_capacity_per_rack_pbe)
-    }),
+    Line::Row("TCO per TBe per month of deployment", |c| usd(c.tco_per_tbe_month_usd)),
+    Line::Row("Capacity per rack (PB)", |c| format!("{:.3}", c.capacity_per_rack_pb)),
+    Line::Row("Effective capacity per rack (PBe)", |c| format!("{:.3}", c.effective_capacity_per_rack_pbe)),
 ];
 
 /// The aligned text table, ending in a newline.
@@ -112,10 +79,7 @@ pub fn render_table(report: &Report) -> String {
     });
     for row in &grid {
         let Some(row) = row else {
-            out.push_str(&format!(
-                "\n{}\n",
-                sections.next().expect("one title per section")
-            ));
+            out.push_str(&format!("\n{}\n", sections.next().expect("one title per section")));
             continue;
         };
         // Labels left-aligned, figures right-aligned so decimal points line up.
@@ -138,16 +102,12 @@ pub fn usd(amount_usd: f64) -> String {
     let digits = whole.to_string();
     let mut grouped = String::new();
     for (i, ch) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             grouped.push(',');
         }
         grouped.push(ch);
     }
-    let sign = if amount_usd < 0.0 && cents > 0.0 {
-        "-"
-    } else {
-        ""
-    };
+    let sign = if amount_usd < 0.0 && cents > 0.0 { "-" } else { "" };
     format!("{sign}${grouped}.{frac:02}")
 }
 

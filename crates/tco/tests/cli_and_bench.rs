@@ -40,26 +40,11 @@ fn sample_summary_report() -> Value {
 #[test]
 fn default_table_shows_the_published_headline_figures() {
     let text = run_cli(&[]).unwrap();
-    for needle in [
-        "Ceph baseline",
-        "Ceph CS SSD 15.36TB",
-        "$565.09",
-        "$389.19",
-        "$141.05",
-        "$9.42",
-        "$6.49",
-        "$2.35",
-    ] {
+    for needle in ["Ceph baseline", "Ceph CS SSD 15.36TB", "$565.09", "$389.19", "$141.05", "$9.42", "$6.49", "$2.35"] {
         assert!(text.contains(needle), "table lacks {needle}:\n{text}");
     }
-    let tco_line = text
-        .lines()
-        .find(|l| l.starts_with("TCO (OpEx + CapEx) per TBe"))
-        .unwrap();
-    assert!(
-        tco_line.ends_with("$565.09             $389.19              $141.05"),
-        "{tco_line}"
-    );
+    let tco_line = text.lines().find(|l| l.starts_with("TCO (OpEx + CapEx) per TBe")).unwrap();
+    assert!(tco_line.ends_with("$565.09             $389.19              $141.05"), "{tco_line}");
 }
 
 #[test]
@@ -71,51 +56,31 @@ fn json_output_is_one_object_with_the_report() {
     let tco = columns[1]["tco_per_tbe_usd"].as_f64().unwrap();
     assert_eq!((tco * 100.0).round() / 100.0, 389.19);
     assert!(value["bench"].is_null());
-    assert_eq!(
-        value["config"]["column"][0]["workload"]["compression_ratio"],
-        2.2
-    );
+    assert_eq!(value["config"]["column"][0]["workload"]["compression_ratio"], 2.2);
 }
 
 #[test]
 fn printed_default_config_is_the_built_in_one() {
     let text = run_cli(&["--print-default-config"]).unwrap();
-    assert_eq!(
-        Config::from_toml_str(&text).unwrap(),
-        Config::published_default()
-    );
+    assert_eq!(Config::from_toml_str(&text).unwrap(), Config::published_default());
     let path = write_tmp("tco-default.toml", &text);
-    assert_eq!(
-        run_cli(&["--config", path.to_str().unwrap()]).unwrap(),
-        run_cli(&[]).unwrap()
-    );
+    assert_eq!(run_cli(&["--config", path.to_str().unwrap()]).unwrap(), run_cli(&[]).unwrap());
     assert!(run_cli(&["--print-default-config", "--json"]).is_err());
 }
 
 #[test]
 fn bad_config_file_error_reaches_the_cli() {
-    let path = write_tmp(
-        "tco-cli-bad.toml",
-        &PUBLISHED_DEFAULT.replacen("pue = 1.0\n", "pue = 1.0\nfoo = 1\n", 1),
-    );
+    let path = write_tmp("tco-cli-bad.toml", &PUBLISHED_DEFAULT.replacen("pue = 1.0\n", "pue = 1.0\nfoo = 1\n", 1));
     let err = run_cli(&["--config", path.to_str().unwrap()]).unwrap_err();
-    assert!(
-        format!("{err:#}").contains("unknown field `foo`"),
-        "{err:#}"
-    );
+    assert!(format!("{err:#}").contains("unknown field `foo`"), "{err:#}");
 }
 const PUBLISHED_DEFAULT: &str = zdisk_tco::PUBLISHED_DEFAULT_TOML;
 
 #[test]
 fn from_bench_adds_a_zdisk_column_with_measured_figures() {
-    let path = write_tmp(
-        "tco-bench-summary.json",
-        &sample_summary_report().to_string(),
-    );
-    let value: Value = serde_json::from_str(
-        &run_cli(&["--from-bench", path.to_str().unwrap(), "--json"]).unwrap(),
-    )
-    .unwrap();
+    let path = write_tmp("tco-bench-summary.json", &sample_summary_report().to_string());
+    let value: Value =
+        serde_json::from_str(&run_cli(&["--from-bench", path.to_str().unwrap(), "--json"]).unwrap()).unwrap();
     let columns = value["report"]["columns"].as_array().unwrap();
     assert_eq!(columns.len(), 4);
     let zdisk = &columns[3];
@@ -132,10 +97,7 @@ fn from_bench_adds_a_zdisk_column_with_measured_figures() {
     let baseline_tco = columns[0]["tco_per_tbe_usd"].as_f64().unwrap();
     assert!((get("tco_per_tbe_usd") - baseline_tco / 1.134).abs() < 1e-9);
     assert_eq!(zdisk_tco::usd(get("tco_per_tbe_usd")), "$498.32");
-    assert!(value["bench"]["source"]
-        .as_str()
-        .unwrap()
-        .contains("summary"));
+    assert!(value["bench"]["source"].as_str().unwrap().contains("summary"));
 
     let table = run_cli(&["--from-bench", path.to_str().unwrap()]).unwrap();
     assert!(table.contains("filled from the bench report"), "{table}");
@@ -144,18 +106,9 @@ fn from_bench_adds_a_zdisk_column_with_measured_figures() {
 
 #[test]
 fn from_bench_fills_a_named_existing_column() {
-    let path = write_tmp(
-        "tco-bench-top.json",
-        r#"{"comp_ratio": 3.0, "perf_multiplier": 1.25}"#,
-    );
-    let text = run_cli(&[
-        "--from-bench",
-        path.to_str().unwrap(),
-        "--bench-column",
-        "Ceph CS SSD 3.84TB",
-        "--json",
-    ])
-    .unwrap();
+    let path = write_tmp("tco-bench-top.json", r#"{"comp_ratio": 3.0, "perf_multiplier": 1.25}"#);
+    let text =
+        run_cli(&["--from-bench", path.to_str().unwrap(), "--bench-column", "Ceph CS SSD 3.84TB", "--json"]).unwrap();
     let value: Value = serde_json::from_str(&text).unwrap();
     let columns = value["report"]["columns"].as_array().unwrap();
     assert_eq!(columns.len(), 3);
@@ -166,12 +119,9 @@ fn from_bench_fills_a_named_existing_column() {
 #[test]
 fn apply_bench_report_top_level_keys() {
     let mut config = Config::published_default();
-    let figures = apply_bench_report(
-        &mut config,
-        &json!({"comp_ratio": 1.8, "perf_multiplier": 0.5}),
-        "Ceph CS SSD 15.36TB",
-    )
-    .unwrap();
+    let figures =
+        apply_bench_report(&mut config, &json!({"comp_ratio": 1.8, "perf_multiplier": 0.5}), "Ceph CS SSD 15.36TB")
+            .unwrap();
     assert_eq!(figures.comp_ratio, Some(1.8));
     assert_eq!(figures.perf_ratio, Some(0.5));
     let w = &config.columns[2].workload;
@@ -192,10 +142,7 @@ fn reads_the_zdisk_bench_report_shape() {
         "results": [], "notes": [], "errors": []
     });
     let figures = zdisk_tco::read_bench_report(&report).unwrap();
-    assert_eq!(
-        (figures.comp_ratio, figures.perf_ratio),
-        (Some(2.04), Some(0.87))
-    );
+    assert_eq!((figures.comp_ratio, figures.perf_ratio), (Some(2.04), Some(0.87)));
 
     // Only the ratio measured: the performance figure falls back to nothing and is left alone.
     let partial = json!({"comp_ratio": 1.5, "perf_multiplier": null});
@@ -209,12 +156,8 @@ fn reads_the_zdisk_bench_report_shape() {
 #[test]
 fn apply_bench_report_with_only_a_ratio_keeps_the_multiplier() {
     let mut config = Config::published_default();
-    apply_bench_report(
-        &mut config,
-        &json!({"summary": [{"workload": "w", "comp_ratio": 4.0}]}),
-        "Ceph baseline",
-    )
-    .unwrap();
+    apply_bench_report(&mut config, &json!({"summary": [{"workload": "w", "comp_ratio": 4.0}]}), "Ceph baseline")
+        .unwrap();
     assert_eq!(config.columns[0].workload.compression_ratio, 4.0);
     assert_eq!(config.columns[0].workload.performance_multiplier, 1.32);
 }
@@ -228,32 +171,18 @@ fn unusable_bench_reports_are_clear_errors() {
         (json!([1, 2]), "must be a JSON object"),
         (json!({"comp_ratio": 0}), "`comp_ratio` must be > 0"),
         (json!({"summary": {"w": 1}}), "`summary` must be an array"),
-        (
-            json!({"summary": [{"workload": "w", "ratio": "fast"}]}),
-            "`summary[0].ratio` must be a number",
-        ),
+        (json!({"summary": [{"workload": "w", "ratio": "fast"}]}), "`summary[0].ratio` must be a number"),
     ];
     let null_headline = json!({"schema": "zdisk-bench/1", "comp_ratio": null, "perf_multiplier": null,
         "headline_basis": "the 2:1 data mode was not run", "by_data": []});
-    let cases = [
-        cases.as_slice(),
-        &[(null_headline, "the 2:1 data mode was not run")],
-    ]
-    .concat();
+    let cases = [cases.as_slice(), &[(null_headline, "the 2:1 data mode was not run")]].concat();
     for (report, needle) in cases {
         let err = apply_bench_report(&mut config, &report, "Ceph baseline").unwrap_err();
         assert!(format!("{err:#}").contains(needle), "{report}: {err:#}");
     }
     let err = apply_bench_report(&mut config, &json!({"comp_ratio": 2}), "nope").unwrap_err();
-    assert!(
-        err.to_string().contains("no column named \"nope\""),
-        "{err}"
-    );
-    assert_eq!(
-        config,
-        Config::published_default(),
-        "failed applications change nothing"
-    );
+    assert!(err.to_string().contains("no column named \"nope\""), "{err}");
+    assert_eq!(config, Config::published_default(), "failed applications change nothing");
 
     let path = write_tmp("tco-bench-bad.json", "{ not json");
     let err = run_cli(&["--from-bench", path.to_str().unwrap()]).unwrap_err();

@@ -57,35 +57,15 @@ fn small_configuration_matches_hand_arithmetic() {
         ("data_reduction_percent", c.data_reduction_percent, 40.0),
         // 18 x 1000 GB = 18 TB raw; x 0.8 = 14.4 TBe
         ("capacity_per_rack_tb", c.capacity_per_rack_tb, 18.0),
-        (
-            "effective_capacity_per_rack_tbe",
-            c.effective_capacity_per_rack_tbe,
-            14.4,
-        ),
+        ("effective_capacity_per_rack_tbe", c.effective_capacity_per_rack_tbe, 14.4),
         // 18 x $50 = $900; + 18,500 = 19,400
-        (
-            "capex_storage_per_rack_usd",
-            c.capex_storage_per_rack_usd,
-            900.0,
-        ),
+        ("capex_storage_per_rack_usd", c.capex_storage_per_rack_usd, 900.0),
         ("capex_rack_usd", c.capex_rack_usd, 18_500.0),
-        (
-            "capex_total_per_rack_usd",
-            c.capex_total_per_rack_usd,
-            19_400.0,
-        ),
+        ("capex_total_per_rack_usd", c.capex_total_per_rack_usd, 19_400.0),
         // 19,400 / 18 ; 19,400 / 14.4 ; / 24 months
-        (
-            "capex_per_tb_raw_usd",
-            c.capex_per_tb_raw_usd,
-            19_400.0 / 18.0,
-        ),
+        ("capex_per_tb_raw_usd", c.capex_per_tb_raw_usd, 19_400.0 / 18.0),
         ("capex_per_tbe_usd", c.capex_per_tbe_usd, 19_400.0 / 14.4),
-        (
-            "capex_per_tbe_month_usd",
-            c.capex_per_tbe_month_usd,
-            19_400.0 / 14.4 / 24.0,
-        ),
+        ("capex_per_tbe_month_usd", c.capex_per_tbe_month_usd, 19_400.0 / 14.4 / 24.0),
         // 18 x (10 W x 0.5 + 2 W x 0.5) = 108 W ; 750 + 18 x 10 = 930 W
         ("power_storage_watts", c.power_storage_watts, 108.0),
         ("power_max_watts", c.power_max_watts, 930.0),
@@ -96,41 +76,17 @@ fn small_configuration_matches_hand_arithmetic() {
         // 18 drives x 2 %/year x 2 years x $50 = $36
         ("opex_drive_failures_usd", c.opex_drive_failures_usd, 36.0),
         // $100 x 24 months = $2,400
-        (
-            "opex_rackspace_cooling_usd",
-            c.opex_rackspace_cooling_usd,
-            2400.0,
-        ),
+        ("opex_rackspace_cooling_usd", c.opex_rackspace_cooling_usd, 2400.0),
         // 283.824 + 1971 + 36 + 2400 = 4690.824
-        (
-            "opex_total_per_rack_usd",
-            c.opex_total_per_rack_usd,
-            4690.824,
-        ),
-        (
-            "opex_per_tb_raw_usd",
-            c.opex_per_tb_raw_usd,
-            4690.824 / 18.0,
-        ),
+        ("opex_total_per_rack_usd", c.opex_total_per_rack_usd, 4690.824),
+        ("opex_per_tb_raw_usd", c.opex_per_tb_raw_usd, 4690.824 / 18.0),
         ("opex_per_tbe_usd", c.opex_per_tbe_usd, 4690.824 / 14.4),
-        (
-            "opex_per_tbe_month_usd",
-            c.opex_per_tbe_month_usd,
-            4690.824 / 14.4 / 24.0,
-        ),
+        ("opex_per_tbe_month_usd", c.opex_per_tbe_month_usd, 4690.824 / 14.4 / 24.0),
         // (19,400 + 4690.824) / 14.4 = 1672.9738...; / 24 = 69.7072...
         ("tco_per_tbe_usd", c.tco_per_tbe_usd, 24_090.824 / 14.4),
-        (
-            "tco_per_tbe_month_usd",
-            c.tco_per_tbe_month_usd,
-            24_090.824 / 14.4 / 24.0,
-        ),
+        ("tco_per_tbe_month_usd", c.tco_per_tbe_month_usd, 24_090.824 / 14.4 / 24.0),
         ("capacity_per_rack_pb", c.capacity_per_rack_pb, 0.018),
-        (
-            "effective_capacity_per_rack_pbe",
-            c.effective_capacity_per_rack_pbe,
-            0.0144,
-        ),
+        ("effective_capacity_per_rack_pbe", c.effective_capacity_per_rack_pbe, 0.0144),
     ];
     for (name, got, want) in checks {
         assert!(close(got, want), "{name}: got {got}, want {want}");

@@ -21,30 +21,15 @@ struct Cell {
 const CELLS: &[Cell] = &[
     // Inputs the appendix derives: drive ASP and the rack "Totals" block. The CSD rack's
     // figures are printed once per rack profile; both CS columns use that profile.
-    Cell {
-        row: "ASP ($)",
-        value: |c| c.drive_price_usd,
-        published: [268.80, 268.80, 1075.20],
-        decimals: 2,
-    },
+    Cell { row: "ASP ($)", value: |c| c.drive_price_usd, published: [268.80, 268.80, 1075.20], decimals: 2 },
     Cell {
         row: "Cost, CapEx per Rack",
         value: |c| c.rack_capex_usd,
         published: [94708.0, 72500.0, 72500.0],
         decimals: 0,
     },
-    Cell {
-        row: "Power, W per Rack",
-        value: |c| c.rack_watts,
-        published: [4150.0, 3350.0, 3350.0],
-        decimals: 0,
-    },
-    Cell {
-        row: "Size, RU per Rack",
-        value: |c| c.rack_size_ru as f64,
-        published: [9.0, 9.0, 9.0],
-        decimals: 0,
-    },
+    Cell { row: "Power, W per Rack", value: |c| c.rack_watts, published: [4150.0, 3350.0, 3350.0], decimals: 0 },
+    Cell { row: "Size, RU per Rack", value: |c| c.rack_size_ru as f64, published: [9.0, 9.0, 9.0], decimals: 0 },
     // Workload row "Data Reduction Ratio": the baseline prints 45%, i.e. 1/2.2 = 45.45% shown
     // without decimals (see docs/tco.md).
     Cell {
@@ -66,12 +51,7 @@ const CELLS: &[Cell] = &[
         published: [19354.0, 19354.0, 77414.0],
         decimals: 0,
     },
-    Cell {
-        row: "CapEx Rack",
-        value: |c| c.capex_rack_usd,
-        published: [94708.0, 72500.0, 72500.0],
-        decimals: 0,
-    },
+    Cell { row: "CapEx Rack", value: |c| c.capex_rack_usd, published: [94708.0, 72500.0, 72500.0], decimals: 0 },
     Cell {
         row: "CapEx Total (Per Rack)",
         value: |c| c.capex_total_per_rack_usd,
@@ -170,12 +150,7 @@ const CELLS: &[Cell] = &[
         published: [9.42, 6.49, 2.35],
         decimals: 2,
     },
-    Cell {
-        row: "Capacity per rack (PB)",
-        value: |c| c.capacity_per_rack_pb,
-        published: [0.3, 0.3, 1.1],
-        decimals: 1,
-    },
+    Cell { row: "Capacity per rack (PB)", value: |c| c.capacity_per_rack_pb, published: [0.3, 0.3, 1.1], decimals: 1 },
     Cell {
         row: "Effective Capacity per rack (PBe)",
         value: |c| c.effective_capacity_per_rack_pbe,
@@ -189,19 +164,13 @@ fn default_config_reproduces_every_published_cell() {
     let report = compute(&Config::published_default());
     assert_eq!(report.columns.len(), 3);
     let names: Vec<&str> = report.columns.iter().map(|c| c.name.as_str()).collect();
-    assert_eq!(
-        names,
-        ["Ceph baseline", "Ceph CS SSD 3.84TB", "Ceph CS SSD 15.36TB"]
-    );
+    assert_eq!(names, ["Ceph baseline", "Ceph CS SSD 3.84TB", "Ceph CS SSD 15.36TB"]);
     let mut wrong = Vec::new();
     for cell in CELLS {
         for (column, published) in report.columns.iter().zip(cell.published) {
             let got = shown((cell.value)(column), cell.decimals);
             if got != published {
-                wrong.push(format!(
-                    "{} / {}: published {published}, got {got}",
-                    cell.row, column.name
-                ));
+                wrong.push(format!("{} / {}: published {published}, got {got}", cell.row, column.name));
             }
         }
     }
@@ -211,16 +180,8 @@ fn default_config_reproduces_every_published_cell() {
 #[test]
 fn headline_figures_to_the_cent() {
     let report = compute(&Config::published_default());
-    let tco: Vec<String> = report
-        .columns
-        .iter()
-        .map(|c| zdisk_tco::usd(c.tco_per_tbe_usd))
-        .collect();
-    let monthly: Vec<String> = report
-        .columns
-        .iter()
-        .map(|c| zdisk_tco::usd(c.tco_per_tbe_month_usd))
-        .collect();
+    let tco: Vec<String> = report.columns.iter().map(|c| zdisk_tco::usd(c.tco_per_tbe_usd)).collect();
+    let monthly: Vec<String> = report.columns.iter().map(|c| zdisk_tco::usd(c.tco_per_tbe_month_usd)).collect();
     assert_eq!(tco, ["$565.09", "$389.19", "$141.05"]);
     assert_eq!(monthly, ["$9.42", "$6.49", "$2.35"]);
 }
@@ -235,32 +196,12 @@ fn baseline_data_reduction_printed_as_45_percent_is_really_one_over_2_2() {
     let baseline = &compute(&literal).columns[0];
     // (published, what a literal 45% gives) to the printed precision.
     let cells = [
-        (
-            "CapEx Total per TBe",
-            baseline.capex_per_tbe_usd,
-            412.55,
-            408.42,
-        ),
-        (
-            "CapEx per TBe per month",
-            baseline.capex_per_tbe_month_usd,
-            6.88,
-            6.81,
-        ),
+        ("CapEx Total per TBe", baseline.capex_per_tbe_usd, 412.55, 408.42),
+        ("CapEx per TBe per month", baseline.capex_per_tbe_month_usd, 6.88, 6.81),
         ("OpEx / TBe", baseline.opex_per_tbe_usd, 152.54, 151.02),
-        (
-            "OpEx / TBe per month",
-            baseline.opex_per_tbe_month_usd,
-            2.54,
-            2.52,
-        ),
+        ("OpEx / TBe per month", baseline.opex_per_tbe_month_usd, 2.54, 2.52),
         ("TCO per TBe", baseline.tco_per_tbe_usd, 565.09, 559.44),
-        (
-            "TCO per TBe per month",
-            baseline.tco_per_tbe_month_usd,
-            9.42,
-            9.32,
-        ),
+        ("TCO per TBe per month", baseline.tco_per_tbe_month_usd, 9.42, 9.32),
     ];
     for (row, value, published, literal_gives) in cells {
         assert_eq!(shown(value, 2), literal_gives, "{row}");
@@ -275,10 +216,7 @@ fn baseline_data_reduction_printed_as_45_percent_is_really_one_over_2_2() {
     // (0.9 x 2.2 / 1.5 / 1.32), which is what the published per-TBe cells equal per-TB-raw.
     let chosen = &compute(&Config::published_default()).columns[0];
     assert!((chosen.effective_tb_per_raw_tb - 1.0).abs() < 1e-12);
-    assert_eq!(
-        shown(chosen.capex_per_tbe_usd, 2),
-        shown(chosen.capex_per_tb_raw_usd, 2)
-    );
+    assert_eq!(shown(chosen.capex_per_tbe_usd, 2), shown(chosen.capex_per_tb_raw_usd, 2));
 }
 
 /// The whitepaper's text corroborates 2.2:1: "If we just include the CPU reduction ... TCO
@@ -287,19 +225,13 @@ fn baseline_data_reduction_printed_as_45_percent_is_really_one_over_2_2() {
 fn savings_quoted_in_the_text_follow_from_the_default() {
     let with_perf = compute(&Config::published_default());
     let mut without_perf_config = Config::published_default();
-    without_perf_config.columns[0]
-        .workload
-        .performance_multiplier = 1.0;
+    without_perf_config.columns[0].workload.performance_multiplier = 1.0;
     let without_perf = compute(&without_perf_config);
-    let saving =
-        |r: &zdisk_tco::Report| 1.0 - r.columns[1].tco_per_tbe_usd / r.columns[0].tco_per_tbe_usd;
+    let saving = |r: &zdisk_tco::Report| 1.0 - r.columns[1].tco_per_tbe_usd / r.columns[0].tco_per_tbe_usd;
     assert_eq!((saving(&without_perf) * 100.0).round(), 9.0);
     assert_eq!((saving(&with_perf) * 100.0).round(), 31.0);
 
     // A literal 45% would not give the quoted 9%.
     without_perf_config.columns[0].workload.compression_ratio = 1.0 / 0.45;
-    assert_eq!(
-        (saving(&compute(&without_perf_config)) * 100.0).round(),
-        8.0
-    );
+    assert_eq!((saving(&compute(&without_perf_config)) * 100.0).round(), 8.0);
 }

@@ -1,0 +1,790 @@
+//! The report: records collected during the run, the headline numbers, and the three output
+//! files (report.json, summary.md, report.html).
+
+use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::corpus::CorpusSummary;
+use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::steady::Window;
+use crate::{charts, Config};
+
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Host {
+    pub kernel: String,
+    pub cpu_model: String,
+    pub cpus: usize,
+    pub mem_total_bytes: u64,
+    pub backing_dir: String,
+    pub backing_fs: String,
+    pub fio: String,
+    pub nbdkit: String,
+    pub qemu_nbd: String,
+    /// /proc/loadavg at the start and end: a busy machine makes every number noisier.
+    pub loadavg_start: String,
+    pub loadavg_end: String,
+}
+
+pub fn loadavg() -> String {
+    fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
+impl Host {
+    pub fn probe(backing: &Path) -> Host {
+        let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let backing_fs = fs::read_to_string("/proc/mounts")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() > 2 && backing.starts_with(f[1]))
+                    .then(|| (f[1].len(), format!("{} on {} ({})", f[0], f[1], f[2])))
+            })
+            .max()
+            .map(|(_, s)| s)
+            .unwrap_or_default();
+        Host {
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
+            cpu_model: cpuinfo
+                .lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|s| s.trim_start_matches([' ', '\t', ':']).to_string())
+                .unwrap_or_default(),
+            cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            mem_total_bytes: meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|s| s.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+                .unwrap_or(0),
+            backing_dir: backing.display().to_string(),
+            backing_fs,
+            fio: crate::server::tool_version("fio"),
+            nbdkit: crate::server::tool_version("nbdkit"),
+            qemu_nbd: crate::server::tool_version("qemu-nbd"),
+            loadavg_start: loadavg(),
+            loadavg_end: String::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetInfo {
+    pub key: TargetKind,
+    pub title: &'static str,
+    pub description: &'static str,
+    pub o_direct: bool,
+}
+
+/// One `zdisk stat --json` sample, for the ratio / write-amplification timeline.
+#[derive(Clone, Debug, Serialize)]
+pub struct StatSample {
+    pub t_s: f64,
+    pub data: DataMode,
+    pub phase: String,
+    /// Increments at every `zdisk format`, so charts do not join unrelated stores.
+    pub format_gen: u32,
+    pub comp_ratio: Option<f64>,
+    pub write_amplification: Option<f64>,
+    pub host_write_bytes: Option<f64>,
+    pub backing_write_bytes: Option<f64>,
+    pub free_space: Option<f64>,
+    pub physical_size: Option<f64>,
+    pub logical_size: Option<f64>,
+    pub space_flag: Option<f64>,
+}
+
+impl StatSample {
+    pub fn from_stat(t_s: f64, data: DataMode, phase: &str, format_gen: u32, v: &Value) -> Self {
+        let f = |k: &str| v.get(k).and_then(Value::as_f64);
+        StatSample {
+            t_s,
+            data,
+            phase: phase.to_string(),
+            format_gen,
+            comp_ratio: f("comp_ratio"),
+            write_amplification: f("write_amplification"),
+            host_write_bytes: f("host_write_bytes"),
+            backing_write_bytes: f("backing_write_bytes"),
+            free_space: f("free_space"),
+            physical_size: f("physical_size"),
+            logical_size: f("logical_size"),
+            space_flag: f("space_flag"),
+        }
+    }
+}
+
+/// Server-side cost and zdisk statistics measured around one fio job.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct JobCost {
+    /// CPU seconds of the server process tree during the job.
+    pub server_cpu_s: f64,
+    pub gib_moved: f64,
+    pub server_cpu_s_per_gib: Option<f64>,
+    /// fio's own CPU use (percent of one core), the client side.
+    pub client_cpu_pct: f64,
+    /// Bytes the server tree sent to storage (/proc/PID/io write_bytes) per byte fio wrote:
+    /// the OS's view of write amplification, comparable across all targets.
+    pub os_write_amplification: Option<f64>,
+    /// zdisk only: comp_ratio after the job.
+    pub comp_ratio: Option<f64>,
+    /// zdisk only: cumulative write amplification since format, after the job.
+    pub write_amplification: Option<f64>,
+    /// zdisk only: backing bytes / host bytes written during this job alone.
+    pub job_write_amplification: Option<f64>,
+    /// zdisk only: the full `zdisk stat --json` object after the job.
+    pub zdisk_stat: Option<Value>,
+}
+
+/// One measured point: workload x target x data x queue depth.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobResult {
+    pub data: DataMode,
+    pub workload: WorkloadKind,
+    pub workload_title: &'static str,
+    pub target: TargetKind,
+    pub qd: u32,
+    pub iops: f64,
+    pub read_iops: f64,
+    pub write_iops: f64,
+    pub mb_per_s: f64,
+    /// The worse of the read and write 99th percentile completion latency.
+    pub p99_us: Option<f64>,
+    pub read_p99_us: Option<f64>,
+    pub write_p99_us: Option<f64>,
+    pub read_p50_us: Option<f64>,
+    pub write_p50_us: Option<f64>,
+    pub mean_lat_us: Option<f64>,
+    pub runtime_s: f64,
+    pub cost: JobCost,
+    pub iops_per_interval: Vec<f64>,
+    pub interval_ms: u64,
+    pub fio_json: String,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FillRecord {
+    pub data: DataMode,
+    pub target: TargetKind,
+    pub phase: String,
+    pub range_bytes: u64,
+    pub passes: u32,
+    pub tool: String,
+    pub secs: f64,
+    pub mb_per_s: f64,
+    pub cost: JobCost,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PreconditionRecord {
+    pub data: DataMode,
+    pub workload: WorkloadKind,
+    pub target: TargetKind,
+    pub qd: u32,
+    pub round_ms: u64,
+    pub rounds_run: u32,
+    /// Mean IOPS of each round (the tracked metric).
+    pub round_iops: Vec<f64>,
+    pub iops_per_interval: Vec<f64>,
+    pub interval_ms: u64,
+    pub steady_state_reached: bool,
+    /// "steady state reached at round N" or "steady state not reached (limit N rounds)".
+    pub verdict: String,
+    pub window: Option<Window>,
+    pub cost: JobCost,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ConsistencyRecord {
+    pub data: DataMode,
+    pub target: TargetKind,
+    /// Extra spare area: 25 means only 75% of the space is exposed (zdisk: smaller logical
+    /// size; raw: a smaller range of the file).
+    pub spare_pct: u32,
+    pub range_bytes: u64,
+    pub qd: u32,
+    pub iops_per_interval: Vec<f64>,
+    pub interval_ms: u64,
+    pub mean_iops: f64,
+    pub min_iops: f64,
+    pub max_iops: f64,
+    /// Standard deviation / mean of the per-interval IOPS: lower is more consistent.
+    pub cov: f64,
+    pub cost: JobCost,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct DataSummary {
+    pub data: DataMode,
+    /// zdisk comp_ratio at the end of this data mode's main runs.
+    pub comp_ratio: Option<f64>,
+    /// Geometric mean over every (workload, QD) of zdisk IOPS / raw IOPS.
+    pub perf_multiplier: Option<f64>,
+    pub pairs: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub schema: &'static str,
+    pub command: String,
+    pub started_unix_s: u64,
+    pub wall_s: f64,
+    /// zdisk comp_ratio for the 2:1 data (a TCO tool reads this key).
+    pub comp_ratio: Option<f64>,
+    /// zdisk / raw (qemu-nbd, O_DIRECT) IOPS, geometric mean over all 2:1 points (a TCO tool
+    /// reads this key).
+    pub perf_multiplier: Option<f64>,
+    pub headline_basis: String,
+    pub by_data: Vec<DataSummary>,
+    pub host: Host,
+    pub config: Config,
+    pub targets: Vec<TargetInfo>,
+    pub corpus: Option<CorpusSummary>,
+    pub fills: Vec<FillRecord>,
+    pub preconditioning: Vec<PreconditionRecord>,
+    pub results: Vec<JobResult>,
+    pub consistency: Vec<ConsistencyRecord>,
+    pub zdisk_timeline: Vec<StatSample>,
+    pub notes: Vec<String>,
+    pub errors: Vec<String>,
+}
+
+fn geomean(v: &[f64]) -> Option<f64> {
+    (!v.is_empty()).then(|| (v.iter().map(|x| x.ln()).sum::<f64>() / v.len() as f64).exp())
+}
+
+impl Report {
+    pub fn result(&self, d: DataMode, w: WorkloadKind, t: TargetKind, qd: u32) -> Option<&JobResult> {
+        self.results.iter().find(|r| r.data == d && r.workload == w && r.target == t && r.qd == qd && r.error.is_none())
+    }
+
+    /// Computes the per-data and top-level headline numbers.
+    pub fn summarize(&mut self) {
+        self.by_data.clear();
+        for &d in &self.config.data {
+            let mut ratios = Vec::new();
+            for &w in &self.config.workloads {
+                for &qd in &self.config.qds {
+                    if let (Some(z), Some(r)) =
+                        (self.result(d, w, TargetKind::Zdisk, qd), self.result(d, w, TargetKind::Raw, qd))
+                    {
+                        if z.iops > 0.0 && r.iops > 0.0 {
+                            ratios.push(z.iops / r.iops);
+                        }
+                    }
+                }
+            }
+            let comp_ratio = self
+                .results
+                .iter()
+                .filter(|r| r.data == d && r.target == TargetKind::Zdisk)
+                .filter_map(|r| r.cost.comp_ratio)
+                .next_back();
+            self.by_data.push(DataSummary {
+                data: d,
+                comp_ratio,
+                perf_multiplier: geomean(&ratios),
+                pairs: ratios.len(),
+            });
+        }
+        let two = self.by_data.iter().find(|s| s.data == DataMode::Ratio2);
+        self.comp_ratio = two.and_then(|s| s.comp_ratio);
+        self.perf_multiplier = two.and_then(|s| s.perf_multiplier);
+        self.headline_basis = match two {
+            Some(s) => format!(
+                "2:1 data: comp_ratio = zdisk stat after the 2:1 runs; perf_multiplier = geometric mean of zdisk/raw IOPS over {} (workload, QD) points, raw = qemu-nbd O_DIRECT",
+                s.pairs
+            ),
+            None => "the 2:1 data mode was not run, so comp_ratio and perf_multiplier are null".into(),
+        };
+    }
+
+    pub fn write_all(&self, out: &Path) -> Result<()> {
+        fs::create_dir_all(out)?;
+        let json = serde_json::to_string_pretty(self)?;
+        fs::write(out.join("report.json"), json).context("writing report.json")?;
+        fs::write(out.join("summary.md"), self.markdown()).context("writing summary.md")?;
+        fs::write(out.join("report.html"), self.html()?).context("writing report.html")?;
+        Ok(())
+    }
+
+    fn targets_in_run(&self) -> Vec<TargetKind> {
+        let mut t = self.config.targets.clone();
+        t.sort();
+        t
+    }
+
+    fn data_header(&self, d: DataMode) -> String {
+        match d {
+            DataMode::Real => {
+                let c = self.corpus.as_ref();
+                format!(
+                    "real files from {} at rest ({} files, LZ4 4K ratio {:.2}); write workloads use fio buffer_compress_percentage={} to match",
+                    c.map(|c| c.roots.join(", ")).unwrap_or_default(),
+                    c.map(|c| c.files).unwrap_or(0),
+                    c.map(|c| c.lz4_4k_ratio).unwrap_or(0.0),
+                    c.map(|c| c.write_compress_pct).unwrap_or(0)
+                )
+            }
+            _ => format!(
+                "fio refill_buffers, buffer_compress_percentage={}, buffer_compress_chunk=4096",
+                d.compress_pct().unwrap_or(0)
+            ),
+        }
+    }
+
+    /// Summary rows: (cells) per workload x QD for one data mode.
+    fn summary_rows(&self, d: DataMode) -> (Vec<String>, Vec<Vec<String>>) {
+        let targets = self.targets_in_run();
+        let has = |t| targets.contains(&t);
+        let mut head = vec!["Workload".to_string(), "QD".to_string()];
+        for t in &targets {
+            head.push(format!("{} IOPS", t.title()));
+        }
+        let both = has(TargetKind::Zdisk) && has(TargetKind::Raw);
+        if both {
+            head.push("zdisk/raw".into());
+        }
+        for t in [TargetKind::Zdisk, TargetKind::Raw] {
+            if has(t) {
+                head.push(format!("{} p99 µs", t.key()));
+            }
+        }
+        for t in [TargetKind::Zdisk, TargetKind::Raw] {
+            if has(t) {
+                head.push(format!("{} CPU s/GiB", t.key()));
+            }
+        }
+        if has(TargetKind::Zdisk) {
+            head.push("comp ratio".into());
+            head.push("WA (job)".into());
+        }
+        let mut rows = Vec::new();
+        for &w in &self.config.workloads {
+            for &qd in &self.config.qds {
+                let mut row = vec![w.title().to_string(), qd.to_string()];
+                for &t in &targets {
+                    row.push(match self.cell(d, w, t, qd) {
+                        Some(r) if w.is_bandwidth() => {
+                            format!("{} ({:.0} MB/s)", fmt_int(r.iops), r.mb_per_s)
+                        }
+                        Some(r) => fmt_int(r.iops),
+                        None => "—".into(),
+                    });
+                }
+                if both {
+                    row.push(
+                        match (self.result(d, w, TargetKind::Zdisk, qd), self.result(d, w, TargetKind::Raw, qd)) {
+                            (Some(z), Some(r)) if r.iops > 0.0 => format!("{:.2}x", z.iops / r.iops),
+                            _ => "—".into(),
+                        },
+                    );
+                }
+                for t in [TargetKind::Zdisk, TargetKind::Raw] {
+                    if has(t) {
+                        row.push(
+                            self.result(d, w, t, qd).and_then(|r| r.p99_us).map(fmt_int).unwrap_or_else(|| "—".into()),
+                        );
+                    }
+                }
+                for t in [TargetKind::Zdisk, TargetKind::Raw] {
+                    if has(t) {
+                        row.push(
+                            self.result(d, w, t, qd)
+                                .and_then(|r| r.cost.server_cpu_s_per_gib)
+                                .map(|v| format!("{v:.2}"))
+                                .unwrap_or_else(|| "—".into()),
+                        );
+                    }
+                }
+                if has(TargetKind::Zdisk) {
+                    let z = self.result(d, w, TargetKind::Zdisk, qd);
+                    row.push(opt_fmt(z.and_then(|r| r.cost.comp_ratio), 2));
+                    row.push(opt_fmt(z.and_then(|r| r.cost.job_write_amplification), 2));
+                }
+                rows.push(row);
+            }
+        }
+        (head, rows)
+    }
+
+    /// A result cell; failed points show as "error".
+    fn cell(&self, d: DataMode, w: WorkloadKind, t: TargetKind, qd: u32) -> Option<&JobResult> {
+        self.result(d, w, t, qd)
+    }
+
+    fn precondition_rows(&self) -> (Vec<String>, Vec<Vec<String>>) {
+        let head = ["Data", "Workload", "Target", "QD", "Rounds", "Verdict", "Window mean IOPS", "Range", "Slope rise"]
+            .map(String::from)
+            .to_vec();
+        let rows = self
+            .preconditioning
+            .iter()
+            .map(|p| {
+                vec![
+                    p.data.key().to_string(),
+                    p.workload.title().to_string(),
+                    p.target.title().to_string(),
+                    p.qd.to_string(),
+                    p.rounds_run.to_string(),
+                    p.error.clone().map(|e| format!("error: {}", first_line(&e))).unwrap_or_else(|| p.verdict.clone()),
+                    p.window.map(|w| fmt_int(w.mean)).unwrap_or_else(|| "—".into()),
+                    p.window.map(|w| format!("{:.0}%", w.range_fraction * 100.0)).unwrap_or_else(|| "—".into()),
+                    p.window.map(|w| format!("{:.0}%", w.slope_rise_fraction * 100.0)).unwrap_or_else(|| "—".into()),
+                ]
+            })
+            .collect();
+        (head, rows)
+    }
+
+    fn consistency_rows(&self) -> (Vec<String>, Vec<Vec<String>>) {
+        let head = [
+            "Data",
+            "Target",
+            "Spare area",
+            "Mean IOPS",
+            "Min IOPS",
+            "Max IOPS",
+            "CoV",
+            "CPU s/GiB",
+            "comp ratio",
+            "WA (job)",
+        ]
+        .map(String::from)
+        .to_vec();
+        let rows = self
+            .consistency
+            .iter()
+            .map(|c| {
+                if let Some(e) = &c.error {
+                    return vec![
+                        c.data.key().into(),
+                        c.target.title().into(),
+                        format!("+{}%", c.spare_pct),
+                        format!("error: {}", first_line(e)),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                    ];
+                }
+                vec![
+                    c.data.key().to_string(),
+                    c.target.title().to_string(),
+                    format!("+{}%", c.spare_pct),
+                    fmt_int(c.mean_iops),
+                    fmt_int(c.min_iops),
+                    fmt_int(c.max_iops),
+                    format!("{:.2}", c.cov),
+                    opt_fmt(c.cost.server_cpu_s_per_gib, 2),
+                    opt_fmt(c.cost.comp_ratio, 2),
+                    opt_fmt(c.cost.job_write_amplification, 2),
+                ]
+            })
+            .collect();
+        (head, rows)
+    }
+
+    fn fill_rows(&self) -> (Vec<String>, Vec<Vec<String>>) {
+        let head = ["Data", "Target", "Phase", "Range", "Passes", "Tool", "MB/s", "CPU s/GiB", "comp ratio"]
+            .map(String::from)
+            .to_vec();
+        let rows = self
+            .fills
+            .iter()
+            .map(|f| {
+                vec![
+                    f.data.key().to_string(),
+                    f.target.title().to_string(),
+                    f.phase.clone(),
+                    fmt_size(f.range_bytes),
+                    f.passes.to_string(),
+                    f.tool.clone(),
+                    f.error
+                        .clone()
+                        .map(|e| format!("error: {}", first_line(&e)))
+                        .unwrap_or_else(|| format!("{:.0}", f.mb_per_s)),
+                    opt_fmt(f.cost.server_cpu_s_per_gib, 2),
+                    opt_fmt(f.cost.comp_ratio, 2),
+                ]
+            })
+            .collect();
+        (head, rows)
+    }
+
+    fn headline_lines(&self) -> Vec<String> {
+        let mut v = vec![format!(
+            "comp_ratio (2:1 data): {} · perf_multiplier (zdisk/raw IOPS, geometric mean, 2:1 data): {}",
+            opt_fmt(self.comp_ratio, 2),
+            self.perf_multiplier.map(|p| format!("{p:.2}x")).unwrap_or_else(|| "n/a".into())
+        )];
+        for s in &self.by_data {
+            v.push(format!(
+                "{}: comp_ratio {}, zdisk/raw geometric mean {} over {} points",
+                s.data.key(),
+                opt_fmt(s.comp_ratio, 2),
+                s.perf_multiplier.map(|p| format!("{p:.2}x")).unwrap_or_else(|| "n/a".into()),
+                s.pairs
+            ));
+        }
+        v
+    }
+
+    fn setup_line(&self) -> String {
+        let c = &self.config;
+        format!(
+            "{:?} mode · {} targets (zdisk store physical {}) · QD {:?} · {:.1} s per point · preconditioning rounds {:.1} s, limit {} · consistency {:.0} s at QD{} · fill {}x 128K · host: {} CPUs ({}), kernel {}, {} · backing {} · load average {} at start, {} at end",
+            c.mode,
+            fmt_size(c.size_bytes),
+            fmt_size(c.zdisk_physical_bytes),
+            c.qds,
+            c.runtime_ms as f64 / 1000.0,
+            c.round_ms as f64 / 1000.0,
+            c.max_rounds,
+            c.consistency_ms as f64 / 1000.0,
+            c.consistency_qd,
+            c.fill_passes,
+            self.host.cpus,
+            self.host.cpu_model,
+            self.host.kernel,
+            self.host.fio,
+            self.host.backing_fs,
+            self.host.loadavg_start,
+            self.host.loadavg_end
+        )
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "# zdisk bench report\n");
+        let _ = writeln!(s, "Command: `{}`  ", self.command);
+        let _ = writeln!(s, "Wall time: {:.0} s  ", self.wall_s);
+        let _ = writeln!(s, "Setup: {}\n", self.setup_line());
+        for l in self.headline_lines() {
+            let _ = writeln!(s, "- {l}");
+        }
+        let _ = writeln!(s);
+        for &d in &self.config.data {
+            let _ = writeln!(s, "## Data {} — {}\n", d.key(), self.data_header(d));
+            let (h, rows) = self.summary_rows(d);
+            md_table(&mut s, &h, &rows);
+        }
+        if !self.preconditioning.is_empty() {
+            let _ = writeln!(s, "## Preconditioning (SNIA steady state: 5-round window, range ≤ 20% and slope rise ≤ 10% of the mean)\n");
+            let (h, rows) = self.precondition_rows();
+            md_table(&mut s, &h, &rows);
+        }
+        if !self.consistency.is_empty() {
+            let _ = writeln!(
+                s,
+                "## Performance consistency (4K random write QD{} over the whole range after the fill)\n",
+                self.config.consistency_qd
+            );
+            let (h, rows) = self.consistency_rows();
+            md_table(&mut s, &h, &rows);
+        }
+        if !self.fills.is_empty() {
+            let _ = writeln!(s, "## Fills\n");
+            let (h, rows) = self.fill_rows();
+            md_table(&mut s, &h, &rows);
+        }
+        let _ = writeln!(s, "## Targets\n");
+        for t in &self.targets {
+            let _ = writeln!(s, "- **{}**: {}", t.title, t.description);
+        }
+        let _ = writeln!(s, "\n## Notes\n");
+        for n in &self.notes {
+            let _ = writeln!(s, "- {n}");
+        }
+        if !self.errors.is_empty() {
+            let _ = writeln!(s, "\n## Errors\n");
+            for e in &self.errors {
+                let _ = writeln!(s, "- {}", e.replace('\n', " "));
+            }
+        }
+        s
+    }
+
+    pub fn html(&self) -> Result<String> {
+        let mut s = String::new();
+        s.push_str("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>zdisk bench report</title>\n<style>\n");
+        s.push_str(CSS);
+        s.push_str("</style></head><body>\n<h1>zdisk bench report</h1>\n");
+        let _ = writeln!(
+            s,
+            "<p class=\"meta\"><code>{}</code><br>wall time {:.0} s<br>{}</p>",
+            esc(&self.command),
+            self.wall_s,
+            esc(&self.setup_line())
+        );
+        s.push_str("<div class=\"headline\">");
+        for (i, l) in self.headline_lines().iter().enumerate() {
+            if i == 0 {
+                let _ = write!(s, "<p class=\"big\">{}</p>", esc(l));
+            } else {
+                let _ = write!(s, "<p>{}</p>", esc(l));
+            }
+        }
+        s.push_str("</div>\n<nav>");
+        for &d in &self.config.data {
+            let _ = write!(s, "<a href=\"#data-{}\">data {}</a> ", d.slug(), esc(d.key()));
+        }
+        s.push_str("<a href=\"#precondition\">preconditioning</a> <a href=\"#consistency\">consistency</a> <a href=\"#timeline\">ratio &amp; WA over time</a> <a href=\"#notes\">notes</a></nav>\n");
+
+        for &d in &self.config.data {
+            let _ = writeln!(
+                s,
+                "<h2 id=\"data-{}\">Data {} <small>{}</small></h2>",
+                d.slug(),
+                esc(d.key()),
+                esc(&self.data_header(d))
+            );
+            let (h, rows) = self.summary_rows(d);
+            html_table(&mut s, &h, &rows);
+            for &w in &self.config.workloads {
+                let _ = writeln!(s, "<h3>{} — {}</h3><div class=\"charts\">", esc(w.title()), esc(d.key()));
+                if self.config.qds.len() > 1 {
+                    s.push_str(&charts::vs_qd(self, d, w, false)?);
+                    s.push_str(&charts::vs_qd(self, d, w, true)?);
+                } else {
+                    let _ = write!(s, "<p class=\"note\">one queue depth measured; no curve to draw</p>");
+                }
+                if let Some(svg) = charts::descent(self, d, w)? {
+                    s.push_str(&svg);
+                }
+                s.push_str("</div>\n");
+            }
+        }
+
+        s.push_str("<h2 id=\"precondition\">Preconditioning</h2>\n<p>Each workload runs at the largest queue depth in rounds until the SNIA PTS steady-state criterion holds over the last 5 rounds (max−min ≤ 20% of the mean, least-squares rise over the window ≤ 10% of the mean) or the round limit is hit.</p>\n");
+        let (h, rows) = self.precondition_rows();
+        html_table(&mut s, &h, &rows);
+
+        s.push_str("<h2 id=\"consistency\">Performance consistency</h2>\n<p>After the fill, 4K random writes at QD32 across the whole range, IOPS every interval; default and with 25% extra spare area.</p>\n");
+        let (h, rows) = self.consistency_rows();
+        html_table(&mut s, &h, &rows);
+        s.push_str("<div class=\"charts\">");
+        for &d in &self.config.data {
+            if let Some(svg) = charts::consistency(self, d)? {
+                s.push_str(&svg);
+            }
+        }
+        s.push_str("</div>\n");
+
+        s.push_str("<h2 id=\"timeline\">zdisk compression ratio and write amplification over time</h2>\n<div class=\"charts\">");
+        match charts::timeline(self)? {
+            Some(svg) => s.push_str(&svg),
+            None => s.push_str("<p class=\"note\">no zdisk statistics were collected (zdisk not in the run, or `zdisk stat` failed)</p>"),
+        }
+        s.push_str("</div>\n<h2>Fills</h2>\n");
+        let (h, rows) = self.fill_rows();
+        html_table(&mut s, &h, &rows);
+
+        s.push_str("<h2 id=\"notes\">Targets and notes</h2>\n<ul>");
+        for t in &self.targets {
+            let _ = write!(s, "<li><b>{}</b>: {}</li>", esc(t.title), esc(t.description));
+        }
+        for n in &self.notes {
+            let _ = write!(s, "<li>{}</li>", esc(n));
+        }
+        s.push_str("</ul>\n");
+        if !self.errors.is_empty() {
+            s.push_str("<h2>Errors</h2><ul class=\"errors\">");
+            for e in &self.errors {
+                let _ = write!(s, "<li><pre>{}</pre></li>", esc(e));
+            }
+            s.push_str("</ul>");
+        }
+        s.push_str("<p class=\"meta\">All numbers, per-interval logs and the full zdisk statistics are in report.json; fio's own JSON for every job is under fio/.</p>\n</body></html>\n");
+        Ok(s)
+    }
+}
+
+const CSS: &str = "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1500px;padding:0 1em;color:#222}
+h1{margin-bottom:.2em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}h2 small{font-weight:normal;color:#666;font-size:.6em}
+table{border-collapse:collapse;font-size:.85em;margin:1em 0}th,td{border:1px solid #ddd;padding:3px 7px;text-align:right}th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#fafafa}
+.meta{color:#555;font-size:.85em}.headline{background:#eef5fb;border-left:4px solid #1f77b4;padding:.5em 1em}.big{font-size:1.2em;font-weight:bold}
+.charts{display:flex;flex-wrap:wrap;gap:8px}.charts svg{border:1px solid #eee}.note{color:#777}nav a{margin-right:1em}pre{white-space:pre-wrap}";
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("")
+}
+
+pub fn fmt_int(v: f64) -> String {
+    let n = v.round() as i64;
+    let digits = n.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        format!("-{out}")
+    } else {
+        out
+    }
+}
+
+fn opt_fmt(v: Option<f64>, decimals: usize) -> String {
+    v.map(|x| format!("{x:.decimals$}")).unwrap_or_else(|| "—".into())
+}
+
+fn md_table(s: &mut String, head: &[String], rows: &[Vec<String>]) {
+    let _ = writeln!(s, "| {} |", head.join(" | "));
+    let _ = writeln!(
+        s,
+        "|{}|",
+        head.iter().enumerate().map(|(i, _)| if i == 0 { "---" } else { "---:" }).collect::<Vec<_>>().join("|")
+    );
+    for r in rows {
+        let _ = writeln!(s, "| {} |", r.iter().map(|c| c.replace('|', "/")).collect::<Vec<_>>().join(" | "));
+    }
+    let _ = writeln!(s);
+}
+
+fn html_table(s: &mut String, head: &[String], rows: &[Vec<String>]) {
+    if rows.is_empty() {
+        s.push_str("<p class=\"note\">none in this run</p>\n");
+        return;
+    }
+    s.push_str("<table><thead><tr>");
+    for h in head {
+        let _ = write!(s, "<th>{}</th>", esc(h));
+    }
+    s.push_str("</tr></thead><tbody>\n");
+    for r in rows {
+        s.push_str("<tr>");
+        for c in r {
+            let _ = write!(s, "<td>{}</td>", esc(c));
+        }
+        s.push_str("</tr>\n");
+    }
+    s.push_str("</tbody></table>\n");
+}

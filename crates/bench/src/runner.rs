@@ -1,0 +1,1164 @@
+//! The benchmark procedure: purge, fill, precondition, queue-depth sweep, consistency test —
+//! for every data mode and workload, alternating between the targets.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::Value;
+
+use crate::corpus::Corpus;
+use crate::fio::{self, DataArgs, FioJob, FioOutcome};
+use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::report::{
+    fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
+    TargetInfo,
+};
+use crate::server::{require_tool, tree_sample, Server};
+use crate::steady::{self, WINDOW_ROUNDS};
+use crate::{Config, Mode};
+
+/// Rough per-invocation cost of starting fio and connecting, for the time estimate.
+const FIO_OVERHEAD_MS: u64 = 400;
+const GIB: f64 = (1u64 << 30) as f64;
+
+struct Target {
+    kind: TargetKind,
+    server: Option<Server>,
+    /// zdisk store or raw image (unused for memory).
+    file: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+    /// Bytes of the export the jobs use (smaller than the size with extra spare area).
+    range_bytes: u64,
+    /// Counts formats, so the timeline does not join unrelated stores.
+    format_gen: u32,
+}
+
+struct Bench<'a> {
+    cfg: &'a Config,
+    fio: PathBuf,
+    fio_dir: PathBuf,
+    targets: Vec<Target>,
+    report: Report,
+    pb: ProgressBar,
+    log: fs::File,
+    stop: Arc<AtomicBool>,
+    t0: Instant,
+    corpus: Option<Corpus>,
+    stat_failures: u32,
+    job_seq: u32,
+}
+
+/// Checks up front that every tool the chosen targets and data modes need is installed.
+fn check_tools(cfg: &Config) -> Result<PathBuf> {
+    let fio = require_tool("fio", "every measurement (fio with its nbd engine)", "fio")?;
+    let help = Command::new(&fio).arg("--enghelp=nbd").output().context("running fio --enghelp=nbd")?;
+    if !help.status.success() || !String::from_utf8_lossy(&help.stdout).contains("uri") {
+        bail!("{} has no nbd ioengine (fio --enghelp=nbd fails); install a fio built with libnbd (Debian/Ubuntu fio >= 3.16 is)", fio.display());
+    }
+    let t = &cfg.targets;
+    if t.iter().any(|k| matches!(k, TargetKind::Zdisk | TargetKind::NbdkitFile | TargetKind::Memory)) {
+        require_tool("nbdkit", "the zdisk, nbdkit-file and memory targets", "nbdkit")?;
+    }
+    if t.contains(&TargetKind::Raw) {
+        require_tool("qemu-nbd", "the raw target (qemu-nbd --cache=none --aio=native)", "qemu-utils")?;
+    }
+    if cfg.data.contains(&DataMode::Real) {
+        require_tool("nbdcopy", "the real-data fill (nbdcopy streams real files onto each target)", "libnbd-bin")?;
+    }
+    if t.contains(&TargetKind::Zdisk) && !cfg.zdisk_bin.is_file() {
+        bail!("zdisk binary {} not found (set --zdisk-bin)", cfg.zdisk_bin.display());
+    }
+    Ok(fio)
+}
+
+/// O_DIRECT is what makes the raw baseline honest; tmpfs and some FUSE filesystems refuse it.
+fn check_o_direct(dir: &Path) -> Result<()> {
+    use rustix::fs::{open, Mode as FsMode, OFlags};
+    let probe = dir.join(".o_direct_probe");
+    let res = open(&probe, OFlags::CREATE | OFlags::WRONLY | OFlags::DIRECT, FsMode::from_raw_mode(0o600));
+    let _ = fs::remove_file(&probe);
+    res.map(drop).map_err(|e| {
+        anyhow!("backing directory {} does not support O_DIRECT ({e}); tmpfs cannot host the raw baseline. Pass --dir on a real disk", dir.display())
+    })
+}
+
+fn check_space(dir: &Path, need: u64) -> Result<()> {
+    let st = rustix::fs::statvfs(dir).context("statvfs on the backing directory")?;
+    let avail = st.f_bavail * st.f_frsize;
+    if avail < need {
+        bail!(
+            "backing directory {} has {} free but the targets need {}; use a smaller --size or another --dir",
+            dir.display(),
+            fmt_size(avail),
+            fmt_size(need)
+        );
+    }
+    Ok(())
+}
+
+fn zdisk_stat(bin: &Path, store: &Path) -> Result<Value> {
+    let out = Command::new(bin)
+        .arg("stat")
+        .arg(store)
+        .arg("--json")
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} stat", bin.display()))?;
+    if !out.status.success() {
+        bail!("zdisk stat failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find('{').ok_or_else(|| anyhow!("zdisk stat --json printed no JSON object"))?;
+    serde_json::from_str(&text[start..]).context("parsing zdisk stat --json")
+}
+
+/// Estimated sequential fill rate for the progress bar's time estimate.
+fn fill_rate_bytes_per_ms(kind: TargetKind) -> f64 {
+    match kind {
+        TargetKind::Memory => 1_500_000.0,
+        _ => 400_000.0,
+    }
+}
+
+fn command_line() -> String {
+    let args: Vec<String> = std::env::args().collect();
+    let mut v = args.clone();
+    if let Some(first) = v.first_mut() {
+        *first = Path::new(&args[0]).file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    }
+    v.join(" ")
+}
+
+fn notes(cfg: &Config) -> Vec<String> {
+    let mut n = vec![
+        if cfg.targets.contains(&TargetKind::NbdkitFile) {
+            "nbdkit 1.32's `file cache=none` is not O_DIRECT: it writes through the page cache and drops pages afterwards, so reads of recently written data can still hit RAM. The honest raw baseline is qemu-nbd --cache=none --aio=native (O_DIRECT); the nbdkit-file row is shown for reference only.".to_string()
+        } else {
+            "The raw baseline is qemu-nbd --cache=none --aio=native (O_DIRECT). The second raw row, nbdkit file cache=none (not O_DIRECT in nbdkit 1.32, so the page cache helps it), is not in this run; add it with --targets zdisk,raw,nbdkit-file,memory.".to_string()
+        },
+        "Order: for each workload the targets are run one after another, each preconditioned and swept seamlessly; the starting target rotates from workload to workload so slow drift (other load, the host's own caches) hits every target.".into(),
+        "CPU s/GiB: utime+stime of the server process and all its descendants (zdisk serve runs nbdkit as a child) from /proc, before and after each job, divided by GiB read+written by fio. fio itself runs on the same cores.".into(),
+        "Write amplification: for zdisk from `zdisk stat` (backing_write_bytes / host_write_bytes), cumulative since format and per job; for every target also the OS view (write_bytes in /proc/PID/io of the server tree per byte written), in report.json as os_write_amplification.".into(),
+        "p99 is fio's completion-latency 99th percentile; for mixed workloads the worse of the read and write p99.".into(),
+        format!(
+            "Steady state: SNIA PTS rule over a {WINDOW_ROUNDS}-round window (max−min ≤ 20% of the mean and least-squares rise ≤ 10% of the mean) on round-mean IOPS; rounds of {:.1} s, limit {} rounds, at QD{}.",
+            cfg.round_ms as f64 / 1000.0,
+            cfg.max_rounds,
+            cfg.qds.last().unwrap_or(&1)
+        ),
+    ];
+    if !cfg.purge_each_workload {
+        n.push("Shortened method (quick/smoke): one purge + fill per target and data mode instead of one per workload, and read-only workloads are not preconditioned (the fill already wrote every block).".into());
+    }
+    if cfg.mode != Mode::Full {
+        n.push(format!(
+            "{:?} mode: points of {:.1} s and a {:.0} s consistency test are far shorter than the reviewers' (5 minutes per point, 30 minutes of consistency); use the numbers for direction, not for publication.",
+            cfg.mode,
+            cfg.runtime_ms as f64 / 1000.0,
+            cfg.consistency_ms as f64 / 1000.0
+        ));
+    }
+    if cfg.data.contains(&DataMode::Incompressible) {
+        n.push(format!(
+            "Incompressible data: every target exposes {}% of the size (zdisk: a logical size of that much on a physical store of the full size; raw targets: fio's range). With nothing to compress zdisk cannot hold a full logical = physical store (headers, checkpoints and the GC reserve need room), just as a drive hides over-provisioning; giving the raw targets the same range keeps the comparison like for like.",
+            DataMode::Incompressible.usable_pct()
+        ));
+    }
+    if cfg.data.contains(&DataMode::Incompressible) {
+        n.push(format!(
+            "Incompressible data: every target exposes {}% of the size (zdisk: a logical size of that much on a physical store of the full size; raw targets: fio's range). With nothing to compress zdisk cannot hold a full logical = physical store (headers, checkpoints and the GC reserve need room), just as a drive hides over-provisioning; giving the raw targets the same range keeps the comparison like for like.",
+            DataMode::Incompressible.usable_pct()
+        ));
+    }
+    if cfg.data.contains(&DataMode::Real) {
+        n.push("Real data: each fill streams real files from /usr/share and /usr/lib (cycled to the target size) onto the target with nbdcopy, so reads return real bytes and zdisk's ratio is that of real files. fio cannot write file contents at random offsets, so write workloads in this mode write fio data at the compressibility measured on the corpus (4 KiB LZ4); that substitution is stated wherever the mode appears.".into());
+    }
+    n
+}
+
+pub fn run(cfg: &Config) -> Result<()> {
+    let fio = check_tools(cfg)?;
+    let base = match &cfg.dir {
+        Some(d) => {
+            fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+            d.clone()
+        }
+        None => std::env::temp_dir(),
+    };
+    // Everything goes in a fresh subdirectory that is removed at the end, even on errors.
+    let work = tempfile::Builder::new()
+        .prefix("zdisk-bench.")
+        .tempdir_in(&base)
+        .with_context(|| format!("creating a work directory in {}", base.display()))?;
+    // Unix socket paths are limited to 108 bytes; keep them short whatever --dir is.
+    let sock_dir = tempfile::Builder::new().prefix("zb.").tempdir()?;
+    check_o_direct(work.path())?;
+    let disk_targets =
+        cfg.targets.iter().filter(|t| matches!(t, TargetKind::Raw | TargetKind::NbdkitFile)).count() as u64;
+    let zdisk_bytes = if cfg.targets.contains(&TargetKind::Zdisk) { cfg.zdisk_physical_bytes } else { 0 };
+    check_space(work.path(), disk_targets * cfg.size_bytes + zdisk_bytes)?;
+
+    fs::create_dir_all(&cfg.out).with_context(|| format!("creating report directory {}", cfg.out.display()))?;
+    let fio_dir = cfg.out.join("fio");
+    fs::create_dir_all(&fio_dir)?;
+    let log = fs::File::create(cfg.out.join("bench.log"))?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sig_ids = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
+        .into_iter()
+        .map(|s| signal_hook::flag::register(s, stop.clone()))
+        .collect::<std::io::Result<Vec<_>>>()?;
+
+    let targets = cfg
+        .targets
+        .iter()
+        .map(|&kind| Target {
+            kind,
+            server: None,
+            file: work.path().join(match kind {
+                TargetKind::Zdisk => "zdisk.store",
+                TargetKind::Raw => "raw.img",
+                TargetKind::NbdkitFile => "nbdkit-file.img",
+                TargetKind::Memory => "memory",
+            }),
+            socket: sock_dir.path().join(format!("{}.sock", kind.key())),
+            log: cfg.out.join(format!("server-{}.log", kind.key())),
+            range_bytes: cfg.size_bytes,
+            format_gen: 0,
+        })
+        .collect();
+
+    let report = Report {
+        schema: "zdisk-bench/1",
+        command: command_line(),
+        started_unix_s: crate::report::unix_now(),
+        wall_s: 0.0,
+        comp_ratio: None,
+        perf_multiplier: None,
+        headline_basis: String::new(),
+        by_data: Vec::new(),
+        host: Host::probe(work.path()),
+        config: cfg.clone(),
+        targets: cfg
+            .targets
+            .iter()
+            .map(|&k| TargetInfo {
+                key: k,
+                title: k.title(),
+                description: k.description(),
+                o_direct: matches!(k, TargetKind::Raw | TargetKind::Zdisk),
+            })
+            .collect(),
+        corpus: None,
+        fills: Vec::new(),
+        preconditioning: Vec::new(),
+        results: Vec::new(),
+        consistency: Vec::new(),
+        zdisk_timeline: Vec::new(),
+        notes: notes(cfg),
+        errors: Vec::new(),
+    };
+
+    let mut bench = Bench {
+        cfg,
+        fio,
+        fio_dir,
+        targets,
+        report,
+        pb: ProgressBar::hidden(),
+        log,
+        stop: stop.clone(),
+        t0: Instant::now(),
+        corpus: None,
+        stat_failures: 0,
+        job_seq: 0,
+    };
+    let estimate_ms = bench.estimate_ms();
+    bench.pb = ProgressBar::with_draw_target(Some(estimate_ms), ProgressDrawTarget::stderr());
+    bench.pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% ~{eta} left · {msg}")
+            .expect("static progress template")
+            .progress_chars("=> "),
+    );
+    bench.pb.enable_steady_tick(Duration::from_millis(250));
+    bench.say(&format!(
+        "zdisk bench ({:?}): {} targets, workloads {}, data {}, QD {:?}; estimated {} (work dir {}, report {})",
+        cfg.mode,
+        fmt_size(cfg.size_bytes),
+        cfg.workloads.iter().map(|w| w.key()).collect::<Vec<_>>().join(","),
+        cfg.data.iter().map(|d| d.key()).collect::<Vec<_>>().join(","),
+        cfg.qds,
+        fmt_duration(estimate_ms),
+        work.path().display(),
+        cfg.out.display()
+    ));
+
+    let outcome = bench.run_all();
+    // Servers go down before the report is written, so zdisk has flushed its final state.
+    for t in &mut bench.targets {
+        if let Some(mut s) = t.server.take() {
+            if let Err(e) = s.stop() {
+                bench.report.errors.push(format!("stopping {}: {e:#}", t.kind.key()));
+            }
+        }
+    }
+    bench.pb.finish_and_clear();
+    bench.report.wall_s = bench.t0.elapsed().as_secs_f64();
+    bench.report.host.loadavg_end = crate::report::loadavg();
+    if let Err(e) = &outcome {
+        bench.report.errors.push(format!("benchmark stopped early: {e:#}"));
+    }
+    bench.report.summarize();
+    let written = bench.report.write_all(&cfg.out);
+    for id in sig_ids {
+        signal_hook::low_level::unregister(id);
+    }
+    written?;
+    eprintln!("report: {}/report.html, summary.md, report.json ({:.0} s)", cfg.out.display(), bench.report.wall_s);
+    if let (Some(c), Some(p)) = (bench.report.comp_ratio, bench.report.perf_multiplier) {
+        eprintln!("2:1 data: comp_ratio {c:.2}, perf_multiplier (zdisk/raw IOPS geomean) {p:.2}x");
+    }
+    outcome?;
+    let zdisk_points = bench.report.results.iter().filter(|r| r.target == TargetKind::Zdisk && r.error.is_none());
+    if zdisk_points.clone().count() > 0 && zdisk_points.clone().all(|r| r.cost.comp_ratio.is_none()) {
+        bail!("`zdisk stat --json` gave no statistics for any zdisk point; the report lacks comp_ratio and write amplification");
+    }
+    if !bench.report.errors.is_empty() {
+        bail!(
+            "{} step(s) failed (first: {}); the report in {} marks them",
+            bench.report.errors.len(),
+            bench.report.errors[0].lines().next().unwrap_or(""),
+            cfg.out.display()
+        );
+    }
+    Ok(())
+}
+
+fn fmt_duration(ms: u64) -> String {
+    let s = ms / 1000;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+impl Bench<'_> {
+    fn say(&mut self, msg: &str) {
+        let _ = writeln!(self.log, "[{:8.1}s] {msg}", self.t0.elapsed().as_secs_f64());
+        if self.pb.is_hidden() {
+            eprintln!("{msg}");
+        } else {
+            self.pb.println(msg);
+        }
+    }
+
+    fn check_stop(&self) -> Result<()> {
+        if self.stop.load(Ordering::Relaxed) {
+            bail!("interrupted");
+        }
+        Ok(())
+    }
+
+    /// RAM has no wear or garbage-collection state to bring to steady state (and the fill has
+    /// already allocated every page), so the memory ceiling is never preconditioned.
+    fn uses_precondition(&self, kind: TargetKind, w: WorkloadKind) -> bool {
+        self.cfg.max_rounds > 0 && kind != TargetKind::Memory && (w.writes() || self.cfg.precondition_reads)
+    }
+
+    fn fill_est_ms(&self, kind: TargetKind, range: u64) -> u64 {
+        FIO_OVERHEAD_MS + (range as f64 * self.cfg.fill_passes as f64 / fill_rate_bytes_per_ms(kind)) as u64
+    }
+
+    fn precondition_est_ms(&self) -> u64 {
+        let c = self.cfg;
+        let first = WINDOW_ROUNDS as u64 * c.round_ms + c.log_ms / 2 + FIO_OVERHEAD_MS;
+        let more =
+            c.max_rounds.saturating_sub(WINDOW_ROUNDS as u32) as u64 * (c.round_ms + c.log_ms / 2 + FIO_OVERHEAD_MS);
+        if (c.max_rounds as usize) < WINDOW_ROUNDS {
+            c.max_rounds as u64 * c.round_ms + FIO_OVERHEAD_MS
+        } else {
+            first + more
+        }
+    }
+
+    fn measure_est_ms(&self) -> u64 {
+        self.cfg.runtime_ms + self.cfg.ramp_ms + FIO_OVERHEAD_MS
+    }
+
+    fn consistency_targets(&self) -> Vec<usize> {
+        (0..self.targets.len()).filter(|&i| self.targets[i].kind.has_disk()).collect()
+    }
+
+    /// The range every target exposes for `data`, minus `spare_pct` extra spare area.
+    fn spare_range(&self, data: DataMode, spare_pct: u32) -> u64 {
+        let pct = data.usable_pct() as u64 * (100 - spare_pct as u64) / 100;
+        self.cfg.size_bytes * pct / 100 / (1 << 20) * (1 << 20)
+    }
+
+    /// Upper-bound estimate of the whole run (preconditioning may stop early).
+    fn estimate_ms(&self) -> u64 {
+        let c = self.cfg;
+        let mut total = 0;
+        for &data in &c.data {
+            let fills: u64 = self.targets.iter().map(|t| self.fill_est_ms(t.kind, self.spare_range(data, 0))).sum();
+            total += if c.purge_each_workload { fills * c.workloads.len() as u64 } else { fills };
+            for &w in &c.workloads {
+                for t in &self.targets {
+                    total += if self.uses_precondition(t.kind, w) { self.precondition_est_ms() } else { 0 }
+                        + c.qds.len() as u64 * self.measure_est_ms();
+                }
+            }
+            if c.consistency_ms > 0 {
+                for &spare in &c.spare_pcts {
+                    for &i in &self.consistency_targets() {
+                        total += self.fill_est_ms(self.targets[i].kind, self.spare_range(data, spare))
+                            + c.consistency_ms
+                            + FIO_OVERHEAD_MS;
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    fn run_all(&mut self) -> Result<()> {
+        let cfg = self.cfg;
+        let n = self.targets.len();
+        for (di, &data) in cfg.data.iter().enumerate() {
+            if data == DataMode::Real && self.corpus.is_none() {
+                self.pb.set_message("finding real files for the real-data mode");
+                let corpus = Corpus::find(cfg.size_bytes.min(2 << 30))?;
+                self.say(&format!(
+                    "real data: {} files, {} distinct bytes from {:?}; LZ4 4K ratio {:.2} -> writes use buffer_compress_percentage={}",
+                    corpus.summary.files,
+                    fmt_size(corpus.summary.distinct_bytes),
+                    corpus.summary.roots,
+                    corpus.summary.lz4_4k_ratio,
+                    corpus.summary.write_compress_pct
+                ));
+                self.report.corpus = Some(corpus.summary.clone());
+                self.corpus = Some(corpus);
+            }
+            for (wi, &w) in cfg.workloads.iter().enumerate() {
+                // Rotate which target goes first so drift is spread over all of them.
+                let order: Vec<usize> = (0..n).map(|k| (k + wi + di) % n).collect();
+                if cfg.purge_each_workload || wi == 0 {
+                    for &ti in &order {
+                        self.check_stop()?;
+                        let range = self.spare_range(data, 0);
+                        self.purge_and_fill(ti, data, range, &format!("before {}", w.title()));
+                    }
+                }
+                for &ti in &order {
+                    self.check_stop()?;
+                    if self.uses_precondition(self.targets[ti].kind, w) {
+                        self.precondition(ti, data, w)?;
+                    }
+                    for &qd in &cfg.qds {
+                        self.check_stop()?;
+                        self.measure(ti, data, w, qd)?;
+                    }
+                }
+            }
+            if cfg.consistency_ms > 0 {
+                let ct = self.consistency_targets();
+                for (si, &spare) in cfg.spare_pcts.iter().enumerate() {
+                    for k in 0..ct.len() {
+                        let ti = ct[(k + si) % ct.len()];
+                        self.check_stop()?;
+                        let range = self.spare_range(data, spare);
+                        self.purge_and_fill(ti, data, range, &format!("consistency +{spare}% spare"));
+                        self.consistency_run(ti, data, spare)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Fresh format / fresh file / fresh server, then the sequential fill. Failures are recorded
+    /// (the target's later jobs then fail visibly) rather than ending the run.
+    fn purge_and_fill(&mut self, ti: usize, data: DataMode, range: u64, phase: &str) {
+        let kind = self.targets[ti].kind;
+        self.pb.set_message(format!("{}: purge + fill {} ({})", kind.key(), fmt_size(range), data.key()));
+        let est = self.fill_est_ms(kind, range);
+        if let Err(e) = self.purge(ti, range) {
+            let msg = format!("purge of {} ({}, {phase}): {e:#}", kind.key(), data.key());
+            self.say(&format!("ERROR {msg}"));
+            self.report.errors.push(msg);
+            self.pb.inc(est);
+            return;
+        }
+        self.fill(ti, data, phase);
+        self.pb.inc(est);
+    }
+
+    fn purge(&mut self, ti: usize, range: u64) -> Result<()> {
+        let cfg = self.cfg;
+        let t = &mut self.targets[ti];
+        if let Some(mut s) = t.server.take() {
+            s.stop()?;
+        }
+        t.range_bytes = range;
+        t.format_gen += 1;
+        let label = t.kind.title();
+        let cmd = match t.kind {
+            TargetKind::Zdisk => {
+                let out = Command::new(&cfg.zdisk_bin)
+                    .arg("format")
+                    .arg(&t.file)
+                    .arg("--physical-size")
+                    .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+                    .arg("--logical-size")
+                    .arg(format!("{}K", range / 1024))
+                    .arg("--force")
+                    .stdin(Stdio::null())
+                    .output()
+                    .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
+                if !out.status.success() {
+                    bail!(
+                        "zdisk format failed ({}): {}{}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim(),
+                        String::from_utf8_lossy(&out.stdout).trim()
+                    );
+                }
+                let mut c = Command::new(&cfg.zdisk_bin);
+                c.arg("serve").arg(&t.file).arg("--unix").arg(&t.socket);
+                c
+            }
+            TargetKind::Raw | TargetKind::NbdkitFile => {
+                // A new sparse file is the raw disk's "secure erase"; the fills allocate it.
+                let _ = fs::remove_file(&t.file);
+                let f = fs::File::create(&t.file).with_context(|| format!("creating {}", t.file.display()))?;
+                f.set_len(cfg.size_bytes)?;
+                drop(f);
+                if t.kind == TargetKind::Raw {
+                    let mut c = Command::new("qemu-nbd");
+                    c.args(["-f", "raw", "--cache=none", "--aio=native", "--persistent", "--shared=8"])
+                        .arg(format!("--socket={}", t.socket.display()))
+                        .arg(&t.file);
+                    c
+                } else {
+                    let mut c = Command::new("nbdkit");
+                    c.args(["--foreground", "--exit-with-parent", "--unix"])
+                        .arg(&t.socket)
+                        .arg("file")
+                        .arg(format!("file={}", t.file.display()))
+                        .arg("cache=none");
+                    c
+                }
+            }
+            TargetKind::Memory => {
+                let mut c = Command::new("nbdkit");
+                c.args(["--foreground", "--exit-with-parent", "--unix"])
+                    .arg(&t.socket)
+                    .arg("memory")
+                    .arg(format!("size={}", cfg.size_bytes));
+                c
+            }
+        };
+        t.server = Some(Server::spawn(label, cmd, &t.socket, &t.log)?);
+        Ok(())
+    }
+
+    fn data_args(&self, data: DataMode) -> DataArgs {
+        DataArgs {
+            compress_pct: data
+                .compress_pct()
+                .or_else(|| self.corpus.as_ref().map(|c| c.summary.write_compress_pct))
+                .unwrap_or(0),
+        }
+    }
+
+    fn job(&self, ti: usize, name: String, rw: &str, bs: &str, qd: u32, data: DataMode) -> FioJob {
+        let t = &self.targets[ti];
+        FioJob {
+            name,
+            uri: t.server.as_ref().map(|s| s.uri()).unwrap_or_default(),
+            rw: rw.to_string(),
+            bs: Some(bs.to_string()),
+            bssplit: None,
+            rwmixread_pct: None,
+            qd,
+            range_bytes: t.range_bytes,
+            runtime_ms: None,
+            ramp_ms: 0,
+            loops: 1,
+            data: self.data_args(data),
+            log_ms: self.cfg.log_ms,
+        }
+    }
+
+    fn workload_job(
+        &self,
+        ti: usize,
+        w: WorkloadKind,
+        qd: u32,
+        data: DataMode,
+        runtime_ms: u64,
+        ramp_ms: u64,
+    ) -> FioJob {
+        let mut j = self.job(ti, w.key().to_string(), w.fio_rw(), "4k", qd, data);
+        j.bs = w.fio_bs().map(str::to_string);
+        j.bssplit = w.fio_bssplit().map(str::to_string);
+        j.rwmixread_pct = w.rwmixread_pct();
+        j.runtime_ms = Some(runtime_ms);
+        j.ramp_ms = ramp_ms;
+        j
+    }
+
+    fn next_stem(&mut self, data: DataMode, what: &str, kind: TargetKind) -> String {
+        self.job_seq += 1;
+        format!("{:04}-{}-{}-{}", self.job_seq, data.slug(), what, kind.key())
+    }
+
+    /// `zdisk stat --json` of target `ti` (None for other targets). A failure is retried for
+    /// about a second (just after start-up the server may not have published its statistics
+    /// yet); a lasting one is a warning in the report, and a run where no zdisk point got
+    /// statistics is an error (see `run`).
+    fn stat_now(&mut self, ti: usize) -> Option<Value> {
+        let t = &self.targets[ti];
+        if t.kind != TargetKind::Zdisk {
+            return None;
+        }
+        let mut last_err = None;
+        for attempt in 0..6 {
+            if attempt > 0 {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            match zdisk_stat(&self.cfg.zdisk_bin, &t.file) {
+                Ok(v) => return Some(v),
+                Err(e) => last_err = Some(e),
+            }
+        }
+        self.stat_failures += 1;
+        if let Some(e) = last_err {
+            let msg = format!("zdisk stat failed (failure {}): {e:#}", self.stat_failures);
+            self.say(&format!("WARNING {msg}"));
+            if self.stat_failures <= 3 {
+                self.report.notes.push(format!("WARNING: {msg}"));
+            }
+        }
+        None
+    }
+
+    /// `zdisk stat` of a served store reads a snapshot the plugin rewrites every second; for
+    /// per-job deltas wait (briefly) for one taken after `since_unix_ms`.
+    fn stat_fresh(&mut self, ti: usize, since_unix_ms: u64) -> Option<Value> {
+        let started = Instant::now();
+        loop {
+            let v = self.stat_now(ti);
+            let updated = v.as_ref().and_then(|v| v.get("updated_unix_ms")).and_then(Value::as_u64);
+            let fresh = updated.is_none_or(|u| u >= since_unix_ms);
+            if !self.cfg.fresh_stats || fresh || started.elapsed() > Duration::from_millis(2500) {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn push_sample(&mut self, ti: usize, data: DataMode, phase: &str, v: &Option<Value>) {
+        if let Some(v) = v {
+            let s = StatSample::from_stat(self.t0.elapsed().as_secs_f64(), data, phase, self.targets[ti].format_gen, v);
+            self.report.zdisk_timeline.push(s);
+        }
+    }
+
+    /// Runs `work` against target `ti` and measures the server's CPU, writes and zdisk stats
+    /// around it. `work` gets the poll callback to call while it waits.
+    fn measured<T>(
+        &mut self,
+        ti: usize,
+        data: DataMode,
+        phase: &str,
+        work: impl FnOnce(&Path, &mut dyn FnMut() -> Result<()>) -> Result<T>,
+    ) -> Result<(T, JobCost, f64)> {
+        let t = &mut self.targets[ti];
+        let server = t
+            .server
+            .as_mut()
+            .ok_or_else(|| anyhow!("{} is not running (its purge failed; see above)", t.kind.key()))?;
+        if !server.alive() {
+            bail!(server.describe_exit());
+        }
+        let pid = server.pid().unwrap_or(0);
+        let is_zdisk = t.kind == TargetKind::Zdisk;
+        let store = t.file.clone();
+        let gen = t.format_gen;
+        let stat_before = self.stat_now(ti);
+        self.push_sample(ti, data, phase, &stat_before);
+        let before = tree_sample(pid);
+        let started = Instant::now();
+
+        let stop = self.stop.clone();
+        let bin = self.cfg.zdisk_bin.clone();
+        let interval = Duration::from_millis(self.cfg.stat_interval_ms);
+        let t0 = self.t0;
+        let mut last = Instant::now();
+        let mut samples = Vec::new();
+        let mut poll = || -> Result<()> {
+            if stop.load(Ordering::Relaxed) {
+                bail!("interrupted");
+            }
+            if is_zdisk && last.elapsed() >= interval {
+                last = Instant::now();
+                if let Ok(v) = zdisk_stat(&bin, &store) {
+                    samples.push(StatSample::from_stat(t0.elapsed().as_secs_f64(), data, phase, gen, &v));
+                }
+            }
+            Ok(())
+        };
+        let result = work(&self.fio, &mut poll);
+        self.report.zdisk_timeline.extend(samples);
+        let value = result?;
+        let wall_s = started.elapsed().as_secs_f64();
+        let after = tree_sample(pid);
+        let stat_after = self.stat_fresh(ti, crate::report::unix_now_ms());
+        self.push_sample(ti, data, phase, &stat_after);
+        let f = |v: &Option<Value>, k: &str| v.as_ref().and_then(|v| v.get(k)).and_then(Value::as_f64);
+        let job_wa = match (
+            f(&stat_before, "host_write_bytes"),
+            f(&stat_after, "host_write_bytes"),
+            f(&stat_before, "backing_write_bytes"),
+            f(&stat_after, "backing_write_bytes"),
+        ) {
+            (Some(h0), Some(h1), Some(b0), Some(b1)) if h1 > h0 => Some((b1 - b0) / (h1 - h0)),
+            _ => None,
+        };
+        let cost = JobCost {
+            server_cpu_s: after.cpu_s - before.cpu_s,
+            gib_moved: 0.0,
+            server_cpu_s_per_gib: None,
+            client_cpu_pct: 0.0,
+            os_write_amplification: match (before.os_write_bytes, after.os_write_bytes) {
+                (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64),
+                _ => None,
+            },
+            comp_ratio: f(&stat_after, "comp_ratio"),
+            write_amplification: f(&stat_after, "write_amplification"),
+            job_write_amplification: job_wa,
+            zdisk_stat: stat_after,
+        };
+        Ok((value, cost, wall_s))
+    }
+
+    /// Runs one fio job with full accounting.
+    fn fio_job(
+        &mut self,
+        ti: usize,
+        data: DataMode,
+        phase: &str,
+        job: FioJob,
+        stem: &str,
+    ) -> Result<(FioOutcome, JobCost)> {
+        let fio_dir = self.fio_dir.clone();
+        let (out, mut cost, _) =
+            self.measured(ti, data, phase, |fio_bin, poll| fio::run(fio_bin, &job, &fio_dir, stem, poll))?;
+        finish_cost(&mut cost, out.bytes(), out.write.io_bytes);
+        cost.client_cpu_pct = out.client_cpu_pct;
+        Ok((out, cost))
+    }
+
+    fn fill(&mut self, ti: usize, data: DataMode, phase: &str) {
+        let kind = self.targets[ti].kind;
+        let range = self.targets[ti].range_bytes;
+        let passes = self.cfg.fill_passes.max(1);
+        let stem = self.next_stem(data, "fill", kind);
+        let phase_label = format!("fill ({phase})");
+        let res: Result<(f64, JobCost, String)> = if data == DataMode::Real {
+            self.real_fill(ti, data, &phase_label, range, passes)
+        } else {
+            let mut job = self.job(ti, "fill".into(), "write", "128k", self.cfg.fill_qd, data);
+            job.loops = passes;
+            self.fio_job(ti, data, &phase_label, job, &stem).map(|(o, c)| {
+                (o.write.bw_bytes_per_s / 1e6, c, format!("fio 128K sequential write QD{}", self.cfg.fill_qd))
+            })
+        };
+        let (mb_per_s, cost, tool, error) = match res {
+            Ok((mb, c, tool)) => (mb, c, tool, None),
+            Err(e) => {
+                let msg = format!("fill of {} ({}, {phase}): {e:#}", kind.key(), data.key());
+                self.say(&format!("ERROR {msg}"));
+                self.report.errors.push(msg.clone());
+                (0.0, JobCost::default(), String::new(), Some(msg))
+            }
+        };
+        if error.is_none() {
+            self.say(&format!(
+                "[{}] fill {} {} x{passes}: {mb_per_s:.0} MB/s{}",
+                data.key(),
+                kind.key(),
+                fmt_size(range),
+                cost.comp_ratio.map(|r| format!(", comp_ratio {r:.2}")).unwrap_or_default()
+            ));
+        }
+        self.report.fills.push(FillRecord {
+            data,
+            target: kind,
+            phase: phase.to_string(),
+            range_bytes: range,
+            passes,
+            tool,
+            secs: if mb_per_s > 0.0 { range as f64 * passes as f64 / 1e6 / mb_per_s } else { 0.0 },
+            mb_per_s,
+            cost,
+            error,
+        });
+    }
+
+    /// Streams the real-file corpus onto the target with nbdcopy, `passes` times.
+    fn real_fill(
+        &mut self,
+        ti: usize,
+        data: DataMode,
+        phase: &str,
+        range: u64,
+        passes: u32,
+    ) -> Result<(f64, JobCost, String)> {
+        let corpus = self.corpus.take().ok_or_else(|| anyhow!("real-data corpus missing"))?;
+        let uri = self.targets[ti].server.as_ref().map(|s| s.uri()).unwrap_or_default();
+        let res = self.measured(ti, data, phase, |_fio, poll| {
+            for _ in 0..passes {
+                let mut child = Command::new("nbdcopy")
+                    .arg("--")
+                    .arg("-")
+                    .arg(&uri)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .context("starting nbdcopy")?;
+                let mut stdin = child.stdin.take().ok_or_else(|| anyhow!("nbdcopy stdin"))?;
+                let mut sink = PollingWriter { inner: &mut stdin, poll, since: Instant::now() };
+                let streamed = corpus.stream(range, &mut sink);
+                drop(stdin);
+                let out = child.wait_with_output()?;
+                streamed?;
+                if !out.status.success() {
+                    bail!("nbdcopy failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+                }
+            }
+            Ok(())
+        });
+        self.corpus = Some(corpus);
+        let ((), mut cost, wall_s) = res?;
+        let bytes = range * passes as u64;
+        finish_cost(&mut cost, bytes, bytes);
+        Ok((bytes as f64 / 1e6 / wall_s.max(1e-9), cost, "nbdcopy of real files, sequential".into()))
+    }
+
+    fn precondition(&mut self, ti: usize, data: DataMode, w: WorkloadKind) -> Result<()> {
+        let cfg = self.cfg;
+        let kind = self.targets[ti].kind;
+        let qd = *cfg.qds.last().unwrap_or(&32);
+        let per_round = (cfg.round_ms / cfg.log_ms).max(1) as usize;
+        let mut rec = PreconditionRecord {
+            data,
+            workload: w,
+            target: kind,
+            qd,
+            round_ms: cfg.round_ms,
+            rounds_run: 0,
+            round_iops: Vec::new(),
+            iops_per_interval: Vec::new(),
+            interval_ms: cfg.log_ms,
+            steady_state_reached: false,
+            verdict: String::new(),
+            window: None,
+            cost: JobCost::default(),
+            error: None,
+        };
+        let est_total = self.precondition_est_ms();
+        let mut spent = 0;
+        // The first chunk is a whole window (nothing can be judged before that), then one
+        // round per fio run, so the stop comes as soon as the criterion holds.
+        let mut chunk = WINDOW_ROUNDS.min(cfg.max_rounds as usize) as u32;
+        let mut cpu = 0.0;
+        let mut bytes = 0u64;
+        let mut written = 0u64;
+        let mut os_w = Some(0.0);
+        while chunk > 0 {
+            self.check_stop()?;
+            self.pb.set_message(format!(
+                "{}: precondition {} QD{qd} ({}), round {}/{}",
+                kind.key(),
+                w.title(),
+                data.key(),
+                rec.rounds_run + chunk,
+                cfg.max_rounds
+            ));
+            // Half an interval of slack so fio logs the chunk's last full interval too.
+            let job = self.workload_job(ti, w, qd, data, chunk as u64 * cfg.round_ms + cfg.log_ms / 2, 0);
+            let stem = self.next_stem(data, &format!("pre-{}", w.key()), kind);
+            let phase = format!("precondition {}", w.title());
+            let est = chunk as u64 * cfg.round_ms + cfg.log_ms / 2 + FIO_OVERHEAD_MS;
+            match self.fio_job(ti, data, &phase, job, &stem) {
+                Ok((out, cost)) => {
+                    let keep = out.iops_per_interval.len().min(chunk as usize * per_round);
+                    let intervals = &out.iops_per_interval[..keep];
+                    rec.iops_per_interval.extend_from_slice(intervals);
+                    let full = (intervals.len() / per_round).min(chunk as usize);
+                    if full == 0 {
+                        // Shorter log than a round (very short rounds): use the run's mean.
+                        rec.round_iops.push(out.iops());
+                    }
+                    for r in 0..full {
+                        let slice = &intervals[r * per_round..(r + 1) * per_round];
+                        rec.round_iops.push(slice.iter().sum::<f64>() / per_round as f64);
+                    }
+                    cpu += cost.server_cpu_s;
+                    bytes += out.bytes();
+                    written += out.write.io_bytes;
+                    // fio_job already turned OS write bytes into a ratio; back to bytes to sum.
+                    os_w =
+                        os_w.zip(cost.os_write_amplification).map(|(a, ratio)| a + ratio * out.write.io_bytes as f64);
+                    rec.cost.comp_ratio = cost.comp_ratio;
+                    rec.cost.write_amplification = cost.write_amplification;
+                    rec.cost.zdisk_stat = cost.zdisk_stat;
+                }
+                Err(e) => {
+                    let msg = format!("precondition {} on {} ({}): {e:#}", w.title(), kind.key(), data.key());
+                    self.say(&format!("ERROR {msg}"));
+                    self.report.errors.push(msg.clone());
+                    rec.error = Some(msg);
+                    if e.to_string().contains("interrupted") {
+                        return Err(e);
+                    }
+                    break;
+                }
+            }
+            rec.rounds_run += chunk;
+            spent += est;
+            self.pb.inc(est);
+            rec.window = steady::evaluate(&rec.round_iops);
+            if rec.window.is_some_and(|w| w.steady) {
+                rec.steady_state_reached = true;
+                break;
+            }
+            chunk = (cfg.max_rounds - rec.rounds_run).min(1);
+        }
+        // Preconditioning usually ends before the budgeted limit: give the time back to the bar.
+        if let Some(len) = self.pb.length() {
+            self.pb.set_length(len.saturating_sub(est_total.saturating_sub(spent)));
+        }
+        rec.cost.server_cpu_s = cpu;
+        rec.cost.os_write_amplification = os_w;
+        finish_cost(&mut rec.cost, bytes, written);
+        rec.verdict = if rec.steady_state_reached {
+            format!("steady state reached at round {}", rec.rounds_run)
+        } else {
+            format!("steady state not reached (limit {} rounds)", cfg.max_rounds)
+        };
+        if rec.error.is_none() {
+            self.say(&format!(
+                "[{}] precondition {} · {} · QD{qd}: {} (last window mean {} IOPS)",
+                data.key(),
+                w.title(),
+                kind.key(),
+                rec.verdict,
+                rec.window.map(|w| fmt_int(w.mean)).unwrap_or_else(|| "—".into())
+            ));
+        }
+        self.report.preconditioning.push(rec);
+        Ok(())
+    }
+
+    fn measure(&mut self, ti: usize, data: DataMode, w: WorkloadKind, qd: u32) -> Result<()> {
+        let cfg = self.cfg;
+        let kind = self.targets[ti].kind;
+        self.pb.set_message(format!("{}: {} QD{qd} ({})", kind.key(), w.title(), data.key()));
+        let job = self.workload_job(ti, w, qd, data, cfg.runtime_ms, cfg.ramp_ms);
+        let stem = self.next_stem(data, &format!("{}-qd{qd}", w.key()), kind);
+        let phase = format!("{} QD{qd}", w.title());
+        let res = self.fio_job(ti, data, &phase, job, &stem);
+        self.pb.inc(self.measure_est_ms());
+        let mut r = JobResult {
+            data,
+            workload: w,
+            workload_title: w.title(),
+            target: kind,
+            qd,
+            iops: 0.0,
+            read_iops: 0.0,
+            write_iops: 0.0,
+            mb_per_s: 0.0,
+            p99_us: None,
+            read_p99_us: None,
+            write_p99_us: None,
+            read_p50_us: None,
+            write_p50_us: None,
+            mean_lat_us: None,
+            runtime_s: 0.0,
+            cost: JobCost::default(),
+            iops_per_interval: Vec::new(),
+            interval_ms: cfg.log_ms,
+            fio_json: format!("fio/{stem}.json"),
+            error: None,
+        };
+        match res {
+            Ok((out, cost)) => {
+                r.iops = out.iops();
+                r.read_iops = out.read.iops;
+                r.write_iops = out.write.iops;
+                r.mb_per_s = (out.read.bw_bytes_per_s + out.write.bw_bytes_per_s) / 1e6;
+                r.read_p99_us = out.read.p99_us;
+                r.write_p99_us = out.write.p99_us;
+                r.p99_us = match (out.read.p99_us, out.write.p99_us) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
+                r.read_p50_us = out.read.p50_us;
+                r.write_p50_us = out.write.p50_us;
+                let total_ios = out.read.iops + out.write.iops;
+                r.mean_lat_us = if total_ios > 0.0 {
+                    Some(
+                        (out.read.mean_lat_us.unwrap_or(0.0) * out.read.iops
+                            + out.write.mean_lat_us.unwrap_or(0.0) * out.write.iops)
+                            / total_ios,
+                    )
+                } else {
+                    None
+                };
+                r.runtime_s = out.runtime_s;
+                r.iops_per_interval = out.iops_per_interval.clone();
+                r.cost = cost;
+                if r.iops <= 0.0 {
+                    r.error = Some("fio completed no I/O".into());
+                }
+                self.say(&format!(
+                    "[{}] {} · {} · QD{qd}: {} IOPS ({:.0} MB/s), p99 {} µs, {} CPU s/GiB{}",
+                    data.key(),
+                    w.title(),
+                    kind.key(),
+                    fmt_int(r.iops),
+                    r.mb_per_s,
+                    r.p99_us.map(fmt_int).unwrap_or_else(|| "—".into()),
+                    r.cost.server_cpu_s_per_gib.map(|v| format!("{v:.2}")).unwrap_or_else(|| "—".into()),
+                    r.cost.comp_ratio.map(|c| format!(", comp_ratio {c:.2}")).unwrap_or_default()
+                ));
+            }
+            Err(e) => {
+                if e.to_string().contains("interrupted") {
+                    return Err(e);
+                }
+                let msg = format!("{} QD{qd} on {} ({}): {e:#}", w.title(), kind.key(), data.key());
+                self.say(&format!("ERROR {msg}"));
+                self.report.errors.push(msg.clone());
+                r.error = Some(msg);
+            }
+        }
+        self.report.results.push(r);
+        Ok(())
+    }
+
+    fn consistency_run(&mut self, ti: usize, data: DataMode, spare_pct: u32) -> Result<()> {
+        let cfg = self.cfg;
+        let kind = self.targets[ti].kind;
+        let range = self.targets[ti].range_bytes;
+        self.pb.set_message(format!(
+            "{}: consistency 4K random write QD{} +{spare_pct}% spare ({})",
+            kind.key(),
+            cfg.consistency_qd,
+            data.key()
+        ));
+        let mut job = self.job(ti, "consistency".into(), "randwrite", "4k", cfg.consistency_qd, data);
+        job.runtime_ms = Some(cfg.consistency_ms);
+        let stem = self.next_stem(data, &format!("consistency-spare{spare_pct}"), kind);
+        let res = self.fio_job(ti, data, &format!("consistency +{spare_pct}% spare"), job, &stem);
+        self.pb.inc(cfg.consistency_ms + FIO_OVERHEAD_MS);
+        let mut rec = ConsistencyRecord {
+            data,
+            target: kind,
+            spare_pct,
+            range_bytes: range,
+            qd: cfg.consistency_qd,
+            iops_per_interval: Vec::new(),
+            interval_ms: cfg.log_ms,
+            mean_iops: 0.0,
+            min_iops: 0.0,
+            max_iops: 0.0,
+            cov: 0.0,
+            cost: JobCost::default(),
+            error: None,
+        };
+        match res {
+            Ok((out, cost)) => {
+                let v = &out.iops_per_interval;
+                if v.is_empty() {
+                    rec.mean_iops = out.iops();
+                    rec.min_iops = out.iops();
+                    rec.max_iops = out.iops();
+                } else {
+                    let n = v.len() as f64;
+                    let mean = v.iter().sum::<f64>() / n;
+                    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
+                    rec.mean_iops = mean;
+                    rec.min_iops = v.iter().copied().fold(f64::INFINITY, f64::min);
+                    rec.max_iops = v.iter().copied().fold(0.0, f64::max);
+                    rec.cov = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
+                }
+                rec.iops_per_interval = out.iops_per_interval.clone();
+                rec.cost = cost;
+                self.say(&format!(
+                    "[{}] consistency · {} · +{spare_pct}% spare: mean {} IOPS, min {}, CoV {:.2}",
+                    data.key(),
+                    kind.key(),
+                    fmt_int(rec.mean_iops),
+                    fmt_int(rec.min_iops),
+                    rec.cov
+                ));
+            }
+            Err(e) => {
+                if e.to_string().contains("interrupted") {
+                    return Err(e);
+                }
+                let msg = format!("consistency on {} +{spare_pct}% ({}): {e:#}", kind.key(), data.key());
+                self.say(&format!("ERROR {msg}"));
+                self.report.errors.push(msg.clone());
+                rec.error = Some(msg);
+            }
+        }
+        self.report.consistency.push(rec);
+        Ok(())
+    }
+}
+
+/// Turns the raw counters in `cost` into per-GiB and per-byte figures. On entry
+/// `os_write_amplification` holds the raw OS write bytes of the job.
+fn finish_cost(cost: &mut JobCost, bytes_moved: u64, bytes_written: u64) {
+    cost.gib_moved = bytes_moved as f64 / GIB;
+    cost.server_cpu_s_per_gib = (bytes_moved > 0).then(|| cost.server_cpu_s / cost.gib_moved);
+    cost.os_write_amplification =
+        cost.os_write_amplification.and_then(|os_bytes| (bytes_written > 0).then(|| os_bytes / bytes_written as f64));
+}
+
+/// A writer that calls the poll callback now and then, so a long real-data fill still answers
+/// Ctrl-C and samples zdisk statistics.
+struct PollingWriter<'a, 'b> {
+    inner: &'a mut dyn Write,
+    poll: &'b mut dyn FnMut() -> Result<()>,
+    since: Instant,
+}
+
+impl Write for PollingWriter<'_, '_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.since.elapsed() > Duration::from_millis(100) {
+            self.since = Instant::now();
+            (self.poll)().map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        self.inner.write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}

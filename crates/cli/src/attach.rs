@@ -1,0 +1,280 @@
+//! `zdisk attach` / `zdisk detach`: a block device backed by a running server.
+//!
+//! Two ways, chosen in this order:
+//! 1. the kernel NBD client (`/dev/nbdN` and `nbd-client` exist): `nbd-client -unix`;
+//! 2. otherwise `nbdfuse` exposes the export as a file and `losetup` makes a loop device of
+//!    it (direct I/O when FUSE allows it, so the page cache is not doubled).
+//!
+//! If the store is not being served, attach starts `zdisk serve` in the background on a Unix
+//! socket in the run directory and records that, so detach stops exactly what attach started.
+//!
+//! Invariants: every step attach takes is recorded in `attach/<device>.json` before the next
+//! one, and a failing attach undoes what it did so far; detach undoes in reverse order and
+//! only stops a server that attach itself started.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use zdisk_engine::Store;
+
+use crate::runtime::{self, ServeState};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AttachArgs {
+    pub store: PathBuf,
+    /// Use nbdfuse + loop even where the kernel NBD client is available.
+    #[arg(long)]
+    pub fuse: bool,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct DetachArgs {
+    /// The device `zdisk attach` printed (e.g. /dev/loop3 or /dev/nbd0).
+    pub device: PathBuf,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct AttachState {
+    store: PathBuf,
+    uuid: String,
+    device: PathBuf,
+    kind: String,
+    /// `zdisk serve` started by attach (stopped by detach).
+    started_serve_pid: Option<u32>,
+    fuse_dir: Option<PathBuf>,
+    nbdfuse_pid: Option<u32>,
+}
+
+fn attach_dir() -> PathBuf {
+    runtime::run_dir().join("attach")
+}
+
+fn state_path(device: &Path) -> PathBuf {
+    let name = device.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    attach_dir().join(format!("{name}.json"))
+}
+
+/// Waits for `zdisk serve` of `uuid` to be ready, as long as `pid` lives.
+fn wait_for_serve(uuid: &str, pid: u32, log: &Path) -> Result<ServeState> {
+    let path = runtime::serve_file(uuid);
+    loop {
+        if let Ok(state) = runtime::read_json::<ServeState>(&path) {
+            if state.pid == pid {
+                return Ok(state);
+            }
+        }
+        if !runtime::process_alive(pid) {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("zdisk serve exited before serving:\n{}", log.trim());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Starts `zdisk serve STORE --unix RUN_DIR/<uuid>.sock` detached from our session.
+fn start_background_server(store: &Path, uuid: &str) -> Result<ServeState> {
+    let run_dir = runtime::run_dir();
+    std::fs::create_dir_all(&run_dir)?;
+    let socket = run_dir.join(format!("{uuid}.sock"));
+    let log_path = run_dir.join(format!("{uuid}.log"));
+    let log = std::fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    let exe = std::env::current_exe()?;
+    let mut command = Command::new(exe);
+    command
+        .arg("serve")
+        .arg(store)
+        .arg("--unix")
+        .arg(&socket)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    // SAFETY: setsid is async-signal-safe and touches no memory; it detaches the server from
+    // our terminal's session so it outlives this command and its Ctrl-C.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = command.spawn().context("starting zdisk serve")?;
+    let pid = child.id();
+    // The child is reaped by init once we exit; we track it by pid.
+    std::mem::forget(child);
+    wait_for_serve(uuid, pid, &log_path)
+}
+
+fn stop_background_server(pid: u32) {
+    if runtime::send_signal(pid, libc::SIGTERM).is_ok() && !runtime::wait_gone(pid, Duration::from_secs(300)) {
+        eprintln!("zdisk: server pid {pid} did not stop within 5 minutes");
+    }
+}
+
+fn nbd_client_device() -> Option<PathBuf> {
+    runtime::tool("nbd-client", "ZDISK_NBD_CLIENT").ok()?;
+    (0..128).find_map(|n| {
+        let device = PathBuf::from(format!("/dev/nbd{n}"));
+        let busy = Path::new(&format!("/sys/block/nbd{n}/pid")).exists();
+        (device.exists() && !busy).then_some(device)
+    })
+}
+
+pub fn attach(args: &AttachArgs) -> Result<()> {
+    let info = Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
+    let store = std::path::absolute(&args.store)?;
+    let mut state = AttachState { store: store.clone(), uuid: info.uuid.clone(), ..AttachState::default() };
+
+    let serve = match runtime::read_json::<ServeState>(&runtime::serve_file(&info.uuid)) {
+        Ok(serve) if runtime::process_alive(serve.pid) && runtime::store_is_locked(&store, true)? => serve,
+        _ => {
+            if runtime::store_is_locked(&store, true)? {
+                bail!("{} is open in another process that is not a `zdisk serve`; cannot attach", store.display());
+            }
+            eprintln!("zdisk: {} is not being served; starting a server", store.display());
+            let serve = start_background_server(&store, &info.uuid)?;
+            state.started_serve_pid = Some(serve.pid);
+            serve
+        }
+    };
+    let result = attach_device(args, &serve, &mut state);
+    match result {
+        Ok(device) => {
+            println!("{}", device.display());
+            Ok(())
+        }
+        Err(e) => {
+            if let Some(pid) = state.started_serve_pid {
+                stop_background_server(pid);
+            }
+            Err(e)
+        }
+    }
+}
+
+fn attach_device(args: &AttachArgs, serve: &ServeState, state: &mut AttachState) -> Result<PathBuf> {
+    let socket = serve.unix_socket.clone();
+    if !args.fuse {
+        if let (Some(device), Some(socket)) = (nbd_client_device(), socket.as_ref()) {
+            let nbd_client = runtime::tool("nbd-client", "ZDISK_NBD_CLIENT")?;
+            runtime::run(Command::new(nbd_client).arg("-unix").arg(socket).arg(&device).arg("-b").arg("4096"))?;
+            state.device = device.clone();
+            state.kind = "nbd".into();
+            runtime::write_json(&state_path(&device), state)?;
+            return Ok(device);
+        }
+    }
+
+    let nbdfuse = runtime::tool("nbdfuse", "ZDISK_NBDFUSE")?;
+    let losetup = runtime::tool("losetup", "ZDISK_LOSETUP")?;
+    let fuse_dir = runtime::run_dir().join(format!("fuse-{}", serve.uuid));
+    std::fs::create_dir_all(&fuse_dir).with_context(|| format!("creating {}", fuse_dir.display()))?;
+    let pid_file = runtime::run_dir().join(format!("fuse-{}.pid", serve.uuid));
+    let _ = std::fs::remove_file(&pid_file);
+    let mut command = Command::new(nbdfuse);
+    command.arg("-P").arg(&pid_file).arg(fuse_dir.join("nbd")).arg(&serve.uri);
+    command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+    // SAFETY: as in start_background_server: setsid only.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().context("starting nbdfuse")?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let mut stderr = String::new();
+            if let Some(mut pipe) = child.stderr.take() {
+                use std::io::Read;
+                let _ = pipe.read_to_string(&mut stderr);
+            }
+            bail!("nbdfuse exited ({status}): {}", stderr.trim());
+        }
+        if std::fs::read_to_string(&pid_file).map(|s| !s.trim().is_empty()).unwrap_or(false) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            bail!("nbdfuse did not become ready within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(child.stderr.take());
+    let nbdfuse_pid = child.id();
+    std::mem::forget(child);
+    let _ = std::fs::remove_file(&pid_file);
+    state.fuse_dir = Some(fuse_dir.clone());
+    state.nbdfuse_pid = Some(nbdfuse_pid);
+    state.kind = "fuse-loop".into();
+
+    let file = fuse_dir.join("nbd");
+    let loop_device = runtime::run(Command::new(&losetup).arg("--direct-io=on").arg("-f").arg("--show").arg(&file))
+        .or_else(|_| runtime::run(Command::new(&losetup).arg("-f").arg("--show").arg(&file)));
+    let device = match loop_device {
+        Ok(out) => PathBuf::from(out.trim()),
+        Err(e) => {
+            unmount_fuse(&fuse_dir, nbdfuse_pid);
+            return Err(e.context("creating a loop device on the nbdfuse file"));
+        }
+    };
+    state.device = device.clone();
+    runtime::write_json(&state_path(&device), state)?;
+    Ok(device)
+}
+
+fn unmount_fuse(dir: &Path, nbdfuse_pid: u32) {
+    let fusermount = runtime::tool("fusermount3", "ZDISK_FUSERMOUNT").unwrap_or_else(|_| "fusermount3".into());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match runtime::run(Command::new(&fusermount).arg("-u").arg(dir)) {
+            Ok(_) => break,
+            Err(e) => {
+                if Instant::now() >= deadline {
+                    eprintln!("zdisk: {e}");
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    // nbdfuse exits once unmounted, after flushing and closing its NBD connection.
+    if !runtime::wait_gone(nbdfuse_pid, Duration::from_secs(60)) {
+        eprintln!("zdisk: nbdfuse pid {nbdfuse_pid} did not exit after unmount");
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+pub fn detach(args: &DetachArgs) -> Result<()> {
+    let device = std::fs::canonicalize(&args.device).unwrap_or_else(|_| args.device.clone());
+    let path = state_path(&device);
+    let state: AttachState =
+        runtime::read_json(&path).with_context(|| format!("{} was not attached by zdisk attach", device.display()))?;
+    match state.kind.as_str() {
+        "nbd" => {
+            let nbd_client = runtime::tool("nbd-client", "ZDISK_NBD_CLIENT")?;
+            runtime::run(Command::new(nbd_client).arg("-d").arg(&device))?;
+        }
+        _ => {
+            let losetup = runtime::tool("losetup", "ZDISK_LOSETUP")?;
+            runtime::run(Command::new(losetup).arg("-d").arg(&device))
+                .with_context(|| format!("detaching {} (is it still mounted?)", device.display()))?;
+            if let (Some(dir), Some(pid)) = (&state.fuse_dir, state.nbdfuse_pid) {
+                unmount_fuse(dir, pid);
+            }
+        }
+    }
+    if let Some(pid) = state.started_serve_pid {
+        stop_background_server(pid);
+    }
+    let _ = std::fs::remove_file(&path);
+    eprintln!("zdisk: detached {} ({})", device.display(), state.store.display());
+    Ok(())
+}

@@ -1,0 +1,351 @@
+//! `format`, `stat`, `check`, `resize`: thin calls into the engine plus presentation.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{Map, Value};
+use zdisk_engine::{Codec, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
+
+use crate::runtime;
+use crate::size::{human_bytes, LogicalSize, Size};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct FormatArgs {
+    /// File (created at the physical size) or block device (its whole size is used).
+    pub store: PathBuf,
+    /// Bytes of backing store, e.g. 64G. Ignored for a block device (its size is used).
+    #[arg(long, value_name = "SIZE")]
+    pub physical_size: Option<Size>,
+    /// Capacity the clients see: a size (e.g. 300G) or a multiple of the physical size (e.g. 3x).
+    #[arg(long, value_name = "SIZE|Nx")]
+    pub logical_size: LogicalSize,
+    /// Default codec for new blocks: lz4, zstd[:LEVEL 1-19] or deflate[:LEVEL 1-12].
+    #[arg(long, default_value = "lz4", value_parser = parse_codec)]
+    pub codec: Codec,
+    /// Segment size, the unit of log writing and garbage collection (a multiple of 64K, at
+    /// most 256M); default: the engine's choice.
+    #[arg(long, value_name = "SIZE")]
+    pub segment_size: Option<Size>,
+    /// Overwrite an existing zdisk store or other data on STORE.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn parse_codec(text: &str) -> Result<Codec, String> {
+    text.parse::<Codec>()
+}
+
+fn is_block_device(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)
+}
+
+fn block_device_size(path: &Path) -> Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let mut file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(file.seek(SeekFrom::End(0))?)
+}
+
+pub fn format(args: &FormatArgs) -> Result<()> {
+    let physical = if is_block_device(&args.store) {
+        block_device_size(&args.store)?
+    } else {
+        match args.physical_size {
+            Some(size) => size.0,
+            None => bail!("--physical-size is required when STORE is a file"),
+        }
+    };
+    let logical = args.logical_size.resolve(physical);
+    let options = FormatOptions {
+        physical_size_bytes: physical,
+        logical_size_bytes: logical,
+        codec: args.codec,
+        segment_size_bytes: args.segment_size.map(|s| s.0),
+        force: args.force,
+    };
+    let info = Store::format(&args.store, &options).with_context(|| format!("formatting {}", args.store.display()))?;
+    println!("formatted {}", args.store.display());
+    println!("  uuid             {}", info.uuid);
+    println!("  physical size    {} ({} bytes)", human_bytes(info.physical_size_bytes), info.physical_size_bytes);
+    println!(
+        "  logical size     {} ({} bytes, {:.2}x physical)",
+        human_bytes(info.logical_size_bytes),
+        info.logical_size_bytes,
+        info.logical_size_bytes as f64 / info.physical_size_bytes.max(1) as f64
+    );
+    println!("  segment size     {}", human_bytes(info.segment_size_bytes));
+    println!("  codec            {}", info.codec);
+    Ok(())
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct StatArgs {
+    pub store: PathBuf,
+    /// One JSON object: the six capacity-stat keys (bytes; comp_ratio a number) and every
+    /// engine statistic under its engine name, plus `source` ("live" or "offline").
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the numbers came from.
+pub enum Source {
+    Offline,
+    Live { pid: u64, age: Duration },
+}
+
+/// A live snapshot older than this is not trusted (the plugin rewrites it every second).
+const LIVE_STALE_AFTER: Duration = Duration::from_secs(10);
+
+fn live_stats(uuid: &str) -> Result<(Stats, Source)> {
+    let path = runtime::live_file(uuid);
+    let value: Value = runtime::read_json(&path).with_context(|| {
+        format!("the store is being served but its live statistics ({}) cannot be read", path.display())
+    })?;
+    let stats: Stats = serde_json::from_value(value.get("stats").cloned().unwrap_or(Value::Null))
+        .with_context(|| format!("parsing the statistics in {}", path.display()))?;
+    let pid = value.get("pid").and_then(Value::as_u64).unwrap_or(0);
+    let updated = value.get("updated_unix_ms").and_then(Value::as_u64).unwrap_or(0);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let age = Duration::from_millis(now.saturating_sub(updated));
+    Ok((stats, Source::Live { pid, age }))
+}
+
+fn fresh_live_stats(uuid: &str) -> Option<(Stats, Source)> {
+    match live_stats(uuid) {
+        Ok((stats, Source::Live { pid, age }))
+            if age < LIVE_STALE_AFTER && runtime::process_alive(u32::try_from(pid).unwrap_or(0)) =>
+        {
+            Some((stats, Source::Live { pid, age }))
+        }
+        _ => None,
+    }
+}
+
+/// Statistics of a store, served or not.
+pub fn collect_stats(store: &Path) -> Result<(zdisk_engine::StoreInfo, Stats, Source)> {
+    let info = Store::info(store).with_context(|| format!("reading {}", store.display()))?;
+    let options = OpenOptions { read_only: true, ..OpenOptions::default() };
+    match Store::open(store, &options) {
+        Ok(opened) => {
+            let stats = opened.stats();
+            drop(opened);
+            // Served read-only (a shared lock lets us in too): the server's numbers are newer.
+            if let Some((live, source)) = fresh_live_stats(&info.uuid) {
+                return Ok((info, live, source));
+            }
+            Ok((info, stats, Source::Offline))
+        }
+        Err(e) if e.kind() == ErrorKind::Locked => {
+            let (stats, source) = live_stats(&info.uuid)?;
+            Ok((info, stats, source))
+        }
+        Err(e) => Err(e).with_context(|| format!("opening {}", store.display())),
+    }
+}
+
+/// The `--json` object: every `Stats` field under its engine name, plus context keys.
+pub fn stats_json(info: &zdisk_engine::StoreInfo, stats: &Stats, source: &Source) -> Result<Value> {
+    let Value::Object(fields) = serde_json::to_value(stats)? else { bail!("statistics are not an object") };
+    let mut object = Map::new();
+    object.insert(
+        "source".into(),
+        Value::from(matches!(source, Source::Live { .. }).then_some("live").unwrap_or("offline")),
+    );
+    object.insert("uuid".into(), Value::from(info.uuid.clone()));
+    object.extend(fields);
+    Ok(Value::Object(object))
+}
+
+const CAPACITY_STAT: [&str; 6] =
+    ["free_space", "physical_size", "logical_size", "comp_ratio", "provisioned_cap", "space_flag"];
+
+pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, source: &Source) -> Result<()> {
+    let json = stats_json(info, stats, source)?;
+    println!("store   {} (uuid {}, codec {}, format v{})", store.display(), info.uuid, info.codec, info.format_version);
+    match source {
+        Source::Offline => println!("source  offline (not being served; numbers from the last checkpoint)"),
+        Source::Live { pid, age } => {
+            println!("source  live (served by nbdkit pid {pid}; snapshot {:.1} s old)", age.as_secs_f64())
+        }
+    }
+    println!();
+    println!("capacity-stat (bytes):");
+    let values: Vec<String> = CAPACITY_STAT
+        .iter()
+        .map(|key| match key {
+            &"comp_ratio" => format!("{:.2}", stats.comp_ratio),
+            key => json[*key].to_string(),
+        })
+        .collect();
+    let widths: Vec<usize> = CAPACITY_STAT.iter().zip(&values).map(|(k, v)| k.len().max(v.len())).collect();
+    let header: Vec<String> = CAPACITY_STAT.iter().zip(&widths).map(|(k, w)| format!("{k:<w$}")).collect();
+    let row: Vec<String> = values.iter().zip(&widths).map(|(v, w)| format!("{v:<w$}")).collect();
+    println!("  {}", header.join("  ").trim_end());
+    println!("  {}", row.join("  ").trim_end());
+    println!();
+    let flag = match stats.space_flag {
+        0 => "normal",
+        1 => "low",
+        _ => "full: writes needing space get ENOSPC",
+    };
+    println!("  provisioned_cap  {:>12}  capacity the clients see", human_bytes(stats.provisioned_cap));
+    println!("  logical_size     {:>12}  written by clients and not trimmed", human_bytes(stats.logical_size));
+    println!(
+        "  physical_size    {:>12}  backing bytes holding live data and metadata",
+        human_bytes(stats.physical_size)
+    );
+    println!("  free_space       {:>12}  backing bytes available for new data", human_bytes(stats.free_space));
+    println!("  comp_ratio       {:>12.2}  logical_size / physical_size", stats.comp_ratio);
+    println!("  space_flag       {:>12}  {flag}", stats.space_flag);
+    println!();
+    println!(
+        "write amplification {:.3} (backing {} written / host {} written)",
+        stats.write_amplification,
+        human_bytes(stats.backing_write_bytes),
+        human_bytes(stats.host_write_bytes)
+    );
+    println!();
+    println!("engine statistics:");
+    if let Value::Object(fields) = &json {
+        for (key, value) in fields {
+            if CAPACITY_STAT.contains(&key.as_str()) || key == "source" || key == "uuid" {
+                continue;
+            }
+            println!("  {key:<22} {value}");
+        }
+    }
+    Ok(())
+}
+
+pub fn stat(args: &StatArgs) -> Result<()> {
+    let (info, stats, source) = collect_stats(&args.store)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&stats_json(&info, &stats, &source)?)?);
+        return Ok(());
+    }
+    print_stats(&args.store, &info, &stats, &source)
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckArgs {
+    pub store: PathBuf,
+    /// Print the report as JSON (`clean`, `blocks_checked`, `records_checked`, `problems`).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Exit status of `zdisk check` when it finds damage (other failures exit 1).
+pub const CHECK_DAMAGED_EXIT: i32 = 3;
+
+pub fn check(args: &CheckArgs) -> Result<i32> {
+    Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
+    let options = OpenOptions { read_only: true, ..OpenOptions::default() };
+    let store = match Store::open(&args.store, &options) {
+        Ok(store) => store,
+        Err(e) if e.kind() == ErrorKind::Locked => {
+            bail!("{} is being served: stop the server (or `zdisk detach`) before checking it", args.store.display())
+        }
+        Err(e) => return Err(e).with_context(|| format!("opening {}", args.store.display())),
+    };
+    let tty = std::io::stderr().is_terminal();
+    let started = Instant::now();
+    let mut last_report = Instant::now() - Duration::from_secs(1);
+    let mut last_decile = u64::MAX;
+    let mut progress = |done: u64, total: u64| {
+        let percent = done.saturating_mul(100).checked_div(total).unwrap_or(100);
+        if tty {
+            if last_report.elapsed() >= Duration::from_millis(100) {
+                eprint!("\rchecking {}: {percent:3}% ({done}/{total})", args.store.display());
+                last_report = Instant::now();
+            }
+        } else if percent / 10 != last_decile {
+            last_decile = percent / 10;
+            eprintln!("checking {}: {percent}% ({done}/{total})", args.store.display());
+        }
+    };
+    let report = store.check(&mut progress);
+    if tty {
+        eprintln!();
+    }
+    let report = report.with_context(|| format!("checking {}", args.store.display()))?;
+    drop(store);
+    let clean = report.problems.is_empty();
+    if args.json {
+        let value = serde_json::json!({
+            "store": args.store,
+            "clean": clean,
+            "blocks_checked": report.blocks_checked,
+            "records_checked": report.records_checked,
+            "problems": report.problems,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        println!(
+            "{}: {} blocks and {} records checked in {:.1} s",
+            args.store.display(),
+            report.blocks_checked,
+            report.records_checked,
+            started.elapsed().as_secs_f64()
+        );
+        if clean {
+            println!("clean");
+        } else {
+            println!("{} problem(s):", report.problems.len());
+            for problem in &report.problems {
+                println!("  {problem}");
+            }
+        }
+    }
+    Ok(if clean { 0 } else { CHECK_DAMAGED_EXIT })
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ResizeArgs {
+    pub store: PathBuf,
+    /// New capacity: a size (e.g. 500G) or a multiple of the physical size (e.g. 4x).
+    #[arg(long, value_name = "SIZE|Nx")]
+    pub logical_size: LogicalSize,
+}
+
+pub fn resize(args: &ResizeArgs) -> Result<()> {
+    let info = Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
+    let logical = args.logical_size.resolve(info.physical_size_bytes);
+    match Store::open(&args.store, &OpenOptions::default()) {
+        Ok(store) => {
+            let before = store.logical_size_bytes();
+            store.resize(logical).with_context(|| format!("resizing {}", args.store.display()))?;
+            let after = store.logical_size_bytes();
+            store.close().with_context(|| format!("closing {}", args.store.display()))?;
+            println!(
+                "{}: logical size {} -> {} ({after} bytes)",
+                args.store.display(),
+                human_bytes(before),
+                human_bytes(after)
+            );
+            Ok(())
+        }
+        Err(e) if e.kind() == ErrorKind::Locked => {
+            // Served: grow through the plugin's control socket. Shrinking is refused there,
+            // because connected clients keep the size they negotiated.
+            let socket = runtime::control_socket(&info.uuid);
+            let reply = runtime::control_request(&socket, &format!("resize {logical}"))?;
+            match reply.strip_prefix("ok ") {
+                Some(size) => {
+                    let after: u64 = size.trim().parse().context("bad reply from the server")?;
+                    println!(
+                        "{}: logical size {} -> {} ({after} bytes) while served; \
+                         clients see the new size when they reconnect",
+                        args.store.display(),
+                        human_bytes(info.logical_size_bytes),
+                        human_bytes(after)
+                    );
+                    Ok(())
+                }
+                None => bail!("the server refused: {}", reply.strip_prefix("error ").unwrap_or(&reply)),
+            }
+        }
+        Err(e) => Err(e).with_context(|| format!("opening {}", args.store.display())),
+    }
+}

@@ -1,0 +1,158 @@
+//! Run-time files shared by `serve`, `stat`, `resize`, `attach` and `detach`, and small
+//! process helpers.
+//!
+//! Files under the run directory (`$ZDISK_RUN_DIR`, default `/run/zdisk`):
+//! - `<uuid>.json`       live statistics, rewritten every second by the plugin;
+//! - `<uuid>.ctl`        the plugin's control socket (`resize BYTES`, `stats`);
+//! - `<uuid>.serve.json` written by `zdisk serve` once nbdkit is ready: its pid, the URI;
+//! - `<uuid>.sock`, `<uuid>.log`  the socket and log of a server `zdisk attach` started;
+//! - `attach/<device>.json` what `zdisk detach` must undo;
+//! - `fuse-<uuid>/nbd`   the nbdfuse file behind a loop device.
+//!
+//! A file here is only a hint: the store's lock is the truth about whether it is served.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+pub const DEFAULT_RUN_DIR: &str = "/run/zdisk";
+
+pub fn run_dir() -> PathBuf {
+    std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into())
+}
+
+pub fn live_file(uuid: &str) -> PathBuf {
+    run_dir().join(format!("{uuid}.json"))
+}
+
+pub fn control_socket(uuid: &str) -> PathBuf {
+    run_dir().join(format!("{uuid}.ctl"))
+}
+
+pub fn serve_file(uuid: &str) -> PathBuf {
+    run_dir().join(format!("{uuid}.serve.json"))
+}
+
+/// What `zdisk serve` records once nbdkit serves the store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServeState {
+    pub store: PathBuf,
+    pub uuid: String,
+    /// The `zdisk serve` process.
+    pub pid: u32,
+    pub nbdkit_pid: u32,
+    pub uri: String,
+    pub unix_socket: Option<PathBuf>,
+    pub read_only: bool,
+}
+
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Writes `value` as JSON atomically (tmp file + rename).
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let tmp = path.with_extension("tmp");
+    let mut bytes = serde_json::to_vec_pretty(value)?;
+    bytes.push(b'\n');
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))?;
+    Ok(())
+}
+
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: kill with signal 0 only checks for the process; no memory is involved.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
+    // SAFETY: sending a signal to a process we started; no memory is involved.
+    if unsafe { libc::kill(pid, signal) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Waits until `pid` (not our child) is gone.
+pub fn wait_gone(pid: u32, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while process_alive(pid) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    true
+}
+
+/// Whether another process holds the store's lock (the engine takes `flock`: exclusive
+/// for a writer, shared for a reader). `exclusive` probes as a writer would.
+pub fn store_is_locked(path: &Path, exclusive: bool) -> Result<bool> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mode = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+    // SAFETY: flock on a file descriptor we own; the lock is dropped with the file below.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(false);
+    }
+    let error = std::io::Error::last_os_error();
+    if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(true)
+    } else {
+        Err(error).with_context(|| format!("probing the lock of {}", path.display()))
+    }
+}
+
+/// Sends one request line to the plugin's control socket and returns its one-line reply.
+pub fn control_request(socket: &Path, request: &str) -> Result<String> {
+    let stream = UnixStream::connect(socket)
+        .with_context(|| format!("connecting to the server's control socket {}", socket.display()))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    (&stream).write_all(format!("{request}\n").as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(&stream).read_line(&mut reply)?;
+    Ok(reply.trim_end().to_string())
+}
+
+/// Finds an executable: `$ENV_VAR` if set, else `name` in PATH.
+pub fn tool(name: &str, env_var: &str) -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os(env_var) {
+        return Ok(PathBuf::from(path));
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for dir in std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")]) {
+        let candidate = dir.join(name);
+        if candidate.is_file() {
+            return Ok(candidate);
+        }
+    }
+    bail!("{name} not found in PATH (install it: see README.md; or set {env_var})")
+}
+
+/// Runs a command to completion; fails with its stderr when it fails.
+pub fn run(command: &mut Command) -> Result<String> {
+    let output = command.output().with_context(|| format!("running {command:?}"))?;
+    if !output.status.success() {
+        bail!("{command:?} failed ({}): {}", output.status, String::from_utf8_lossy(&output.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}

@@ -1,0 +1,333 @@
+//! `zdisk serve`: nbdkit with the zdisk plugin, in the foreground.
+//!
+//! Invariants:
+//! - at most one writer serves a store: the store lock is probed up front for a clear
+//!   message, and the plugin's own open (which takes the lock) is the real guard;
+//! - nbdkit runs with `--exit-with-parent`, so it never outlives this process;
+//! - on SIGINT/SIGTERM the store is drained first through the plugin's control socket
+//!   (writes refused with ESHUTDOWN, flush, checkpoint), then nbdkit gets SIGTERM: it closes
+//!   idle connections and unloads the plugin, which closes the store. A client that keeps its
+//!   connection open (nbdfuse, the kernel) would hold nbdkit 1.32 forever, so after a grace
+//!   period nbdkit is killed — losing nothing, because the drain made everything durable;
+//! - the URI is printed (stdout, one line) only once nbdkit has bound its socket and opened
+//!   the store, so a script may connect as soon as it reads the line.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use zdisk_engine::Store;
+
+use crate::runtime::{self, ServeState};
+use crate::size::Size;
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(group(clap::ArgGroup::new("listen").required(true).args(["unix", "tcp"])))]
+pub struct ServeArgs {
+    /// The zdisk store (file or block device) to serve.
+    pub store: PathBuf,
+    /// Listen on this Unix domain socket (URI nbd+unix:///?socket=SOCKET).
+    #[arg(long, value_name = "SOCKET")]
+    pub unix: Option<PathBuf>,
+    /// Listen on this TCP address (URI nbd://HOST:PORT).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub tcp: Option<String>,
+    /// Serve read-only: writes, trims and zeroes are refused, the store is opened read-only.
+    #[arg(long)]
+    pub readonly: bool,
+    /// Serve Prometheus text at http://HOST:PORT/metrics and JSON at /stats.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics: Option<String>,
+    /// nbdkit worker threads (requests served in parallel).
+    #[arg(long, short = 't', default_value_t = 16)]
+    pub threads: u32,
+    /// Do not use O_DIRECT on the backing store.
+    #[arg(long)]
+    pub no_direct: bool,
+    /// Bound of the engine's buffer memory (e.g. 256M).
+    #[arg(long, value_name = "SIZE")]
+    pub cache: Option<Size>,
+    /// Write nbdkit's pid here once it is ready to serve.
+    #[arg(long, value_name = "PATH")]
+    pub pid_file: Option<PathBuf>,
+    /// On SIGINT/SIGTERM, how long to let clients disconnect before nbdkit is killed (the
+    /// store is flushed and checkpointed, and refuses writes, before the wait starts).
+    #[arg(long, default_value_t = 10, value_name = "SECONDS")]
+    pub stop_grace_seconds: u64,
+    /// Pass -v to nbdkit (debug messages on stderr).
+    #[arg(long, short = 'v')]
+    pub verbose: bool,
+}
+
+/// The plugin: `$ZDISK_PLUGIN`, or `libnbdkit_zdisk_plugin.so` next to the `zdisk` binary
+/// (or in `../lib/zdisk/` from it, for installed layouts).
+pub fn plugin_path() -> Result<PathBuf> {
+    if let Some(path) = std::env::var_os("ZDISK_PLUGIN") {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("ZDISK_PLUGIN={} does not exist", path.display());
+        }
+        return Ok(path);
+    }
+    let exe = std::env::current_exe().context("locating the zdisk executable")?;
+    let dir = exe.parent().context("the zdisk executable has no directory")?;
+    let candidates = [
+        dir.join("libnbdkit_zdisk_plugin.so"),
+        dir.join("../lib/zdisk/libnbdkit_zdisk_plugin.so"),
+        // `cargo test` puts test binaries in target/<profile>/deps.
+        dir.join("../libnbdkit_zdisk_plugin.so"),
+    ];
+    for candidate in &candidates {
+        if candidate.is_file() {
+            return Ok(candidate.clone());
+        }
+    }
+    bail!(
+        "the nbdkit plugin libnbdkit_zdisk_plugin.so is not next to {} \
+         (build it: cargo build --release -p zdisk-nbdkit; or set ZDISK_PLUGIN)",
+        exe.display()
+    )
+}
+
+fn uri(args: &ServeArgs) -> Result<String> {
+    if let Some(socket) = &args.unix {
+        let absolute = std::path::absolute(socket)?;
+        return Ok(format!("nbd+unix:///?socket={}", absolute.display()));
+    }
+    let tcp = args.tcp.as_deref().unwrap_or_default();
+    Ok(format!("nbd://{tcp}/"))
+}
+
+fn split_host_port(addr: &str) -> Result<(String, String)> {
+    let (host, port) = addr.rsplit_once(':').with_context(|| format!("--tcp {addr}: expected HOST:PORT"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    port.parse::<u16>().with_context(|| format!("--tcp {addr}: bad port"))?;
+    Ok((host.to_string(), port.to_string()))
+}
+
+/// nbdkit's command line for `args`.
+fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Command> {
+    let nbdkit = runtime::tool("nbdkit", "ZDISK_NBDKIT")?;
+    let mut command = Command::new(nbdkit);
+    command.arg("--foreground").arg("--exit-with-parent");
+    command.arg("-P").arg(pid_file);
+    command.arg("-t").arg(args.threads.max(1).to_string());
+    if let Some(socket) = &args.unix {
+        command.arg("-U").arg(std::path::absolute(socket)?);
+    } else if let Some(tcp) = &args.tcp {
+        let (host, port) = split_host_port(tcp)?;
+        command.arg("-i").arg(host).arg("-p").arg(port);
+    }
+    if args.readonly {
+        command.arg("-r");
+    }
+    if args.verbose {
+        command.arg("-v");
+    }
+    command.arg(plugin);
+    command.arg(format!("store={}", std::path::absolute(&args.store)?.display()));
+    if args.readonly {
+        command.arg("readonly=true");
+    }
+    if let Some(metrics) = &args.metrics {
+        command.arg(format!("metrics={metrics}"));
+    }
+    if args.no_direct {
+        command.arg("direct=false");
+    }
+    if let Some(cache) = args.cache {
+        command.arg(format!("cache={}", cache.0));
+    }
+    command.arg(format!("rundir={}", runtime::run_dir().display()));
+    command.stdin(Stdio::null());
+    Ok(command)
+}
+
+/// Removes a Unix socket left behind by a server that died, refusing a live one.
+fn clear_stale_socket(socket: &Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(metadata) = std::fs::symlink_metadata(socket) else { return Ok(()) };
+    if !metadata.file_type().is_socket() {
+        bail!("{} exists and is not a socket", socket.display());
+    }
+    if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+        bail!("{} is in use by another server", socket.display());
+    }
+    std::fs::remove_file(socket).with_context(|| format!("removing stale socket {}", socket.display()))
+}
+
+/// A running nbdkit, SIGTERMed and reaped on drop.
+pub struct Nbdkit {
+    child: Option<Child>,
+    pub uri: String,
+}
+
+impl Nbdkit {
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGTERM, then wait: nbdkit closes idle connections, unloads the plugin, which closes
+    /// the store (flush + checkpoint). nbdkit 1.32 cannot interrupt a connection whose client
+    /// keeps it open (an nbdfuse mount, a kernel client), so after `grace` it is killed; the
+    /// caller drains the store first so that this loses nothing. Returns the exit status and
+    /// whether the kill was needed.
+    pub fn terminate(&mut self, grace: Duration) -> Result<(ExitStatus, bool)> {
+        let mut child = self.child.take().context("nbdkit already stopped")?;
+        if let Some(status) = child.try_wait()? {
+            return Ok((status, false));
+        }
+        let _ = runtime::send_signal(child.id(), libc::SIGTERM);
+        let deadline = std::time::Instant::now() + grace;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                return Ok((status, false));
+            }
+            if std::time::Instant::now() >= deadline {
+                let _ = child.kill();
+                return Ok((child.wait()?, true));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>> {
+        match self.child.as_mut() {
+            Some(child) => Ok(child.try_wait()?),
+            None => bail!("nbdkit already stopped"),
+        }
+    }
+}
+
+impl Drop for Nbdkit {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.terminate(Duration::from_secs(30));
+        }
+    }
+}
+
+/// Starts nbdkit and waits until it serves (or fails).
+pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
+    Store::info(&args.store).with_context(|| format!("{} is not a servable zdisk store", args.store.display()))?;
+    if runtime::store_is_locked(&args.store, !args.readonly)? {
+        bail!(
+            "{} is already open in another process (being served?): refusing to serve it twice \
+             (`zdisk stat {}` shows who)",
+            args.store.display(),
+            args.store.display()
+        );
+    }
+    if let Some(socket) = &args.unix {
+        clear_stale_socket(socket)?;
+    }
+    let plugin = plugin_path()?;
+    let scratch = tempfile::tempdir().context("creating a temporary directory")?;
+    let pid_file = args.pid_file.clone().unwrap_or_else(|| scratch.path().join("nbdkit.pid"));
+    let _ = std::fs::remove_file(&pid_file);
+    let mut command = nbdkit_command(args, &plugin, &pid_file)?;
+    let child = command.spawn().with_context(|| format!("starting {command:?}"))?;
+    let mut nbdkit = Nbdkit { child: Some(child), uri: uri(args)? };
+    // nbdkit writes the pid file after binding its socket and after the plugin's
+    // after_fork (which opens the store); until then it may be replaying the log.
+    loop {
+        if let Some(status) = nbdkit.try_wait()? {
+            nbdkit.child = None;
+            bail!("nbdkit exited before serving ({status}); its messages are above");
+        }
+        if std::fs::read_to_string(&pid_file).map(|s| !s.trim().is_empty()).unwrap_or(false) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(nbdkit)
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
+        signal_hook::flag::register(signal, stop.clone()).context("installing signal handlers")?;
+    }
+    let info = Store::info(&args.store)?;
+    let mut nbdkit = start(args)?;
+    let state = ServeState {
+        store: std::path::absolute(&args.store)?,
+        uuid: info.uuid.clone(),
+        pid: std::process::id(),
+        nbdkit_pid: nbdkit.pid(),
+        uri: nbdkit.uri.clone(),
+        unix_socket: args.unix.as_ref().map(std::path::absolute).transpose()?,
+        read_only: args.readonly,
+    };
+    let state_file = runtime::serve_file(&info.uuid);
+    runtime::write_json(&state_file, &state)?;
+    eprintln!(
+        "zdisk: serving {} ({}, {} logical) at {}; Ctrl-C or SIGTERM stops it cleanly",
+        args.store.display(),
+        info.uuid,
+        crate::size::human_bytes(info.logical_size_bytes),
+        nbdkit.uri
+    );
+    if let Some(metrics) = &args.metrics {
+        eprintln!("zdisk: metrics at http://{metrics}/metrics and http://{metrics}/stats");
+    }
+    {
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{}", nbdkit.uri)?;
+        stdout.flush()?;
+    }
+    let grace = Duration::from_secs(args.stop_grace_seconds);
+    let status = loop {
+        if stop.load(Ordering::SeqCst) {
+            eprintln!("zdisk: stopping: refusing new writes, flushing and checkpointing");
+            let control = runtime::control_socket(&info.uuid);
+            let drained = match runtime::control_request(&control, "drain") {
+                Ok(reply) if reply == "ok" => true,
+                Ok(reply) => {
+                    eprintln!("zdisk: drain failed: {reply}");
+                    false
+                }
+                Err(e) => {
+                    eprintln!("zdisk: drain failed: {e:#}");
+                    false
+                }
+            };
+            let (status, killed) = nbdkit.terminate(grace)?;
+            if !killed {
+                break status;
+            }
+            // The plugin did not unload: remove the files it would have removed.
+            let _ = std::fs::remove_file(runtime::live_file(&info.uuid));
+            let _ = std::fs::remove_file(&control);
+            let _ = std::fs::remove_file(&state_file);
+            if !drained {
+                bail!(
+                    "clients kept their connections open for {}s and the store could not be drained; \
+                       nbdkit was killed: writes not flushed by the clients may be lost",
+                    grace.as_secs()
+                );
+            }
+            eprintln!(
+                "zdisk: clients kept their connections open for {}s; the store was already flushed and \
+                 checkpointed, so nbdkit was stopped with SIGKILL without loss",
+                grace.as_secs()
+            );
+            return Ok(());
+        }
+        if let Some(status) = nbdkit.try_wait()? {
+            nbdkit.child = None;
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = std::fs::remove_file(&state_file);
+    if !status.success() {
+        bail!("nbdkit exited with {status}; see its messages above");
+    }
+    eprintln!("zdisk: stopped cleanly");
+    Ok(())
+}

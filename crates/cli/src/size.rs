@@ -1,0 +1,142 @@
+//! Sizes on the command line: `4096`, `64K`, `256M`, `1.5G`, `2T` (binary units, an
+//! optional `B`/`iB` suffix), and for logical sizes also `Nx` = N × the physical size.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// A byte count parsed from `NUMBER[K|M|G|T][B|iB]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let s = text.trim();
+    let lower = s.to_ascii_lowercase();
+    let without_b = lower.strip_suffix("ib").or_else(|| lower.strip_suffix('b')).unwrap_or(&lower);
+    let (number, shift) = match without_b.chars().last() {
+        Some('k') => (&without_b[..without_b.len() - 1], 10),
+        Some('m') => (&without_b[..without_b.len() - 1], 20),
+        Some('g') => (&without_b[..without_b.len() - 1], 30),
+        Some('t') => (&without_b[..without_b.len() - 1], 40),
+        Some('p') => (&without_b[..without_b.len() - 1], 50),
+        _ => (without_b, 0),
+    };
+    let number = number.trim();
+    if number.is_empty() {
+        return Err(format!("bad size {text:?}: expected a number with an optional K/M/G/T suffix"));
+    }
+    if let Ok(whole) = number.parse::<u64>() {
+        return whole.checked_mul(1u64 << shift).ok_or_else(|| format!("size {text:?} is too large"));
+    }
+    let value: f64 =
+        number.parse().map_err(|_| format!("bad size {text:?}: expected a number with an optional K/M/G/T suffix"))?;
+    if !value.is_finite() || value < 0.0 {
+        return Err(format!("bad size {text:?}"));
+    }
+    let bytes = value * (1u64 << shift) as f64;
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("size {text:?} is too large"));
+    }
+    if bytes.fract() != 0.0 {
+        return Err(format!("size {text:?} is not a whole number of bytes"));
+    }
+    Ok(bytes as u64)
+}
+
+impl FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Size, String> {
+        parse_bytes(s).map(Size)
+    }
+}
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&human_bytes(self.0))
+    }
+}
+
+/// A logical size: absolute, or a multiple of the physical size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LogicalSize {
+    Bytes(u64),
+    Times(f64),
+}
+
+impl FromStr for LogicalSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<LogicalSize, String> {
+        let t = s.trim();
+        if let Some(factor) = t.strip_suffix('x').or_else(|| t.strip_suffix('X')) {
+            let factor: f64 =
+                factor.trim().parse().map_err(|_| format!("bad multiplier {s:?}: expected e.g. 3x or 2.5x"))?;
+            if !factor.is_finite() || factor <= 0.0 || factor > 1024.0 {
+                return Err(format!("multiplier {s:?} must be in (0, 1024]"));
+            }
+            return Ok(LogicalSize::Times(factor));
+        }
+        parse_bytes(t).map(LogicalSize::Bytes)
+    }
+}
+
+/// The logical block (4 KiB): logical sizes are multiples of it.
+pub const BLOCK_BYTES: u64 = 4096;
+
+impl LogicalSize {
+    /// Resolves against the physical size; `Nx` rounds down to a whole 4 KiB block.
+    pub fn resolve(self, physical_bytes: u64) -> u64 {
+        match self {
+            LogicalSize::Bytes(bytes) => bytes,
+            LogicalSize::Times(factor) => {
+                let bytes = (physical_bytes as f64 * factor) as u64;
+                bytes / BLOCK_BYTES * BLOCK_BYTES
+            }
+        }
+    }
+}
+
+/// `1.50 GiB` style, exact bytes for small values.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.2} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_take_binary_suffixes() {
+        assert_eq!("4096".parse::<Size>().unwrap().0, 4096);
+        assert_eq!("64K".parse::<Size>().unwrap().0, 64 << 10);
+        assert_eq!("256m".parse::<Size>().unwrap().0, 256 << 20);
+        assert_eq!("1GiB".parse::<Size>().unwrap().0, 1 << 30);
+        assert_eq!("1.5G".parse::<Size>().unwrap().0, 3 << 29);
+        assert_eq!("2T".parse::<Size>().unwrap().0, 2 << 40);
+    }
+
+    #[test]
+    fn bad_sizes_are_refused() {
+        for bad in ["", "G", "12Q", "-1G", "1.3", "abc", "99999999999999T"] {
+            assert!(bad.parse::<Size>().is_err(), "{bad:?} should be refused");
+        }
+    }
+
+    #[test]
+    fn logical_size_takes_a_multiplier() {
+        assert_eq!("3x".parse::<LogicalSize>().unwrap().resolve(1 << 30), 3 << 30);
+        assert_eq!("1.5x".parse::<LogicalSize>().unwrap().resolve(1 << 30), 3 << 29);
+        assert_eq!("10G".parse::<LogicalSize>().unwrap().resolve(1 << 30), 10 << 30);
+        assert_eq!("1.0001x".parse::<LogicalSize>().unwrap().resolve(1 << 20) % 4096, 0);
+        assert!("0x".parse::<LogicalSize>().is_err());
+        assert!("ax".parse::<LogicalSize>().is_err());
+    }
+}

@@ -1,0 +1,168 @@
+//! The `zdisk` command line without a server: help, wrong use, format/stat/check/resize
+//! offline. Wrong use must exit non-zero with a message that says what is wrong.
+
+mod common;
+
+use common::Scratch;
+
+fn fails(scratch: &Scratch, args: &[&str]) -> (i32, String) {
+    let output = scratch.zdisk().args(args).output().expect("running zdisk");
+    assert!(!output.status.success(), "zdisk {args:?} should fail but succeeded");
+    (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+#[test]
+fn help_explains_every_command() {
+    let s = Scratch::new("help");
+    let top = s.zdisk_ok(&["--help"]);
+    for command in ["format", "serve", "stat", "check", "resize", "attach", "detach", "demo", "bench", "tco"] {
+        assert!(top.contains(command), "--help does not mention {command}:\n{top}");
+        let help = s.zdisk_ok(&[command, "--help"]);
+        assert!(help.contains("Usage: zdisk"), "{command} --help:\n{help}");
+    }
+    let format = s.zdisk_ok(&["format", "--help"]);
+    assert!(format.contains("--logical-size") && format.contains("Nx") && format.contains("zstd"));
+}
+
+#[test]
+fn format_refuses_an_unknown_codec() {
+    let s = Scratch::new("codec");
+    let store = s.path("s.zdisk");
+    let (code, stderr) = fails(
+        &s,
+        &["format", store.to_str().unwrap(), "--physical-size", "64M", "--logical-size", "2x", "--codec", "brotli"],
+    );
+    assert_eq!(code, 2);
+    assert!(stderr.contains("unknown codec"), "{stderr}");
+    let (_, stderr) = fails(
+        &s,
+        &["format", store.to_str().unwrap(), "--physical-size", "64M", "--logical-size", "2x", "--codec", "zstd:99"],
+    );
+    assert!(stderr.contains("zstd level"), "{stderr}");
+    assert!(!store.exists(), "a refused format must not create the store");
+}
+
+#[test]
+fn format_refuses_bad_sizes() {
+    let s = Scratch::new("sizes");
+    let store = s.path("s.zdisk");
+    let path = store.to_str().unwrap();
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64Q", "--logical-size", "2x"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("bad size"), "{stderr}");
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "zx"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("multiplier"), "{stderr}");
+    let (code, stderr) = fails(&s, &["format", path, "--logical-size", "2x"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--physical-size"), "{stderr}");
+    // Not a multiple of 4 KiB: the engine refuses, the CLI says so.
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "1000001"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("zdisk: error"), "{stderr}");
+}
+
+#[test]
+fn commands_refuse_a_missing_store() {
+    let s = Scratch::new("missing");
+    let missing = s.path("nope.zdisk");
+    for command in ["stat", "check"] {
+        let (code, stderr) = fails(&s, &[command, missing.to_str().unwrap()]);
+        assert_eq!(code, 1, "{command}");
+        assert!(stderr.contains("nope.zdisk"), "{command}: {stderr}");
+    }
+    let (code, _) = fails(&s, &["serve", missing.to_str().unwrap(), "--unix", s.path("x.sock").to_str().unwrap()]);
+    assert_eq!(code, 1);
+    let (code, _) = fails(&s, &["resize", missing.to_str().unwrap(), "--logical-size", "1G"]);
+    assert_eq!(code, 1);
+}
+
+#[test]
+fn commands_refuse_a_foreign_file() {
+    let s = Scratch::new("foreign");
+    let foreign = s.path("foreign.img");
+    std::fs::write(&foreign, vec![0x5a; 4 << 20]).unwrap();
+    let path = foreign.to_str().unwrap();
+    for args in [vec!["stat", path], vec!["check", path], vec!["resize", path, "--logical-size", "1G"]] {
+        let (code, stderr) = fails(&s, &args);
+        assert_eq!(code, 1, "{args:?}");
+        assert!(stderr.contains("not a zdisk store"), "{args:?}: {stderr}");
+    }
+    let (code, stderr) = fails(&s, &["serve", path, "--unix", s.path("x.sock").to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("not a zdisk store"), "{stderr}");
+    // Formatting over other data needs --force; the data is untouched without it.
+    let (code, _) = fails(&s, &["format", path, "--physical-size", "4M", "--logical-size", "2x"]);
+    assert_eq!(code, 1);
+    assert_eq!(std::fs::read(&foreign).unwrap(), vec![0x5a; 4 << 20]);
+}
+
+#[test]
+fn serve_needs_a_listen_address() {
+    let s = Scratch::new("listen");
+    let store = s.format("s.zdisk", "32M", "2x", &[]);
+    let (code, stderr) = fails(&s, &["serve", store.to_str().unwrap()]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--unix") && stderr.contains("--tcp"), "{stderr}");
+}
+
+#[test]
+fn format_refuses_an_existing_store_without_force() {
+    let s = Scratch::new("reformat");
+    let store = s.format("s.zdisk", "32M", "2x", &[]);
+    let (code, _) = fails(&s, &["format", store.to_str().unwrap(), "--physical-size", "32M", "--logical-size", "2x"]);
+    assert_eq!(code, 1);
+    s.format("s.zdisk", "32M", "3x", &["--force", "--codec", "zstd:3"]);
+    let stat = s.stat_json(&store);
+    assert_eq!(stat["provisioned_cap"], 3 * (32 << 20));
+}
+
+#[test]
+fn stat_json_has_the_capacity_stat_keys_and_engine_names() {
+    let s = Scratch::new("statjson");
+    let store = s.format("s.zdisk", "32M", "4x", &["--codec", "deflate:6"]);
+    let stat = s.stat_json(&store);
+    for key in ["free_space", "physical_size", "logical_size", "provisioned_cap", "space_flag"] {
+        assert!(stat[key].is_u64(), "{key} should be a byte count: {stat}");
+    }
+    assert!(stat["comp_ratio"].is_number());
+    for key in ["host_write_bytes", "backing_write_bytes", "write_amplification", "checksum_errors", "padding_bytes"] {
+        assert!(stat.get(key).is_some(), "{key} missing: {stat}");
+    }
+    assert_eq!(stat["provisioned_cap"], 128 << 20);
+    assert_eq!(stat["source"], "offline");
+    let human = s.zdisk_ok(&["stat", store.to_str().unwrap()]);
+    assert!(human.contains("offline"));
+    assert!(
+        human.contains("free_space  physical_size  logical_size  comp_ratio  provisioned_cap  space_flag"),
+        "{human}"
+    );
+}
+
+#[test]
+fn check_reports_a_fresh_store_clean() {
+    let s = Scratch::new("check");
+    let store = s.format("s.zdisk", "32M", "2x", &[]);
+    let out = s.zdisk_ok(&["check", store.to_str().unwrap(), "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["clean"], true, "{report}");
+    assert_eq!(report["problems"].as_array().unwrap().len(), 0);
+}
+
+#[test]
+fn resize_grows_offline() {
+    let s = Scratch::new("resize");
+    let store = s.format("s.zdisk", "32M", "2x", &[]);
+    s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "10x"]);
+    assert_eq!(s.stat_json(&store)["provisioned_cap"], 320 << 20);
+    s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "100M"]);
+    assert_eq!(s.stat_json(&store)["provisioned_cap"], 100 << 20);
+}
+
+#[test]
+fn detach_refuses_a_device_it_did_not_attach() {
+    let s = Scratch::new("detach");
+    let (code, stderr) = fails(&s, &["detach", "/dev/loop99"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("not attached by zdisk"), "{stderr}");
+}

@@ -1,0 +1,743 @@
+//! Interop: real NBD clients (nbdinfo, nbdcopy, qemu-img, fio, the kernel's ext4 through
+//! nbdfuse + loop, and a raw protocol client) against a real nbdkit running the zdisk plugin,
+//! started through `zdisk serve`.
+//!
+//! Run: `cargo test -p zdisk --test interop` (builds the plugin too; see tests/common).
+//! Needs nbdkit, libnbd-bin, fio, qemu-utils, e2fsprogs, fuse3; missing tools skip locally
+//! and fail under CI=true. Stores are small (64–256 MiB) to keep the suite short.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::nbd::{self, NbdClient};
+use common::{fio, require, run_ok, sha256, tar_of, Scratch, Server};
+use serde_json::Value;
+
+const BASIC_TOOLS: &[&str] = &["nbdkit"];
+
+fn nbdinfo_json(uri: &str) -> Value {
+    let out = run_ok(Command::new("nbdinfo").arg("--json").arg(uri));
+    let info: Value = serde_json::from_str(&out).expect("nbdinfo --json");
+    info["exports"][0].clone()
+}
+
+#[test]
+fn nbdinfo_shows_size_allocation_and_capabilities() {
+    if !require(&["nbdkit", "nbdinfo"]) {
+        return;
+    }
+    let s = Scratch::new("nbdinfo");
+    let store = s.format("s.zdisk", "64M", "4x", &[]);
+    let server = Server::start(&s, &store, &[]);
+
+    let export = nbdinfo_json(&server.uri);
+    assert_eq!(export["export-size"], 256u64 << 20, "{export}");
+    let contexts: Vec<&str> = export["contexts"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(contexts.contains(&"base:allocation"), "{export}");
+    for flag in ["can_flush", "can_fua", "can_multi_conn", "can_trim", "can_zero", "can_fast_zero"] {
+        assert_eq!(export[flag], true, "{flag}: {export}");
+    }
+    assert_eq!(export["is_rotational"], false, "{export}");
+    assert_eq!(export["is_read_only"], false, "{export}");
+
+    // Data, written zeroes, a trimmed hole and a zero request that may trim.
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    client.write_ok(0, &vec![0xab; 3 << 20]);
+    assert_eq!(client.write_zeroes(1 << 20, 1 << 20, nbd::CMD_FLAG_NO_HOLE).unwrap(), 0);
+    assert_eq!(client.write_zeroes(2 << 20, 1 << 20, 0).unwrap(), 0);
+    assert_eq!(client.trim(0, 64 << 10).unwrap(), 0);
+    assert_eq!(client.flush().unwrap(), 0);
+    client.disconnect();
+
+    let out = run_ok(Command::new("nbdinfo").arg("--map").arg("--json").arg(&server.uri));
+    let map: Value = serde_json::from_str(&out).unwrap();
+    let extents: Vec<(u64, u64, u64)> = map
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["offset"].as_u64().unwrap(), e["length"].as_u64().unwrap(), e["type"].as_u64().unwrap()))
+        .collect();
+    // type: 0 data, 2 zero, 3 hole+zero.
+    let expected = vec![
+        (0, 64 << 10, 3),
+        (64 << 10, (1 << 20) - (64 << 10), 0),
+        (1 << 20, 1 << 20, 2),
+        (2 << 20, (256 << 20) - (2 << 20), 3),
+    ];
+    assert_eq!(extents, expected, "{out}");
+    server.stop();
+
+    // Read-only serving: nothing writable is advertised.
+    let server = Server::start(&s, &store, &["--readonly"]);
+    let export = nbdinfo_json(&server.uri);
+    assert_eq!(export["is_read_only"], true, "{export}");
+    for flag in ["can_trim", "can_zero"] {
+        assert_eq!(export[flag], false, "{flag}: {export}");
+    }
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    assert_ne!(client.write(8192, &[1; 4096], 0).unwrap(), 0, "a read-only server accepted a write");
+    assert_eq!(client.read_ok(1 << 20, 4096), vec![0u8; 4096]);
+    assert_eq!(client.read_ok(512 << 10, 4096), vec![0xab; 4096]);
+    client.disconnect();
+    server.stop();
+}
+
+#[test]
+fn nbdcopy_round_trips_a_real_file_tree() {
+    if !require(&["nbdkit", "nbdcopy", "tar", "sha256sum"]) {
+        return;
+    }
+    let s = Scratch::new("nbdcopy");
+    let tree = common::real_tree().parent().unwrap().to_path_buf(); // the whole stdlib
+    let archive = s.path("tree.tar");
+    let bytes = tar_of(&tree, &archive);
+    eprintln!("tree {} -> {bytes} bytes", tree.display());
+    let store = s.format("s.zdisk", "256M", "2x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    run_ok(Command::new("nbdcopy").arg("--flush").arg(&archive).arg(&server.uri));
+    let readback = s.path("readback.img");
+    run_ok(Command::new("nbdcopy").arg(&server.uri).arg(&readback));
+    assert_eq!(std::fs::metadata(&readback).unwrap().len(), 512 << 20);
+    std::fs::OpenOptions::new().write(true).open(&readback).unwrap().set_len(bytes).unwrap();
+    assert_eq!(sha256(&readback), sha256(&archive), "bytes read back differ");
+    server.stop();
+
+    // After a clean restart too.
+    let server = Server::start(&s, &store, &[]);
+    std::fs::remove_file(&readback).unwrap();
+    run_ok(Command::new("nbdcopy").arg(&server.uri).arg(&readback));
+    std::fs::OpenOptions::new().write(true).open(&readback).unwrap().set_len(bytes).unwrap();
+    assert_eq!(sha256(&readback), sha256(&archive), "bytes read back after restart differ");
+    server.stop();
+    let stat = s.stat_json(&store);
+    assert!(stat["comp_ratio"].as_f64().unwrap() > 1.5, "a stdlib tarball should compress: {stat}");
+}
+
+#[test]
+fn qemu_img_converts_into_the_disk_and_compares_equal() {
+    if !require(&["nbdkit", "qemu-img", "tar"]) {
+        return;
+    }
+    let s = Scratch::new("qemu");
+    let archive = s.path("tree.tar");
+    tar_of(&common::real_tree(), &archive);
+    let source = s.path("source.qcow2");
+    run_ok(Command::new("qemu-img").args(["convert", "-f", "raw", "-O", "qcow2"]).arg(&archive).arg(&source));
+    let store = s.format("s.zdisk", "64M", "2x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    run_ok(Command::new("qemu-img").args(["convert", "-n", "-f", "qcow2", "-O", "raw"]).arg(&source).arg(&server.uri));
+    let out =
+        run_ok(Command::new("qemu-img").args(["compare", "-f", "qcow2", "-F", "raw"]).arg(&source).arg(&server.uri));
+    assert!(out.contains("Images are identical"), "{out}");
+    server.stop();
+}
+
+/// (name, buffer_compress_percentage, comp_ratio range the data allows)
+const DATA_KINDS: [(&str, u32, f64, f64); 3] =
+    [("incompressible", 0, 0.85, 1.10), ("2to1", 50, 1.6, 2.3), ("4to1", 75, 3.0, 4.6)];
+
+#[test]
+fn fio_verifies_at_qd1_and_qd32_and_stat_shows_the_ratio() {
+    if !require(&["nbdkit", "fio"]) {
+        return;
+    }
+    let s = Scratch::new("fio");
+    for (name, percent, low, high) in DATA_KINDS {
+        let store = s.format(&format!("{name}.zdisk"), "256M", "1x", &[]);
+        let server = Server::start(&s, &store, &[]);
+        let common_args = |rw: &str, qd: u32, offset: u64, size: u64| -> Vec<String> {
+            vec![
+                format!("--name={name}-qd{qd}"),
+                format!("--rw={rw}"),
+                "--bs=4k".into(),
+                format!("--iodepth={qd}"),
+                format!("--offset={offset}"),
+                format!("--size={size}"),
+                format!("--buffer_compress_percentage={percent}"),
+                "--buffer_compress_chunk=4096".into(),
+                "--refill_buffers".into(),
+                "--verify=crc32c".into(),
+                "--verify_fatal=1".into(),
+                "--randrepeat=0".into(),
+            ]
+        };
+        for (rw, qd, offset, size) in [("write", 1, 0u64, 16u64 << 20), ("randwrite", 32, 16 << 20, 48 << 20)] {
+            let report = fio(&server.uri, &common_args(rw, qd, offset, size));
+            let job = &report["jobs"][0];
+            assert_eq!(job["error"], 0, "{name} {rw} QD{qd}: {job}");
+            assert_eq!(job["write"]["io_bytes"].as_u64().unwrap(), size, "{name} {rw} QD{qd}");
+            // fio's verify phase read everything back.
+            assert_eq!(job["read"]["io_bytes"].as_u64().unwrap(), size, "{name} {rw} QD{qd} verify");
+        }
+        server.stop();
+        let stat = s.stat_json(&store);
+        let ratio = stat["comp_ratio"].as_f64().unwrap();
+        eprintln!("{name}: comp_ratio {ratio:.3}, write_amplification {}", stat["write_amplification"]);
+        assert_eq!(stat["logical_size"], 64u64 << 20, "{name}: {stat}");
+        assert!((low..=high).contains(&ratio), "{name}: comp_ratio {ratio} outside {low}..{high}: {stat}");
+        let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+        assert!(out.contains("clean"), "{out}");
+    }
+}
+
+fn files_with_hashes(root: &Path) -> Vec<String> {
+    let out = run_ok(
+        Command::new("sh")
+            .arg("-c")
+            .arg("cd \"$1\" && find . -type f -print0 | sort -z | xargs -0 sha256sum")
+            .arg("sh")
+            .arg(root),
+    );
+    out.lines().map(str::to_string).collect()
+}
+
+struct Mount(std::path::PathBuf);
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+struct Attached<'a>(&'a Scratch, Option<String>);
+impl Attached<'_> {
+    fn device(&self) -> &str {
+        self.1.as_deref().unwrap()
+    }
+    fn detach(mut self) {
+        let device = self.1.take().unwrap();
+        self.0.zdisk_ok(&["detach", &device]);
+    }
+}
+impl Drop for Attached<'_> {
+    fn drop(&mut self) {
+        if let Some(device) = self.1.take() {
+            let _ = self.0.zdisk().args(["detach", &device]).status();
+        }
+    }
+}
+
+fn attach<'a>(s: &'a Scratch, store: &Path) -> Attached<'a> {
+    common::plugin();
+    let out = s.zdisk_ok(&["attach", store.to_str().unwrap()]);
+    let device = out.trim().to_string();
+    assert!(device.starts_with("/dev/"), "attach printed {device:?}");
+    Attached(s, Some(device))
+}
+
+#[test]
+fn ext4_on_the_attached_device_survives_a_server_restart() {
+    if !require(&["nbdkit", "nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "e2fsck", "mount", "umount"])
+        || !common::require_block_devices()
+    {
+        return;
+    }
+    let s = Scratch::new("ext4");
+    let store = s.format("fs.zdisk", "256M", "2x", &[]);
+    let mnt = s.path("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let tree = common::real_tree().parent().unwrap().join("json");
+    let tree = if tree.is_dir() { tree } else { common::real_tree() };
+
+    let attached = attach(&s, &store);
+    run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(attached.device()));
+    run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
+    let mounted = Mount(mnt.clone());
+    run_ok(Command::new("cp").arg("-a").arg(&tree).arg(mnt.join("a")));
+    run_ok(Command::new("cp").arg("-a").arg(common::real_tree()).arg(mnt.join("b")));
+    let hashes = files_with_hashes(&mnt);
+    assert!(hashes.len() > 20, "copied too few files: {}", hashes.len());
+    run_ok(Command::new("umount").arg(&mnt));
+    std::mem::forget(mounted);
+    run_ok(Command::new("e2fsck").arg("-fn").arg(attached.device()));
+    attached.detach(); // stops the server attach started: flush + checkpoint
+
+    let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(out.contains("clean"), "{out}");
+
+    let attached = attach(&s, &store);
+    run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
+    let mounted = Mount(mnt.clone());
+    assert_eq!(files_with_hashes(&mnt), hashes, "files changed across the restart");
+    drop(mounted);
+    attached.detach();
+    let stat = s.stat_json(&store);
+    assert!(stat["comp_ratio"].as_f64().unwrap() > 1.2, "{stat}");
+}
+
+/// Deterministic bytes for (seed, tag, offset): half random, half zero, so they compress.
+fn pattern(seed: u64, tag: u64, offset: u64, length: usize) -> Vec<u8> {
+    let mut out = vec![0u8; length];
+    for (i, byte) in out.iter_mut().enumerate() {
+        let position = offset + i as u64;
+        if (position / 512) % 2 == 1 {
+            continue;
+        }
+        let mut x = seed ^ tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (position / 8).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 29;
+        *byte = (x >> ((position % 8) * 8)) as u8;
+    }
+    out
+}
+
+#[test]
+fn four_connections_write_disjoint_ranges_at_once() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("multiconn");
+    let store = s.format("s.zdisk", "128M", "2x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let region = 16u64 << 20;
+    let seed = 0x5eed_0004;
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let socket = server.socket.clone();
+            std::thread::spawn(move || {
+                use rand::{Rng, SeedableRng};
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed + t);
+                let mut client = NbdClient::connect(&socket).unwrap();
+                let base = t * region;
+                let mut model = vec![0u8; region as usize];
+                for i in 0..400u64 {
+                    let length = rng.gen_range(1..=128 << 10) as usize;
+                    let offset = rng.gen_range(0..region - length as u64);
+                    let data = pattern(seed, t * 1_000_000 + i, offset, length);
+                    client.write_ok(base + offset, &data);
+                    model[offset as usize..offset as usize + length].copy_from_slice(&data);
+                    if i % 100 == 99 {
+                        assert_eq!(client.flush().unwrap(), 0);
+                    }
+                }
+                client.disconnect();
+                model
+            })
+        })
+        .collect();
+    let models: Vec<Vec<u8>> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    for (t, model) in models.iter().enumerate() {
+        let got = client.read_ok(t as u64 * region, region as usize);
+        assert!(got == *model, "connection {t}'s range differs (seed {seed:#x})");
+    }
+    client.disconnect();
+    server.stop();
+    // And after a clean restart.
+    let server = Server::start(&s, &store, &[]);
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    for (t, model) in models.iter().enumerate() {
+        assert!(client.read_ok(t as u64 * region, region as usize) == *model, "range {t} differs after restart");
+    }
+    client.disconnect();
+    server.stop();
+}
+
+const BLOCK: usize = 4096;
+
+/// Per-block expectations of the crash test for one writer.
+struct Model {
+    /// Version every block had when its writer's last flush completed (0 = never written).
+    durable: Vec<u64>,
+    /// Versions written (acknowledged or in flight) since that flush, in order.
+    since_flush: Vec<Vec<u64>>,
+    /// Blocks of each version written since the last flush (for the atomicity check).
+    requests: Vec<(u64, std::ops::Range<usize>)>,
+}
+
+fn block_content(seed: u64, version: u64, block: usize) -> Vec<u8> {
+    if version == 0 {
+        return vec![0u8; BLOCK];
+    }
+    let mut data = pattern(seed, version, (block * BLOCK) as u64, BLOCK);
+    data[..8].copy_from_slice(&version.to_le_bytes());
+    data[8..16].copy_from_slice(&(block as u64).to_le_bytes());
+    data
+}
+
+fn version_of(seed: u64, data: &[u8], block: usize) -> Option<u64> {
+    if data.iter().all(|&b| b == 0) {
+        return Some(0);
+    }
+    let version = u64::from_le_bytes(data[..8].try_into().unwrap());
+    (block_content(seed, version, block) == data).then_some(version)
+}
+
+#[test]
+fn writes_flushed_before_a_crash_survive_it() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let seed: u64 = std::env::var("ZDISK_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("crash test seed {seed} (rerun with ZDISK_CRASH_SEED={seed})");
+    let s = Scratch::new("crash");
+    let store = s.format("s.zdisk", "128M", "1x", &[]);
+    let writers = 2usize;
+    let blocks_per_writer = 4096usize; // 16 MiB each
+    let models: Vec<Arc<Mutex<Model>>> = (0..writers)
+        .map(|_| {
+            Arc::new(Mutex::new(Model {
+                durable: vec![0; blocks_per_writer],
+                since_flush: vec![Vec::new(); blocks_per_writer],
+                requests: Vec::new(),
+            }))
+        })
+        .collect();
+
+    for round in 0..3u64 {
+        let server = Server::start(&s, &store, &[]);
+        let stop = Arc::new(AtomicBool::new(false));
+        let handles: Vec<_> = (0..writers)
+            .map(|w| {
+                let model = models[w].clone();
+                let socket = server.socket.clone();
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    use rand::{Rng, SeedableRng};
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (round << 8) ^ w as u64);
+                    let Ok(mut client) = NbdClient::connect(&socket) else { return 0u64 };
+                    let base = (w * blocks_per_writer) as u64;
+                    let mut writes = 0u64;
+                    let mut until_flush = rng.gen_range(4..64);
+                    while !stop.load(Ordering::Relaxed) {
+                        let count = rng.gen_range(1..=16usize);
+                        let first = rng.gen_range(0..blocks_per_writer - count);
+                        // Versions: unique across writers and rounds, increasing per writer.
+                        let version = ((round + 1) << 40) | ((w as u64) << 32) | (writes + 1);
+                        let mut data = Vec::with_capacity(count * BLOCK);
+                        {
+                            let mut m = model.lock().unwrap();
+                            for block in first..first + count {
+                                data.extend_from_slice(&block_content(seed, version, block));
+                                m.since_flush[block].push(version);
+                            }
+                            m.requests.push((version, first..first + count));
+                        }
+                        let fua = rng.gen_ratio(1, 16);
+                        let flags = if fua { nbd::CMD_FLAG_FUA } else { 0 };
+                        match client.write((base + first as u64) * BLOCK as u64, &data, flags) {
+                            Ok(0) => writes += 1,
+                            _ => break, // the server is gone
+                        }
+                        if fua {
+                            let mut m = model.lock().unwrap();
+                            for block in first..first + count {
+                                // A FUA write is durable by itself: earlier versions are not
+                                // needed any more, this one is the floor.
+                                m.durable[block] = version;
+                                m.since_flush[block].clear();
+                            }
+                        }
+                        until_flush -= 1;
+                        if until_flush == 0 {
+                            until_flush = rng.gen_range(4..64);
+                            match client.flush() {
+                                Ok(0) => {
+                                    let mut m = model.lock().unwrap();
+                                    for block in 0..blocks_per_writer {
+                                        if let Some(&last) = m.since_flush[block].last() {
+                                            m.durable[block] = last;
+                                            m.since_flush[block].clear();
+                                        }
+                                    }
+                                    m.requests.clear();
+                                }
+                                _ => break,
+                            }
+                        }
+                    }
+                    writes
+                })
+            })
+            .collect();
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0xc0ffee ^ round);
+        std::thread::sleep(Duration::from_millis(rng.gen_range(800..2500)));
+        server.crash();
+        stop.store(true, Ordering::Relaxed);
+        let writes: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        eprintln!("round {round}: {writes} writes acknowledged before the crash");
+        assert!(writes > 0, "no writes happened before the crash");
+
+        // Recover and check every block against the model.
+        let server = Server::start(&s, &store, &[]);
+        let mut client = NbdClient::connect(&server.socket).unwrap();
+        for (w, model) in models.iter().enumerate() {
+            let mut m = model.lock().unwrap();
+            let bytes = client.read_ok((w * blocks_per_writer * BLOCK) as u64, blocks_per_writer * BLOCK);
+            let mut seen = vec![0u64; blocks_per_writer];
+            for block in 0..blocks_per_writer {
+                let data = &bytes[block * BLOCK..(block + 1) * BLOCK];
+                let version = version_of(seed, data, block)
+                    .unwrap_or_else(|| panic!("seed {seed}: writer {w} block {block} holds bytes nobody wrote"));
+                let allowed = version == m.durable[block] || m.since_flush[block].contains(&version);
+                assert!(
+                    allowed,
+                    "seed {seed} round {round}: writer {w} block {block} has version {version:#x}, \
+                     expected the flushed {:#x} or one of {:x?}",
+                    m.durable[block], m.since_flush[block]
+                );
+                seen[block] = version;
+            }
+            // All-or-nothing: a request seen in one block is seen (or overwritten by a later
+            // request) in every block it covered.
+            for (version, range) in &m.requests {
+                if range.clone().any(|b| seen[b] == *version) {
+                    for b in range.clone() {
+                        assert!(
+                            seen[b] >= *version,
+                            "seed {seed}: request {version:#x} is torn: block {b} shows {:#x}",
+                            seen[b]
+                        );
+                    }
+                }
+            }
+            m.durable = seen;
+            m.since_flush.iter_mut().for_each(Vec::clear);
+            m.requests.clear();
+        }
+        client.disconnect();
+        server.stop();
+    }
+    let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(out.contains("clean"), "{out}");
+}
+
+#[test]
+fn bad_requests_get_nbd_errors_and_the_server_keeps_serving() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("badinput");
+    let store = s.format("s.zdisk", "64M", "1x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    let size = c.size;
+    assert_eq!(size, 64 << 20);
+    let base = pattern(7, 7, 0, 64 << 10);
+    c.write_ok(0, &base);
+    c.write_ok(size - 8192, &[0x11; 8192]);
+
+    let einval = libc::EINVAL as u32;
+    let enospc = libc::ENOSPC as u32;
+    let mut buf = vec![0u8; 4096];
+    // Out of range.
+    assert_eq!(c.read(size, &mut buf).unwrap(), einval, "read at the end");
+    assert_eq!(c.read(size - 2048, &mut buf).unwrap(), einval, "read across the end");
+    assert_eq!(c.read(u64::MAX - 4095, &mut buf).unwrap(), einval, "read at 2^64-4096");
+    assert_eq!(c.write(size - 2048, &[1; 4096], 0).unwrap(), enospc, "write across the end");
+    assert_eq!(c.write(size, &[1; 512], 0).unwrap(), enospc, "write at the end");
+    assert_eq!(c.trim(size - 4096, 8192).unwrap(), einval, "trim across the end");
+    assert_ne!(c.write_zeroes(size, 4096, 0).unwrap(), 0, "zero past the end");
+    // Zero-length requests: an error or a no-op, never a crash or a change. (nbdkit 1.32
+    // refuses them itself as an empty range: EINVAL, or ENOSPC for a write.)
+    for (what, error) in [
+        ("read", c.request(nbd::CMD_READ, 0, 4096, 0, &[], None).unwrap()),
+        ("write", c.request(nbd::CMD_WRITE, 0, 4096, 0, &[], None).unwrap()),
+        ("trim", c.trim(4096, 0).unwrap()),
+        ("zero", c.write_zeroes(4096, 0, 0).unwrap()),
+    ] {
+        eprintln!("zero-length {what}: errno {error}");
+        assert!(error == 0 || error == einval || error == enospc, "zero-length {what}: errno {error}");
+    }
+    // An unknown command and an unknown flag.
+    assert_ne!(c.request(99, 0, 0, 4096, &[], None).unwrap(), 0, "unknown command");
+    // The connection is still usable, and nothing changed.
+    assert!(c.read_ok(0, 64 << 10) == base, "bad requests changed data");
+    assert_eq!(c.read_ok(size - 8192, 8192), vec![0x11; 8192]);
+
+    // Unaligned requests are served exactly (read-modify-write in the engine).
+    let mut model = base.clone();
+    for (offset, length) in [(4093usize, 3usize), (1, 1), (5000, 9000), (65535, 1)] {
+        let data = pattern(9, offset as u64, offset as u64, length);
+        c.write_ok(offset as u64, &data);
+        model[offset..offset + length].copy_from_slice(&data);
+    }
+    assert_eq!(c.write_zeroes(6000, 100, nbd::CMD_FLAG_NO_HOLE).unwrap(), 0);
+    model[6000..6100].fill(0);
+    assert_eq!(c.write_zeroes(20000, 3000, nbd::CMD_FLAG_FAST_ZERO).unwrap(), 0, "fast zero");
+    model[20000..23000].fill(0);
+    assert_eq!(c.write(30001, &[0x77; 777], nbd::CMD_FLAG_FUA).unwrap(), 0, "FUA write");
+    model[30001..30778].fill(0x77);
+    assert_same(&c.read_ok(0, 64 << 10), &model, "unaligned requests");
+    let mut odd = vec![0u8; 3];
+    assert_eq!(c.read(4093, &mut odd).unwrap(), 0);
+    assert_eq!(odd, model[4093..4096]);
+    // An unaligned trim may zero or keep its bytes, but never touches its neighbours.
+    assert_eq!(c.trim(40000, 100).unwrap(), 0);
+    let after = c.read_ok(0, 64 << 10);
+    assert_eq!(after[..40000], model[..40000]);
+    assert_eq!(after[40100..], model[40100..]);
+    c.disconnect();
+
+    // The server still serves new connections.
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    assert_eq!(c.read_ok(size - 8192, 8192), vec![0x11; 8192]);
+    c.disconnect();
+    server.stop();
+}
+
+/// Asserts equal bytes, naming the differing ranges instead of dumping both buffers.
+fn assert_same(got: &[u8], expected: &[u8], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    let mut ranges = Vec::new();
+    let mut i = 0;
+    while i < got.len() {
+        if got[i] != expected[i] {
+            let start = i;
+            while i < got.len() && got[i] != expected[i] {
+                i += 1;
+            }
+            ranges.push(start..i);
+        }
+        i += 1;
+    }
+    assert!(ranges.is_empty(), "{what}: bytes differ in {ranges:?}");
+}
+
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn stat_is_live_while_served_and_metrics_are_served() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("live");
+    let store = s.format("s.zdisk", "64M", "2x", &[]);
+    let addr = format!("127.0.0.1:{}", free_port());
+    let server = Server::start(&s, &store, &["--metrics", &addr]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    c.write_ok(0, &pattern(3, 3, 0, 4 << 20));
+    assert_eq!(c.flush().unwrap(), 0);
+    c.read_ok(0, 1 << 20);
+    c.disconnect();
+    std::thread::sleep(Duration::from_millis(1500));
+
+    let stat = s.stat_json(&store);
+    assert_eq!(stat["source"], "live", "{stat}");
+    assert_eq!(stat["logical_size"], 4u64 << 20, "{stat}");
+    assert!(stat["host_write_bytes"].as_u64().unwrap() >= 4 << 20, "{stat}");
+    let ratio = stat["comp_ratio"].as_f64().unwrap();
+    assert!((1.5..2.5).contains(&ratio), "{stat}");
+    let human = s.zdisk_ok(&["stat", store.to_str().unwrap()]);
+    assert!(human.contains("live"), "{human}");
+
+    let (status, body) = http_get(&addr, "/metrics");
+    assert!(status.contains("200"), "{status}");
+    for needle in [
+        "zdisk_comp_ratio{",
+        "zdisk_free_space{",
+        "zdisk_write_amplification{",
+        "zdisk_space_flag{",
+        "zdisk_requests_total{",
+        "op=\"write\"",
+        "zdisk_request_duration_seconds_bucket{",
+        "le=\"+Inf\"",
+    ] {
+        assert!(body.contains(needle), "/metrics lacks {needle}:\n{body}");
+    }
+    let writes: f64 = body
+        .lines()
+        .find(|l| l.starts_with("zdisk_request_duration_seconds_count") && l.contains("op=\"write\""))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(writes >= 1.0, "write latency histogram is empty");
+    let (status, body) = http_get(&addr, "/stats");
+    assert!(status.contains("200"));
+    let live: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(live["stats"]["logical_size"], 4u64 << 20);
+    let (status, _) = http_get(&addr, "/nope");
+    assert!(status.contains("404"));
+
+    // A second server on the same store is refused, and check refuses a served store.
+    let second = s
+        .zdisk()
+        .args(["serve", store.to_str().unwrap(), "--unix", s.path("second.sock").to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!second.status.success());
+    assert!(String::from_utf8_lossy(&second.stderr).contains("already open"), "{second:?}");
+    let check = s.zdisk().args(["check", store.to_str().unwrap()]).output().unwrap();
+    assert!(!check.status.success());
+
+    // Grow while served: new connections see the new size; shrinking is refused.
+    s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "4x"]);
+    assert_eq!(NbdClient::connect(&server.socket).unwrap().size, 256 << 20);
+    let shrink = s.zdisk().args(["resize", store.to_str().unwrap(), "--logical-size", "1x"]).output().unwrap();
+    assert!(!shrink.status.success());
+    assert!(String::from_utf8_lossy(&shrink.stderr).contains("shrink"), "{shrink:?}");
+
+    server.stop();
+    let stat = s.stat_json(&store);
+    assert_eq!(stat["source"], "offline");
+    assert_eq!(stat["provisioned_cap"], 256u64 << 20);
+    assert_eq!(stat["logical_size"], 4u64 << 20);
+    let leftovers: Vec<_> =
+        std::fs::read_dir(s.run_dir()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+    assert!(leftovers.is_empty(), "live files left after a clean stop: {leftovers:?}");
+}
+
+#[test]
+fn serve_stops_cleanly_on_sigint_and_checkpoints() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("sigint");
+    let store = s.format("s.zdisk", "64M", "2x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    c.write_ok(0, &pattern(5, 5, 0, 1 << 20));
+    // No flush: the clean shutdown must make it durable.
+    c.disconnect();
+    let started = Instant::now();
+    server.stop_with(libc::SIGINT);
+    assert!(started.elapsed() < Duration::from_secs(30));
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    assert!(c.read_ok(0, 1 << 20) == pattern(5, 5, 0, 1 << 20));
+    c.disconnect();
+    server.stop();
+}
+
+#[test]
+fn demo_runs_end_to_end() {
+    if !require(&["nbdkit", "nbdcopy", "fio", "tar"]) {
+        return;
+    }
+    let s = Scratch::new("demo");
+    let tree = common::real_tree();
+    let output = s
+        .zdisk()
+        .env("ZDISK_PLUGIN", common::plugin())
+        .args(["demo", "--physical-size", "128M", "--logical-size", "2x", "--fio-size", "32M", "--tree"])
+        .arg(&tree)
+        .arg("--dir")
+        .arg(s.path("demo"))
+        .output()
+        .unwrap();
+    common::assert_success(&output, "zdisk demo");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("demo done"), "{stderr}");
+    assert!(stdout.contains("source  live") && stdout.contains("source  offline"), "{stdout}");
+}
