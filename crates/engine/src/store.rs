@@ -221,7 +221,10 @@ impl Geometry {
 
 struct WorkerSignal {
     stop: bool,
+    /// GC / checkpoint work may be due.
     kick: bool,
+    /// Buffered log bytes are waiting to be written.
+    kick_writer: bool,
 }
 
 struct Inner {
@@ -245,6 +248,7 @@ struct Inner {
     block_locks: Vec<Mutex<()>>,
     signal: Mutex<WorkerSignal>,
     signal_cv: Condvar,
+    writer_cv: Condvar,
     gc_lock: Mutex<()>,
 }
 
@@ -252,7 +256,8 @@ struct Inner {
 /// threads at once.
 pub struct Store {
     inner: Arc<Inner>,
-    worker: Option<JoinHandle<()>>,
+    /// The GC/checkpoint worker and the log writer (empty without `background`).
+    workers: Vec<JoinHandle<()>>,
     closed: bool,
 }
 
@@ -580,8 +585,9 @@ impl Store {
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             durable_seq: AtomicU64::new(0),
             block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(())).collect(),
-            signal: Mutex::new(WorkerSignal { stop: false, kick: false }),
+            signal: Mutex::new(WorkerSignal { stop: false, kick: false, kick_writer: false }),
             signal_cv: Condvar::new(),
+            writer_cv: Condvar::new(),
             gc_lock: Mutex::new(()),
         };
         {
@@ -616,18 +622,26 @@ impl Store {
         inner.durable_seq.store(log.next_seq - 1, Ordering::Release);
         *inner.log.lock() = log;
         let inner = Arc::new(inner);
-        let worker = if options.background && !options.read_only {
+        let mut workers = Vec::new();
+        if options.background && !options.read_only {
+            // Write-out has its own thread so a long GC pass never holds up the log writes
+            // that host requests wait on under backpressure.
             let worker_inner = Arc::clone(&inner);
-            Some(
+            workers.push(
                 std::thread::Builder::new()
                     .name("zdisk-worker".into())
                     .spawn(move || worker_inner.worker_loop())
                     .map_err(|e| Error::io("spawn worker", e))?,
-            )
-        } else {
-            None
-        };
-        Ok(Store { inner, worker, closed: false })
+            );
+            let writer_inner = Arc::clone(&inner);
+            workers.push(
+                std::thread::Builder::new()
+                    .name("zdisk-writer".into())
+                    .spawn(move || writer_inner.writer_loop())
+                    .map_err(|e| Error::io("spawn writer", e))?,
+            );
+        }
+        Ok(Store { inner, workers, closed: false })
     }
 
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
@@ -744,7 +758,8 @@ impl Store {
         signal.stop = true;
         self.inner.signal_cv.notify_all();
         drop(signal);
-        if let Some(worker) = self.worker.take() {
+        self.inner.writer_cv.notify_all();
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
     }
@@ -764,7 +779,8 @@ impl Store {
             signal.stop = true;
             self.inner.signal_cv.notify_all();
         }
-        if let Some(worker) = self.worker.take() {
+        self.inner.writer_cv.notify_all();
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
         if self.inner.read_only || self.inner.failed.load(Ordering::Acquire) {
@@ -1220,7 +1236,7 @@ impl Inner {
                 if sealed >= sealed_max || !self.options.background && sealed > 0 {
                     self.write_out(false)?;
                 } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
-                    self.kick_worker();
+                    self.kick_writer();
                 }
                 return Ok(appended);
             }
@@ -1284,6 +1300,8 @@ impl Inner {
             None => new_buffer(size),
         };
         let buffer = Arc::new(SegmentBuffer { segment: id, data: RwLock::new(data) });
+        // Once per segment: let the worker see whether GC or a checkpoint is due.
+        self.kick_worker();
         self.buffered.write().push(Arc::clone(&buffer));
         log.open = Some(OpenSegment { buffer, append_offset: 0, written_offset: 0 });
         Ok(())
@@ -1601,13 +1619,23 @@ impl Inner {
                 log.segments[segment].end_bytes = append_offset;
             }
         }
-        for (buffer, start, end, _) in &jobs {
+        let mut scratch: Option<AlignedBuf> = None;
+        for (buffer, start, end, sealed) in &jobs {
             if end > start {
-                let data = buffer.data.read();
                 let offset = self.geometry.segment_base(buffer.segment) + *start as u64;
-                self.backing
-                    .write_at(offset, &data[*start..*end])
-                    .map_err(|e| self.fail(Error::io(format!("write log at {offset}"), e)))?;
+                let written = if *sealed {
+                    // Nobody appends to a sealed segment: write straight from its buffer.
+                    let data = buffer.data.read();
+                    self.backing.write_at(offset, &data[*start..*end])
+                } else {
+                    // The open segment is appended to concurrently: copy the range out so the
+                    // buffer lock is not held across the backing write.
+                    let copy = scratch.get_or_insert_with(|| AVec::new(4096));
+                    copy.clear();
+                    copy.extend_from_slice(&buffer.data.read()[*start..*end]);
+                    self.backing.write_at(offset, copy)
+                };
+                written.map_err(|e| self.fail(Error::io(format!("write log at {offset}"), e)))?;
                 Counters::add(&self.counters.backing_write_bytes, (end - start) as u64);
             }
         }
@@ -1644,6 +1672,40 @@ impl Inner {
             return Ok(());
         }
         self.write_out(true).map(|_| ())
+    }
+
+    fn kick_writer(&self) {
+        let mut signal = self.signal.lock();
+        signal.kick_writer = true;
+        self.writer_cv.notify_one();
+    }
+
+    fn writer_loop(&self) {
+        loop {
+            {
+                let mut signal = self.signal.lock();
+                if !signal.kick_writer && !signal.stop {
+                    self.writer_cv.wait_for(&mut signal, Duration::from_millis(50));
+                }
+                signal.kick_writer = false;
+                if signal.stop {
+                    return;
+                }
+            }
+            if self.check_writable().is_err() {
+                continue;
+            }
+            let pending = {
+                let log = self.log.lock();
+                !log.sealed_unwritten.is_empty()
+                    || log.open.as_ref().is_some_and(|o| o.append_offset - o.written_offset >= SECTOR_SIZE)
+            };
+            if pending {
+                if let Err(e) = self.write_out(false) {
+                    tracing::warn!("log write-out: {e}");
+                }
+            }
+        }
     }
 
     fn kick_worker(&self) {
@@ -1700,9 +1762,11 @@ impl Inner {
         Counters::add(&self.counters.backing_write_bytes, bytes.len() as u64);
         Counters::add(&self.counters.metadata_bytes, (bytes.len() + encoded.len()) as u64);
         Counters::add(&self.counters.checkpoints, 1);
-        // Free what the reuse rule allows, after every reader that might still hold an old
-        // map entry into those segments is done (the map write lock waits for them).
-        let freed: Vec<u32> = {
+        // Free what the reuse rule allows. Order matters: first wait for every reader that
+        // might still hold an old map entry into those segments (the map write lock waits
+        // for them), then discard them on the backing, and only then put them in the free
+        // set — a segment discarded after reuse would lose the new data written into it.
+        let freeable: Vec<u32> = {
             let mut log = self.log.lock();
             log.durable_generation = sb.generation;
             log.checkpoint_bytes = encoded.len() as u64;
@@ -1710,37 +1774,39 @@ impl Inner {
             log.pinned.insert(0, pinned_now);
             log.pinned.truncate(2);
             let generation = sb.generation;
-            let freed: Vec<u32> = log
-                .segments
+            log.segments
                 .iter()
                 .enumerate()
                 .filter(|(_, s)| s.state == SegmentState::Cleaned && s.free_at_generation <= generation)
                 .map(|(id, _)| id as u32)
-                .collect();
-            if !freed.is_empty() {
-                drop(self.map.write());
-            }
-            for &id in &freed {
-                let usage = &mut log.segments[id as usize];
-                debug_assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
-                *usage = SegmentUsage {
-                    state: SegmentState::Free,
-                    live_bytes: 0,
-                    end_bytes: 0,
-                    last_seq: 0,
-                    free_at_generation: 0,
-                };
-                log.free.insert(id);
-            }
-            freed
+                .collect()
         };
         *durable_sb = sb;
         drop(durable_sb);
-        for id in freed {
+        if freeable.is_empty() {
+            return Ok(());
+        }
+        drop(self.map.write());
+        for &id in &freeable {
             let base = self.geometry.segment_base(id);
             if let Err(e) = self.backing.discard(base, self.geometry.segment_size_bytes) {
                 tracing::warn!("discard of segment {id} failed: {e}");
             }
+        }
+        let mut log = self.log.lock();
+        for id in freeable {
+            let usage = &mut log.segments[id as usize];
+            // Cleaned segments are touched by nobody else (GC and allocation skip them).
+            debug_assert_eq!(usage.state, SegmentState::Cleaned);
+            debug_assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
+            *usage = SegmentUsage {
+                state: SegmentState::Free,
+                live_bytes: 0,
+                end_bytes: 0,
+                last_seq: 0,
+                free_at_generation: 0,
+            };
+            log.free.insert(id);
         }
         Ok(())
     }
@@ -1789,6 +1855,8 @@ impl Inner {
             let usage = log.segments[victim as usize];
             (round_up(usage.end_bytes, SECTOR_SIZE as u64), usage.live_bytes)
         };
+        // An empty victim needs no read: nothing in it is live.
+        let end = if usage_live_before == 0 { 0 } else { end };
         let mut image = new_buffer(end as usize);
         if end > 0 {
             self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {victim}"), e))?;
