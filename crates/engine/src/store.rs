@@ -250,6 +250,9 @@ struct Inner {
     signal_cv: Condvar,
     writer_cv: Condvar,
     gc_lock: Mutex<()>,
+    /// One foreground GC round at a time; `foreground_rounds` counts finished rounds.
+    foreground_gc: Mutex<()>,
+    foreground_rounds: AtomicU64,
 }
 
 /// An open zdisk store. All request methods take `&self` and may be called from many
@@ -589,6 +592,8 @@ impl Store {
             signal_cv: Condvar::new(),
             writer_cv: Condvar::new(),
             gc_lock: Mutex::new(()),
+            foreground_gc: Mutex::new(()),
+            foreground_rounds: AtomicU64::new(0),
         };
         {
             let map = inner.map.read();
@@ -1219,6 +1224,7 @@ impl Inner {
     /// sequence number of the group's last record.
     fn append_group(&self, ops: Vec<Op>, class: SpaceClass) -> Result<(u64, Vec<ChunkRef>)> {
         let mut attempts = 0;
+        let mut stalled_rounds = 0;
         loop {
             let mut log = self.log.lock();
             self.check_writable()?;
@@ -1242,11 +1248,20 @@ impl Inner {
             }
             drop(log);
             // Foreground GC, in bounded rounds: clean what we can, then checkpoint twice so
-            // the cleaned segments become reusable under the reuse rule.
+            // the cleaned segments become reusable under the reuse rule. One writer runs a
+            // round at a time; the others wait for it and then retry, instead of each paying
+            // for two checkpoints. A round that gives back nothing ends the attempt: a
+            // checkpoint costs space too, and spending it for no gain only digs deeper.
             if matches!(class, SpaceClass::Internal | SpaceClass::Gc) || attempts >= FOREGROUND_GC_ROUNDS_MAX {
                 return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
             attempts += 1;
+            let round_generation = self.foreground_rounds.load(Ordering::Acquire);
+            let _round = self.foreground_gc.lock();
+            if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
+                continue; // another writer just ran a round: retry the append first
+            }
+            let free_before = self.log.lock().free.len();
             let mut cleaned = 0;
             let batch = self.gc_batch_segments().max(8);
             while cleaned < batch {
@@ -1263,6 +1278,16 @@ impl Inner {
             }
             self.checkpoint_now()?;
             self.checkpoint_now()?;
+            self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+            if self.log.lock().free.len() <= free_before {
+                stalled_rounds += 1;
+                if stalled_rounds >= 2 {
+                    return Err(Error::new(
+                        ErrorKind::NoSpace,
+                        "physical space is exhausted (GC cannot give back space)",
+                    ));
+                }
+            }
         }
     }
 
@@ -1823,6 +1848,10 @@ impl Inner {
             let size = self.geometry.segment_size_bytes as f64;
             // Segments still (partly) in memory may not be on disk yet: leave them be.
             let unwritten: Vec<u32> = self.buffered.read().iter().map(|b| b.segment).collect();
+            // In the background only segments worth it; when a writer waits, or space is
+            // short, anything that gives back at least a sector.
+            let short = (log.free.len() as u64) < self.reserve_segments(&log, SpaceClass::Host) + 2;
+            let live_max = if foreground || short { size - SECTOR_SIZE as f64 } else { size * 0.90 };
             let mut best: Option<(f64, u32)> = None;
             for (id, s) in log.segments.iter().enumerate() {
                 let id = id as u32;
@@ -1830,7 +1859,7 @@ impl Inner {
                     || unwritten.contains(&id)
                     || log.pinned.iter().any(|p| p.contains(&id))
                     || log.unparseable.contains(&id)
-                    || s.live_bytes as f64 > size * if foreground { 0.97 } else { 0.90 }
+                    || s.live_bytes as f64 > live_max
                 {
                     continue;
                 }
