@@ -1977,15 +1977,13 @@ impl Inner {
         }
         // GC keeps a cushion of free segments so host writes rarely wait for it. Cleaned
         // segments become free only through checkpoints, and a checkpoint costs about the
-        // size of the map, so checkpoints are batched: one per `batch` cleaned segments,
-        // sized so the checkpoint is at most an eighth of the space it frees.
+        // size of the map (in bytes written and in CPU), so checkpoints are batched: one per
+        // `batch` cleaned segments, sized so a checkpoint is at most 1/24 of the space the
+        // batch gives back, but never more than 1/16 of the segments.
         let (free, cleaned, reserve, cushion, batch, since) = {
             let log = self.log.lock();
-            let segment_size = self.geometry.segment_size_bytes;
             let reserve = self.reserve_segments(&log, SpaceClass::Host);
-            // Space a cleaned segment gives back, from the recent victims.
-            let freed_per_segment = (log.gc_freed_bytes_average as u64).clamp(segment_size / 64, segment_size);
-            let batch = (8 * log.checkpoint_bytes).div_ceil(freed_per_segment).max(2);
+            let batch = self.gc_batch(&log);
             let cushion = (self.geometry.segment_count / 32).max(4).max(2 * batch + 2);
             let cleaned = log.segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
             (log.free.len() as u64, cleaned, reserve, cushion, batch, log.bytes_since_checkpoint)
@@ -2008,10 +2006,14 @@ impl Inner {
 
     /// How many segments foreground GC cleans before it checkpoints (see `background_step`).
     fn gc_batch_segments(&self) -> u64 {
-        let log = self.log.lock();
+        self.gc_batch(&self.log.lock())
+    }
+
+    fn gc_batch(&self, log: &Log) -> u64 {
         let segment_size = self.geometry.segment_size_bytes;
         let freed_per_segment = (log.gc_freed_bytes_average as u64).clamp(segment_size / 64, segment_size);
-        (8 * log.checkpoint_bytes).div_ceil(freed_per_segment).max(2)
+        let batch_max = (self.geometry.segment_count / 16).max(2);
+        (24 * log.checkpoint_bytes).div_ceil(freed_per_segment).clamp(2, batch_max)
     }
 
     // ---------------------------------------------------------------- recovery
