@@ -51,6 +51,10 @@ pub struct ServeArgs {
     /// Bound of the engine's buffer memory (e.g. 256M).
     #[arg(long, value_name = "SIZE")]
     pub cache: Option<Size>,
+    /// `space_flag` becomes 1 ("low") when free space falls below this fraction of the data
+    /// area (0.0–1.0; default 0.10). It becomes 2 when a write is refused for lack of space.
+    #[arg(long, value_name = "FRACTION", value_parser = parse_fraction)]
+    pub low_space: Option<f64>,
     /// Write nbdkit's pid here once it is ready to serve.
     #[arg(long, value_name = "PATH")]
     pub pid_file: Option<PathBuf>,
@@ -109,6 +113,13 @@ fn split_host_port(addr: &str) -> Result<(String, String)> {
     Ok((host.to_string(), port.to_string()))
 }
 
+fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("{text:?} is not a fraction between 0 and 1")),
+    }
+}
+
 /// nbdkit's command line for `args`.
 fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Command> {
     let nbdkit = runtime::tool("nbdkit", "ZDISK_NBDKIT")?;
@@ -141,6 +152,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if let Some(cache) = args.cache {
         command.arg(format!("cache={}", cache.0));
+    }
+    if let Some(fraction) = args.low_space {
+        command.arg(format!("low_space={fraction}"));
     }
     command.arg(format!("rundir={}", runtime::run_dir().display()));
     command.stdin(Stdio::null());

@@ -1807,7 +1807,8 @@ impl Inner {
                 .collect()
         };
         *durable_sb = sb;
-        drop(durable_sb);
+        // Keep holding the checkpoint lock until the segments are free: a second checkpoint
+        // must not compute the same freeable set and free a segment already reused.
         if freeable.is_empty() {
             return Ok(());
         }
@@ -1833,6 +1834,8 @@ impl Inner {
             };
             log.free.insert(id);
         }
+        drop(log);
+        drop(durable_sb);
         Ok(())
     }
 

@@ -81,6 +81,10 @@ fn threads_read_back_their_own_writes_while_gc_and_checkpoints_run() {
                     let len = rng.gen_range(1..20000);
                     let data = block_data(&mut rng, len as usize, 60);
                     store.write(t * region + offset, &data, i % 100 == 0).unwrap();
+                    if i % 250 == 0 {
+                        // Checkpoints from several threads at once, racing the background ones.
+                        store.checkpoint().unwrap();
+                    }
                     model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                     if i % 10 == 0 {
                         let at = rng.gen_range(0..region - 8192);
