@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Side-by-side speed check for the serving issue: the same fio job (nbd engine, unix sockets,
+# 2:1 data: buffer_compress_percentage=50, buffer_compress_chunk=4096) against
+#   zdisk  (zdisk serve, nbdkit + plugin, O_DIRECT),
+#   raw    (qemu-nbd -f raw --cache=none --aio=native on a file on the same disk),
+#   memory (nbdkit memory: the transport ceiling),
+# 4 GiB targets, all three filled sequentially first, in one run.
+#   usage: bash scripts/compare.sh [WORKDIR] [SECONDS_PER_POINT]
+# Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit). Prints a table.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+zdisk=$here/target/release/zdisk
+dir=${1:-$(mktemp -d /var/tmp/zdisk-compare.XXXXXX)}
+runtime=${2:-15}
+mkdir -p "$dir"
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -f "$dir"/*.sock "$dir"/o.json; }
+pids=()
+trap cleanup EXIT
+rm -f "$dir"/s.zdisk "$dir"/raw.img "$dir"/*.sock
+truncate -s 4G "$dir/raw.img"
+"$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G >/dev/null
+"$zdisk" serve "$dir/s.zdisk" --unix "$dir/z.sock" >"$dir/serve.log" 2>&1 & pids+=($!)
+qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 --socket="$dir/r.sock" "$dir/raw.img" >"$dir/qemu.log" 2>&1 & pids+=($!)
+nbdkit --foreground -U "$dir/m.sock" memory 4G & pids+=($!)
+for s in z r m; do for _ in $(seq 100); do [[ -S $dir/$s.sock ]] && break; sleep 0.1; done; done
+sleep 1
+uri() { echo "nbd+unix:///?socket=$dir/$1.sock"; }
+data=(--buffer_compress_percentage=50 --buffer_compress_chunk=4096 --refill_buffers=1 --size=4g)
+job() { # target rw bs qd [rwmixread] -> "iops mean_latency_us"
+  fio --name=j --ioengine=nbd --uri="$(uri "$1")" --rw="$2" ${5:+--rwmixread=$5} --bs="$3" --iodepth="$4" \
+      --time_based=1 --runtime="$runtime" "${data[@]}" --output-format=json --output="$dir/o.json" >/dev/null 2>&1
+  python3 - "$dir/o.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))["jobs"][0]
+side = j["write"] if j["write"]["iops"] > 0 else j["read"]
+print(f'{j["read"]["iops"] + j["write"]["iops"]:.0f} {side["lat_ns"]["mean"] / 1000:.0f}')
+PY
+}
+for s in z r m; do
+  fio --name=fill --ioengine=nbd --uri="$(uri $s)" --rw=write --bs=128k --iodepth=32 "${data[@]}" >/dev/null 2>&1
+done
+echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
+echo "|---|---|---|---|---|---|---|"
+row() { # name rw bs qd [mix]
+  read -r zi zl < <(job z "$2" "$3" "$4" "${5:-}")
+  read -r ri rl < <(job r "$2" "$3" "$4" "${5:-}")
+  read -r mi _ < <(job m "$2" "$3" "$4" "${5:-}")
+  python3 -c "print(f'| $1 | $zi | $ri | $mi | {$zi/$ri:.2f}x | {$zi/$mi:.2f} | $zl / $rl |')"
+}
+row "4K random read QD32 (sequentially filled)" randread 4k 32
+row "128K seq read QD32 (sequentially filled)" read 128k 32
+row "128K seq read QD1 (sequentially filled)" read 128k 1
+row "4K random write QD32" randwrite 4k 32
+row "4K 70/30 QD32" randrw 4k 32 70
+row "128K seq write QD32" write 128k 32
+row "4K random write QD1" randwrite 4k 1
+row "4K random read QD32 (after random writes)" randread 4k 32
+row "128K seq read QD32 (after random writes)" read 128k 32
+"$zdisk" stat "$dir/s.zdisk"
