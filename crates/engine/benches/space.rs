@@ -26,19 +26,29 @@ fn bench_dir() -> tempfile::TempDir {
     }
 }
 
+/// Segment size of the write-amplification runs: `ZDISK_BENCH_SEGMENT_KIB`, default 1 MiB.
+fn segment_bytes() -> u64 {
+    std::env::var("ZDISK_BENCH_SEGMENT_KIB")
+        .map_or(1 << 20, |kib| kib.parse::<u64>().expect("ZDISK_BENCH_SEGMENT_KIB") << 10)
+}
+
 fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
     let dir = bench_dir();
     let path = dir.path().join("wa.zdisk");
-    // Live physical bytes = utilisation × data area; 2:1 data needs twice that logically.
+    // Utilisation = live bytes (stored data and metadata: what GC cannot reclaim, the
+    // engine's `physical_size`) over the data area. The store is formatted with room to
+    // spare and filled sequentially until the live bytes reach the target; the filled range
+    // is then the working set of the random overwrites.
     let data_area = physical_bytes - (1 << 20);
-    let logical_bytes = ((data_area as f64 * utilisation * 2.0) as u64) / 4096 * 4096;
+    let live_target = (data_area as f64 * utilisation) as u64;
+    let logical_bytes = ((data_area as f64 * utilisation * 2.5) as u64) / 4096 * 4096;
     Store::format(
         &path,
         &FormatOptions {
             physical_size_bytes: physical_bytes,
             logical_size_bytes: logical_bytes,
             codec: Codec::Lz4,
-            segment_size_bytes: Some(1 << 20),
+            segment_size_bytes: Some(segment_bytes()),
             force: true,
         },
     )
@@ -46,15 +56,16 @@ fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     let mut rng = StdRng::seed_from_u64(utilisation.to_bits());
     let mut block = vec![0u8; 4096];
-    let blocks = logical_bytes / 4096;
-    let mut buf = vec![0u8; 1 << 20];
-    for offset in (0..logical_bytes).step_by(1 << 20) {
-        let len = (1 << 20).min(logical_bytes - offset) as usize;
-        for chunk in buf[..len].chunks_mut(4096) {
+    let mut buf = vec![0u8; 64 << 10];
+    let mut filled_bytes = 0;
+    while filled_bytes < logical_bytes && store.stats().physical_size < live_target {
+        for chunk in buf.chunks_mut(4096) {
             two_to_one_block(&mut rng, chunk);
         }
-        store.write(offset, &buf[..len], false).unwrap();
+        store.write(filled_bytes, &buf, false).unwrap();
+        filled_bytes += buf.len() as u64;
     }
+    let blocks = filled_bytes / 4096;
     // Warm up to steady state, then measure over a second span of the same length.
     let span = if quick { blocks } else { 2 * blocks };
     let mut measure = |count: u64| -> (f64, Duration, u64) {
@@ -67,7 +78,12 @@ fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
             let started = Instant::now();
             match store.write(lba * 4096, &block, false) {
                 Ok(()) => {}
-                Err(e) if e.kind() == zdisk_engine::ErrorKind::NoSpace => enospc += 1,
+                Err(e) if e.kind() == zdisk_engine::ErrorKind::NoSpace => {
+                    if enospc == 0 {
+                        eprintln!("    first ENOSPC: {e}; {:?}", store.stats());
+                    }
+                    enospc += 1
+                }
                 Err(e) => panic!("{e}"),
             }
             worst = worst.max(started.elapsed());
@@ -77,12 +93,17 @@ fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
         let backing = after.backing_write_bytes - before.backing_write_bytes;
         let per_host = |a: u64, b: u64| (a - b) as f64 / host.max(1) as f64;
         eprintln!(
-            "    per host byte: data {:.3} gc {:.3} metadata {:.3} padding {:.3}; checkpoints {}",
+            "    per host byte: data {:.3} gc {:.3} metadata {:.3} padding {:.3}; checkpoints {}; \
+             mean live of cleaned segments {:.1}%; {} of {} segments free",
             per_host(after.data_bytes, before.data_bytes),
             per_host(after.gc_bytes_moved, before.gc_bytes_moved),
             per_host(after.metadata_bytes, before.metadata_bytes),
             per_host(after.padding_bytes, before.padding_bytes),
-            after.checkpoints - before.checkpoints
+            after.checkpoints - before.checkpoints,
+            100.0 * (after.gc_bytes_moved - before.gc_bytes_moved) as f64
+                / ((after.gc_segments_cleaned - before.gc_segments_cleaned).max(1) * after.segment_size_bytes) as f64,
+            after.segments_free,
+            after.segments_total,
         );
         (backing as f64 / host.max(1) as f64, worst, enospc)
     };
@@ -92,7 +113,7 @@ fn wa_point(physical_bytes: u64, utilisation: f64, quick: bool) {
     println!(
         "| {:>4.0}% | {:>8.1} | {:>6.3} | {:>9.1} | {:>6.2} | {:>10} | {} |",
         utilisation * 100.0,
-        logical_bytes as f64 / (1 << 20) as f64,
+        filled_bytes as f64 / (1 << 20) as f64,
         wa,
         worst.as_secs_f64() * 1000.0,
         stats.comp_ratio,
@@ -201,10 +222,11 @@ fn main() {
     let quick = std::env::var("ZDISK_BENCH_QUICK").is_ok();
     let physical = if quick { 128u64 << 20 } else { 512 << 20 };
     println!(
-        "write amplification, 2:1 data, uniform random 4 KiB overwrites, physical {} MiB, 1 MiB segments",
-        physical >> 20
+        "write amplification, 2:1 data, uniform random 4 KiB overwrites, physical {} MiB, {} KiB segments",
+        physical >> 20,
+        segment_bytes() >> 10
     );
-    println!("| util | logical MiB | WA | worst write ms | ratio | segs cleaned | ENOSPC |");
+    println!("| util | working set MiB | WA | worst write ms | ratio | segs cleaned | ENOSPC |");
     println!("|---|---|---|---|---|---|---|");
     let points: Vec<f64> = match std::env::var("ZDISK_BENCH_UTIL") {
         Ok(list) => list

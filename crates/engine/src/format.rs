@@ -466,7 +466,9 @@ pub enum SegmentState {
     /// Being appended to (at most one).
     Open = 1,
     Sealed = 2,
-    /// Emptied by GC; reusable once checkpoint `free_at_generation` is durable.
+    /// Emptied by GC; reusable under the reuse rule (see `docs/space.md`): once no retained
+    /// checkpoint's replay window reaches into it and the records that emptied it (up to
+    /// `cleaned_seq`) are durable.
     Cleaned = 3,
 }
 
@@ -479,8 +481,9 @@ pub struct SegmentUsage {
     pub end_bytes: u64,
     /// Sequence number of the newest record in the segment (its age for GC).
     pub last_seq: u64,
-    /// For `Cleaned`: the checkpoint generation after which it may be reused.
-    pub free_at_generation: u64,
+    /// For `Cleaned`: the sequence number of the newest record appended when it was
+    /// emptied; the segment is not reused before that record is durable.
+    pub cleaned_seq: u64,
 }
 
 /// The checkpoint image: everything recovery needs besides the records after it.
@@ -514,7 +517,7 @@ impl Checkpoint {
             w.u64(s.live_bytes);
             w.u64(s.end_bytes);
             w.u64(s.last_seq);
-            w.u64(s.free_at_generation);
+            w.u64(s.cleaned_seq);
         }
         w.u64(self.map.len() as u64);
         // Delta-coded LBAs compress far better than absolute ones.
@@ -568,7 +571,7 @@ impl Checkpoint {
                 live_bytes: r.u64()?,
                 end_bytes: r.u64()?,
                 last_seq: r.u64()?,
-                free_at_generation: r.u64()?,
+                cleaned_seq: r.u64()?,
             });
         }
         let map_len = r.u64()?;
@@ -657,7 +660,7 @@ mod tests {
                 live_bytes: 5,
                 end_bytes: 6,
                 last_seq: 7,
-                free_at_generation: 0,
+                cleaned_seq: 0,
             }],
             map: vec![(0, 1), (5, 2), (99, 3)],
         };

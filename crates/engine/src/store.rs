@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use aligned_vec::{AVec, ConstAlign};
-use parking_lot::{Condvar, Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 
 use crate::backing::{Backing, FileBacking};
 use crate::codec::{decompress_block, Codec, CodecTag};
@@ -147,9 +147,12 @@ enum SpaceClass {
     /// runs, so it may use one segment of the reserve that other host writes may not.
     HostShrinking,
     HostMetadata,
-    /// GC relocations: may use the reserve but must leave room for the two checkpoints
-    /// that make cleaned segments reusable.
+    /// GC relocations out of a segment the reuse horizon has not passed: may use the
+    /// reserve but must leave room for the two checkpoints that make it reusable.
     Gc,
+    /// GC relocations out of a segment behind the horizon: it is reusable after one flush,
+    /// so this may go further, keeping room for one checkpoint.
+    GcSettled,
     Internal,
 }
 
@@ -185,6 +188,10 @@ struct Log {
     /// Generation of the newest checkpoint snapshot taken (durable or not).
     snapshot_generation: u64,
     durable_generation: u64,
+    /// The reuse horizon: the checkpoint sequence number of the older retained superblock.
+    /// Recovery (even falling back to that superblock) replays only records after it, so a
+    /// segment whose records all lie at or before it is never read by replay again.
+    reuse_horizon_seq: u64,
     bytes_since_checkpoint: u64,
     stored_blocks: u64,
     zero_blocks: u64,
@@ -193,8 +200,6 @@ struct Log {
     checkpoint_bytes: u64,
     /// Segments GC could not fully parse (damaged); never cleaned.
     unparseable: Vec<u32>,
-    /// Moving average of the bytes a cleaned segment gives back (segment size − live).
-    gc_freed_bytes_average: f64,
 }
 
 struct Geometry {
@@ -270,6 +275,10 @@ const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
 const RECORD_BLOCKS_MAX: usize = 512;
 /// A write that finds no space runs at most this many rounds of GC before ENOSPC.
 const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
+/// Segments background GC cleans in one round before it frees what it can.
+const GC_ROUND_SEGMENTS: u64 = 4;
+/// Victims one foreground GC round may clean (bounds the pause of the write that waits).
+const FOREGROUND_GC_VICTIMS_MAX: usize = 16;
 
 fn round_up(value: u64, to: u64) -> u64 {
     value.div_ceil(to) * to
@@ -521,16 +530,11 @@ impl Store {
         let logical_size_bytes = checkpoint.as_ref().map_or(sb.logical_size_bytes, |cp| cp.logical_size_bytes);
         let block_count = logical_size_bytes / BLOCK_SIZE as u64;
         let map = Map::new(block_count);
-        let mut segments = vec![
-            SegmentUsage {
-                state: SegmentState::Free,
-                live_bytes: 0,
-                end_bytes: 0,
-                last_seq: 0,
-                free_at_generation: 0
-            };
-            geometry.segment_count as usize
-        ];
+        let mut segments =
+            vec![
+                SegmentUsage { state: SegmentState::Free, live_bytes: 0, end_bytes: 0, last_seq: 0, cleaned_seq: 0 };
+                geometry.segment_count as usize
+            ];
         let counters;
         if let Some(cp) = &checkpoint {
             if cp.segments.len() != segments.len() {
@@ -564,13 +568,13 @@ impl Store {
             pinned: Vec::new(),
             snapshot_generation: sb.generation,
             durable_generation: sb.generation,
+            reuse_horizon_seq: 0,
             bytes_since_checkpoint: 0,
             stored_blocks: 0,
             zero_blocks: 0,
             buffer_pool: Vec::new(),
             checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
             unparseable: Vec::new(),
-            gc_freed_bytes_average: sb.segment_size_bytes as f64,
         };
         let inner = Inner {
             backing,
@@ -607,15 +611,28 @@ impl Store {
             }
         }
         inner.replay(&mut log, &sb)?;
-        // Segments pinned by the retained checkpoints' chunks.
+        // Segments pinned by the retained checkpoints' chunks, and how far back the older
+        // one's replay window reaches (the reuse horizon).
         log.pinned = vec![chunk_segments(&inner.geometry, &sb)];
+        log.reuse_horizon_seq = sb.checkpoint_seq;
         if let Some(other) = read_superblocks(inner.backing.as_ref()).ok().and_then(|(a, b)| {
             [Some(a), b].into_iter().flatten().find(|s| s.generation != sb.generation && s.generation < sb.generation)
         }) {
             log.pinned.push(chunk_segments(&inner.geometry, &other));
+            log.reuse_horizon_seq = log.reuse_horizon_seq.min(other.checkpoint_seq);
         }
+        let horizon = log.reuse_horizon_seq;
+        // Segments that hold nothing live and lie behind the horizon are free — including
+        // sealed ones whose data died after the checkpoint: the run that crashed may have
+        // freed and discarded them already. The records that emptied them were replayed, so
+        // they are on disk; the sync below makes sure they are on stable media before any
+        // of these segments is written again.
+        let mut freed_at_open = false;
+        let pinned: Vec<u32> = log.pinned.iter().flatten().copied().collect();
         for (id, s) in log.segments.iter_mut().enumerate() {
-            if s.state == SegmentState::Cleaned && s.free_at_generation <= sb.generation {
+            let empty = matches!(s.state, SegmentState::Cleaned | SegmentState::Sealed) && s.live_bytes == 0;
+            if empty && s.last_seq <= horizon && !pinned.contains(&(id as u32)) {
+                freed_at_open |= s.state == SegmentState::Sealed;
                 *s = SegmentUsage { state: SegmentState::Free, ..*s };
             }
             if s.state == SegmentState::Free {
@@ -623,6 +640,9 @@ impl Store {
                 s.end_bytes = 0;
                 log.free.insert(id as u32);
             }
+        }
+        if freed_at_open && !options.read_only {
+            inner.backing.sync().map_err(|e| Error::io("sync after recovery", e))?;
         }
         inner.durable_seq.store(log.next_seq - 1, Ordering::Release);
         *inner.log.lock() = log;
@@ -732,9 +752,10 @@ impl Store {
     pub fn collect_garbage(&self, segments_max: usize) -> Result<usize> {
         self.inner.check_writable()?;
         let mut cleaned = 0;
-        while cleaned < segments_max && self.inner.gc_once(false)? {
+        while cleaned < segments_max && self.inner.gc_once(false)?.is_some() {
             cleaned += 1;
         }
+        self.inner.free_cleaned()?;
         Ok(cleaned)
     }
 
@@ -816,13 +837,13 @@ fn empty_log() -> Log {
         pinned: Vec::new(),
         snapshot_generation: 0,
         durable_generation: 0,
+        reuse_horizon_seq: 0,
         bytes_since_checkpoint: 0,
         stored_blocks: 0,
         zero_blocks: 0,
         buffer_pool: Vec::new(),
         checkpoint_bytes: 0,
         unparseable: Vec::new(),
-        gc_freed_bytes_average: 0.0,
     }
 }
 
@@ -1179,21 +1200,26 @@ impl Inner {
         let capacity = self.geometry.segment_capacity();
         let mapped = log.stored_blocks + log.zero_blocks;
         // A checkpoint is at most 16 bytes per mapped block and 33 per segment before zstd;
-        // until one has been written, assume that. After, twice the last one's size (the
-        // map would have to more than double in a checkpoint interval to outgrow it).
+        // until one has been written, assume that. After, the last one's size plus a
+        // quarter, never more than that bound. (Its size changes slowly: with the number of
+        // mapped blocks and how scattered their fragments are. An estimate that proves short
+        // only delays the checkpoints that free young cleaned segments; freeing the others
+        // needs no checkpoint.)
+        let checkpoint_bound = mapped * 16 + self.geometry.segment_count * 33 + 4096;
         let checkpoint_estimate = if log.checkpoint_bytes == 0 {
-            mapped * 16 + self.geometry.segment_count * 33 + 4096
+            checkpoint_bound
         } else {
-            2 * log.checkpoint_bytes + 4096
+            (log.checkpoint_bytes + log.checkpoint_bytes / 4 + 4096).min(checkpoint_bound)
         };
         let checkpoint_segments = checkpoint_estimate.div_ceil(capacity);
         match class {
             // Each class leaves the ones below it room to work; GC must always be able to
             // run, and the two checkpoints that follow it must always fit.
-            SpaceClass::Host => 4 + 2 * checkpoint_segments,
-            SpaceClass::HostShrinking => 3 + 2 * checkpoint_segments,
-            SpaceClass::HostMetadata => 2 + 2 * checkpoint_segments,
+            SpaceClass::Host => 3 + 2 * checkpoint_segments,
+            SpaceClass::HostShrinking => 2 + 2 * checkpoint_segments,
+            SpaceClass::HostMetadata => 1 + 2 * checkpoint_segments,
             SpaceClass::Gc => 2 * checkpoint_segments,
+            SpaceClass::GcSettled => checkpoint_segments,
             SpaceClass::Internal => 0,
         }
     }
@@ -1260,12 +1286,14 @@ impl Inner {
                 return Ok(appended);
             }
             drop(log);
-            // Foreground GC, in bounded rounds: clean what we can, then checkpoint twice so
-            // the cleaned segments become reusable under the reuse rule. One writer runs a
-            // round at a time; the others wait for it and then retry, instead of each paying
-            // for two checkpoints. A round that gives back nothing ends the attempt: a
-            // checkpoint costs space too, and spending it for no gain only digs deeper.
-            if matches!(class, SpaceClass::Internal | SpaceClass::Gc) || attempts >= FOREGROUND_GC_ROUNDS_MAX {
+            // Foreground GC, in bounded rounds: clean a few segments and free them; when they
+            // wait for the reuse horizon, checkpoint (at most twice) to move it past them.
+            // One writer runs a round at a time; the others wait for it and then retry. A
+            // round that gives back nothing ends the attempt: a checkpoint costs space too,
+            // and spending it for no gain only digs deeper.
+            if matches!(class, SpaceClass::Internal | SpaceClass::Gc | SpaceClass::GcSettled)
+                || attempts >= FOREGROUND_GC_ROUNDS_MAX
+            {
                 return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
             attempts += 1;
@@ -1275,23 +1303,51 @@ impl Inner {
                 continue; // another writer just ran a round: retry the append first
             }
             let free_before = self.log.lock().free.len();
+            // Clean until the victims give back what this write lacks, plus one segment
+            // (victims that are nearly full give back little each).
+            let want_bytes =
+                (needed + reserve + 1).saturating_sub(free_before as u64) * self.geometry.segment_size_bytes;
             let mut cleaned = 0;
-            let batch = self.gc_batch_segments().max(8);
-            while cleaned < batch {
+            let mut gained_bytes = 0;
+            let mut freed = 0;
+            while cleaned < FOREGROUND_GC_VICTIMS_MAX && gained_bytes < want_bytes {
                 match self.gc_once(true) {
-                    Ok(true) => cleaned += 1,
-                    Ok(false) => break,
-                    Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                    Ok(Some(bytes)) => {
+                        cleaned += 1;
+                        gained_bytes += bytes;
+                    }
+                    Ok(None) => break,
+                    // Relocations ran into GC's reserve: free what is cleaned so far and go on.
+                    Err(e) if e.kind() == ErrorKind::NoSpace => match self.free_cleaned()? {
+                        0 => break,
+                        n => freed += n,
+                    },
                     Err(e) => return Err(e),
                 }
             }
-            let has_cleaned = self.log.lock().segments.iter().any(|s| s.state == SegmentState::Cleaned);
-            if cleaned == 0 && !has_cleaned {
+            freed += self.free_cleaned()?;
+            // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it
+            // to the previous one, so two free everything cleaned before the first.
+            for _ in 0..2 {
+                let (short, waiting) = {
+                    let log = self.log.lock();
+                    let waiting = log.segments.iter().any(|s| s.state == SegmentState::Cleaned);
+                    ((log.free.len() as u64) < needed + reserve, waiting)
+                };
+                if !short || !waiting {
+                    break;
+                }
+                match self.checkpoint_now() {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                    Err(e) => return Err(e),
+                }
+                freed += self.free_cleaned()?;
+            }
+            self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+            if cleaned == 0 && freed == 0 {
                 return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
-            self.checkpoint_now()?;
-            self.checkpoint_now()?;
-            self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
             if self.log.lock().free.len() <= free_before {
                 stalled_rounds += 1;
                 if stalled_rounds >= 2 {
@@ -1327,8 +1383,7 @@ impl Inner {
         let usage = &mut log.segments[id as usize];
         debug_assert_eq!(usage.state, SegmentState::Free);
         debug_assert_eq!(usage.live_bytes, 0);
-        *usage =
-            SegmentUsage { state: SegmentState::Open, live_bytes: 0, end_bytes: 0, last_seq: 0, free_at_generation: 0 };
+        *usage = SegmentUsage { state: SegmentState::Open, live_bytes: 0, end_bytes: 0, last_seq: 0, cleaned_seq: 0 };
         let size = self.geometry.segment_size_bytes as usize;
         let data = match log.buffer_pool.pop() {
             Some(mut buf) => {
@@ -1782,31 +1837,75 @@ impl Inner {
         Counters::add(&self.counters.backing_write_bytes, bytes.len() as u64);
         Counters::add(&self.counters.metadata_bytes, (bytes.len() + encoded.len()) as u64);
         Counters::add(&self.counters.checkpoints, 1);
-        // Free what the reuse rule allows. Order matters: first wait for every reader that
-        // might still hold an old map entry into those segments (the map write lock waits
-        // for them), then discard them on the backing, and only then put them in the free
-        // set — a segment discarded after reuse would lose the new data written into it.
-        let freeable: Vec<u32> = {
+        {
             let mut log = self.log.lock();
             log.durable_generation = sb.generation;
             log.checkpoint_bytes = encoded.len() as u64;
             let pinned_now = chunk_segments(&self.geometry, &sb);
             log.pinned.insert(0, pinned_now);
             log.pinned.truncate(2);
-            let generation = sb.generation;
-            log.segments
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.state == SegmentState::Cleaned && s.free_at_generation <= generation)
-                .map(|(id, _)| id as u32)
-                .collect()
-        };
-        *durable_sb = sb;
-        // Keep holding the checkpoint lock until the segments are free: a second checkpoint
-        // must not compute the same freeable set and free a segment already reused.
-        if freeable.is_empty() {
-            return Ok(());
+            // The slot just written replaced the one before the previous checkpoint; the
+            // previous checkpoint is now the older retained one.
+            debug_assert!(durable_sb.checkpoint_seq <= sb.checkpoint_seq);
+            log.reuse_horizon_seq = durable_sb.checkpoint_seq;
         }
+        *durable_sb = sb;
+        self.free_cleaned_locked(&durable_sb)?;
+        Ok(())
+    }
+
+    /// Frees the cleaned segments the reuse rule allows (see [`Inner::free_cleaned_locked`]).
+    fn free_cleaned(&self) -> Result<usize> {
+        let durable_sb = self.checkpoint.lock();
+        self.free_cleaned_locked(&durable_sb)
+    }
+
+    /// Frees every cleaned segment that nothing recovery could replay points into. The
+    /// reuse rule has three parts, checked in this order:
+    /// 1. all its records are at or before the reuse horizon, so replay from either
+    ///    retained superblock never reads it (`last_seq <= reuse_horizon_seq`);
+    /// 2. the records that emptied it (relocations, overwrites, trims) are durable, so a
+    ///    crash cannot lose them while keeping new data written over it (`flush_upto`);
+    /// 3. no reader still holds an old map entry into it (the map write lock waits for
+    ///    them).
+    ///
+    /// Only then is it discarded on the backing and put in the free set — a segment
+    /// discarded after reuse would lose the new data written into it. The caller holds the
+    /// checkpoint lock for the whole time, so two callers never free the same segment.
+    ///
+    /// Sealed segments whose data all died (overwritten or trimmed) are freed the same way,
+    /// without GC reading them.
+    fn free_cleaned_locked(&self, _checkpoint_held: &MutexGuard<'_, Superblock>) -> Result<usize> {
+        // GC must not be working on a segment while it is freed (it would mark it cleaned
+        // after it was reused).
+        let _gc = self.gc_lock.lock();
+        let unwritten: Vec<u32> = self.buffered.read().iter().map(|b| b.segment).collect();
+        let (freeable, emptied_seq) = {
+            let mut log = self.log.lock();
+            let horizon = log.reuse_horizon_seq;
+            let now_seq = log.next_seq - 1;
+            let mut freeable = Vec::new();
+            for id in 0..log.segments.len() as u32 {
+                let dead = log.segments[id as usize].state == SegmentState::Sealed
+                    && log.segments[id as usize].live_bytes == 0
+                    && !unwritten.contains(&id)
+                    && !log.pinned.iter().any(|p| p.contains(&id))
+                    && !log.unparseable.contains(&id);
+                let usage = &mut log.segments[id as usize];
+                if dead {
+                    *usage = SegmentUsage { state: SegmentState::Cleaned, cleaned_seq: now_seq, ..*usage };
+                }
+                if usage.state == SegmentState::Cleaned && usage.last_seq <= horizon {
+                    freeable.push(id);
+                }
+            }
+            let emptied_seq = freeable.iter().map(|&id| log.segments[id as usize].cleaned_seq).max().unwrap_or(0);
+            (freeable, emptied_seq)
+        };
+        if freeable.is_empty() {
+            return Ok(0);
+        }
+        self.flush_upto(emptied_seq)?;
         drop(self.map.write());
         for &id in &freeable {
             let base = self.geometry.segment_base(id);
@@ -1815,32 +1914,29 @@ impl Inner {
             }
         }
         let mut log = self.log.lock();
-        for id in freeable {
+        let horizon = log.reuse_horizon_seq;
+        for &id in &freeable {
             let usage = &mut log.segments[id as usize];
             // Cleaned segments are touched by nobody else (GC and allocation skip them).
             debug_assert_eq!(usage.state, SegmentState::Cleaned);
             debug_assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
-            *usage = SegmentUsage {
-                state: SegmentState::Free,
-                live_bytes: 0,
-                end_bytes: 0,
-                last_seq: 0,
-                free_at_generation: 0,
-            };
+            debug_assert!(usage.last_seq <= horizon);
+            debug_assert!(usage.cleaned_seq <= self.durable_seq.load(Ordering::Acquire));
+            *usage =
+                SegmentUsage { state: SegmentState::Free, live_bytes: 0, end_bytes: 0, last_seq: 0, cleaned_seq: 0 };
             log.free.insert(id);
         }
-        drop(log);
-        drop(durable_sb);
-        Ok(())
+        Ok(freeable.len())
     }
 
     // ---------------------------------------------------------------- GC
 
-    /// Cleans one victim segment. Returns false when no segment is worth cleaning.
-    fn gc_once(&self, foreground: bool) -> Result<bool> {
+    /// Cleans one victim segment. Returns the bytes it gives back once freed (segment size
+    /// less what was relocated), or None when no segment is worth cleaning.
+    fn gc_once(&self, foreground: bool) -> Result<Option<u64>> {
         let _gc = self.gc_lock.lock();
         self.check_writable()?;
-        let victim = {
+        let (victim, settled) = {
             let log = self.log.lock();
             let now = log.next_seq;
             let size = self.geometry.segment_size_bytes as f64;
@@ -1850,7 +1946,11 @@ impl Inner {
             // short, anything that gives back at least a sector.
             let short = (log.free.len() as u64) < self.reserve_segments(&log, SpaceClass::Host) + 2;
             let live_max = if foreground || short { size - SECTOR_SIZE as f64 } else { size * 0.90 };
-            let mut best: Option<(f64, u32)> = None;
+            // A segment written after the reuse horizon can be cleaned but not freed before
+            // up to two more checkpoints: take one only when nothing older qualifies, and in
+            // the background only when space is short.
+            let horizon = log.reuse_horizon_seq;
+            let mut best: Option<(bool, f64, u32)> = None;
             for (id, s) in log.segments.iter().enumerate() {
                 let id = id as u32;
                 if s.state != SegmentState::Sealed
@@ -1863,17 +1963,21 @@ impl Inner {
                 }
                 // Cost-benefit (Rosenblum & Ousterhout): free space gained times age, over
                 // the cost of reading the segment and writing its live data.
+                let settled = s.last_seq <= horizon;
+                if !(settled || foreground || short) {
+                    continue;
+                }
                 let u = s.live_bytes as f64 / size;
                 let age = (now - s.last_seq.min(now)) as f64 + 1.0;
                 // In the foreground a writer is waiting: take the emptiest segment (greedy).
                 let score = if foreground { 1.0 - u } else { (1.0 - u) * age / (1.0 + u) };
-                if best.is_none_or(|(b, _)| score > b) {
-                    best = Some((score, id));
+                if best.is_none_or(|(b_settled, b_score, _)| (settled, score) > (b_settled, b_score)) {
+                    best = Some((settled, score, id));
                 }
             }
             match best {
-                Some((_, id)) => id,
-                None => return Ok(false),
+                Some((settled, _, id)) => (id, settled),
+                None => return Ok(None),
             }
         };
         let base = self.geometry.segment_base(victim);
@@ -1918,7 +2022,8 @@ impl Inner {
             }
         }
         if !live.is_empty() {
-            self.append_group(vec![Op::Relocate { entries: live }], SpaceClass::Gc)?;
+            let class = if settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
+            self.append_group(vec![Op::Relocate { entries: live }], class)?;
         }
         let mut log = self.log.lock();
         let usage = log.segments[victim as usize];
@@ -1927,14 +2032,13 @@ impl Inner {
             // free such a segment; leave it out of GC from now on; `check` reports it.
             tracing::error!("segment {victim} still has {} live bytes after GC; keeping it", usage.live_bytes);
             log.unparseable.push(victim);
-            return Ok(true);
+            return Ok(Some(0));
         }
-        let free_at_generation = log.snapshot_generation + 2;
-        let freed = (self.geometry.segment_size_bytes - usage_live_before.min(self.geometry.segment_size_bytes)) as f64;
-        log.gc_freed_bytes_average = 0.9 * log.gc_freed_bytes_average + 0.1 * freed;
-        log.segments[victim as usize] = SegmentUsage { state: SegmentState::Cleaned, free_at_generation, ..usage };
+        // Everything that emptied it was appended by now (a concurrent overwrite included).
+        let cleaned_seq = log.next_seq - 1;
+        log.segments[victim as usize] = SegmentUsage { state: SegmentState::Cleaned, cleaned_seq, ..usage };
         Counters::add(&self.counters.gc_segments_cleaned, 1);
-        Ok(true)
+        Ok(Some(self.geometry.segment_size_bytes.saturating_sub(usage_live_before)))
     }
 
     fn worker_loop(&self) {
@@ -1973,45 +2077,56 @@ impl Inner {
         if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.write_out(false)?;
         }
-        // GC keeps a cushion of free segments so host writes rarely wait for it. Cleaned
-        // segments become free only through checkpoints, and a checkpoint costs about the
-        // size of the map (in bytes written and in CPU), so checkpoints are batched: one per
-        // `batch` cleaned segments, sized so a checkpoint is at most 1/24 of the space the
-        // batch gives back, but never more than 1/16 of the segments.
-        let (free, cleaned, reserve, cushion, batch, since) = {
+        // GC keeps a small cushion of free segments above the host reserve so host writes
+        // rarely wait for it. Every free segment held back raises the utilisation GC works
+        // at (and so its write amplification), so the cushion stays small: freeing a cleaned
+        // segment usually costs one flush, not a checkpoint.
+        let (free, reserve, cushion) = {
             let log = self.log.lock();
             let reserve = self.reserve_segments(&log, SpaceClass::Host);
-            let batch = self.gc_batch(&log);
-            let cushion = (self.geometry.segment_count / 32).max(4).max(2 * batch + 2);
-            let cleaned = log.segments.iter().filter(|s| s.state == SegmentState::Cleaned).count() as u64;
-            (log.free.len() as u64, cleaned, reserve, cushion, batch, log.bytes_since_checkpoint)
+            (log.free.len() as u64, reserve, self.cushion_segments())
         };
-        let mut cleaned_now = cleaned;
         let mut busy = false;
-        if free + cleaned < reserve + cushion {
-            while cleaned_now < 2 * batch + 2 && self.gc_once(false)? {
-                cleaned_now += 1;
+        if free < reserve + cushion {
+            let mut cleaned = 0;
+            while free + cleaned < reserve + cushion + 1
+                && cleaned < GC_ROUND_SEGMENTS
+                && self.gc_once(false)?.is_some()
+            {
+                cleaned += 1;
                 busy = true;
             }
+            self.free_cleaned()?;
         }
-        let urgent = free < reserve + 2 && cleaned_now > 0;
-        if since >= self.options.checkpoint_interval_bytes || cleaned_now >= batch || urgent {
+        // A checkpoint when one is due, or early when cleaned segments wait only for the
+        // reuse horizon to pass them (it takes two) and space is short.
+        let (free, waiting, since) = {
+            let log = self.log.lock();
+            let waiting = log.segments.iter().any(|s| s.state == SegmentState::Cleaned);
+            (log.free.len() as u64, waiting, log.bytes_since_checkpoint)
+        };
+        let urgent = waiting && free < reserve + cushion;
+        if since >= self.checkpoint_interval_bytes() || urgent {
             self.checkpoint_now()?;
             busy = true;
         }
         Ok(busy)
     }
 
-    /// How many segments foreground GC cleans before it checkpoints (see `background_step`).
-    fn gc_batch_segments(&self) -> u64 {
-        self.gc_batch(&self.log.lock())
+    /// Free segments the background GC keeps above the host reserve.
+    fn cushion_segments(&self) -> u64 {
+        (self.geometry.segment_count / 256).max(2)
     }
 
-    fn gc_batch(&self, log: &Log) -> u64 {
-        let segment_size = self.geometry.segment_size_bytes;
-        let freed_per_segment = (log.gc_freed_bytes_average as u64).clamp(segment_size / 64, segment_size);
-        let batch_max = (self.geometry.segment_count / 16).max(2);
-        (24 * log.checkpoint_bytes).div_ceil(freed_per_segment).clamp(2, batch_max)
+    /// Log bytes between checkpoints. Short enough that GC victims (the older segments)
+    /// have usually passed the reuse horizon — at most 1/8 of the data area, so the last
+    /// two intervals cover at most a quarter of it — and long enough that a checkpoint (the
+    /// whole map) stays a small part of what is written: at least 32 times its size. Never
+    /// longer than the configured interval, which bounds recovery time.
+    fn checkpoint_interval_bytes(&self) -> u64 {
+        let data_area = self.geometry.segment_count * self.geometry.segment_size_bytes;
+        let checkpoint_bytes = self.log.lock().checkpoint_bytes;
+        (data_area / 8).max(32 * checkpoint_bytes).min(self.options.checkpoint_interval_bytes)
     }
 
     // ---------------------------------------------------------------- recovery
@@ -2032,31 +2147,33 @@ impl Inner {
     }
 
     fn replay(&self, log: &mut Log, sb: &Superblock) -> Result<()> {
-        // Index: which free (or cleaned) segment starts with which sequence number.
-        // Several segments may start with the same sequence number: stale ones left by a run
-        // that crashed, and the one that continues the chain. Keep them all.
+        // Index: which segment starts with which sequence number after the checkpoint. Any
+        // segment but the one open at the checkpoint may have been reused after it: free
+        // and cleaned ones, and sealed ones whose data died after it (the reuse rule frees
+        // a segment once the horizon has passed its records and their overwrites are
+        // durable, without waiting for a checkpoint). Several segments may start with the
+        // same sequence number: stale ones left by a run that crashed, and the one that
+        // continues the chain. Keep them all.
         let mut index: HashMap<u64, Vec<u32>> = HashMap::new();
         let mut cache = SegmentCache::default();
-        for (id, s) in log.segments.iter().enumerate() {
-            if matches!(s.state, SegmentState::Free | SegmentState::Cleaned) {
-                let base = self.geometry.segment_base(id as u32);
-                let mut head = vec![0u8; SECTOR_SIZE];
-                if self.backing.read_at(base, &mut head).is_err() {
+        for id in 0..log.segments.len() {
+            let base = self.geometry.segment_base(id as u32);
+            let mut head = vec![0u8; SECTOR_SIZE];
+            if self.backing.read_at(base, &mut head).is_err() {
+                continue;
+            }
+            let len = RecordHeader::peek_len(&head).unwrap_or(0);
+            if len > SECTOR_SIZE {
+                head.resize(round_up(len as u64, SECTOR_SIZE as u64) as usize, 0);
+                if head.len() as u64 > self.geometry.segment_size_bytes
+                    || self.backing.read_at(base, &mut head).is_err()
+                {
                     continue;
                 }
-                let len = RecordHeader::peek_len(&head).unwrap_or(0);
-                if len > SECTOR_SIZE {
-                    head.resize(round_up(len as u64, SECTOR_SIZE as u64) as usize, 0);
-                    if head.len() as u64 > self.geometry.segment_size_bytes
-                        || self.backing.read_at(base, &mut head).is_err()
-                    {
-                        continue;
-                    }
-                }
-                if let Ok((header, _)) = RecordHeader::decode(&head) {
-                    if header.seq > sb.checkpoint_seq && header.store_tag == self.geometry.store_tag {
-                        index.entry(header.seq).or_default().push(id as u32);
-                    }
+            }
+            if let Ok((header, _)) = RecordHeader::decode(&head) {
+                if header.seq > sb.checkpoint_seq && header.store_tag == self.geometry.store_tag {
+                    index.entry(header.seq).or_default().push(id as u32);
                 }
             }
         }
@@ -2084,13 +2201,16 @@ impl Inner {
             let segment = self.geometry.segment_of(record.offset_bytes) as usize;
             let base = self.geometry.segment_base(segment as u32);
             let usage = &mut log.segments[segment];
-            if matches!(usage.state, SegmentState::Free | SegmentState::Cleaned) {
+            // A record at a segment's start begins a new use of it. Whatever it held before
+            // is dead by now: the records that emptied it precede this one.
+            if record.offset_bytes == base {
+                debug_assert_eq!(usage.live_bytes, 0, "replay reuses segment {segment} with live data");
                 *usage = SegmentUsage {
                     state: SegmentState::Sealed,
                     live_bytes: 0,
                     end_bytes: 0,
                     last_seq: 0,
-                    free_at_generation: 0,
+                    cleaned_seq: 0,
                 };
             }
             usage.end_bytes = usage.end_bytes.max(record.end_bytes - base);

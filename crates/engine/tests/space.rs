@@ -28,10 +28,11 @@ fn out_of_space_cycles(seed: u64) {
     let mut model = Model::new(logical);
     let mut store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     let mut full_cycles = 0;
+    let mut crash_cycles = 0;
     for cycle in 0..100 {
         let crash_this_cycle = cycle % 10 == 9;
         if crash_this_cycle {
-            disk.set_faults(Faults { crash_at_write: Some(rng.gen_range(1..40)), ..Faults::default() });
+            disk.set_faults(Faults { crash_at_write: Some(rng.gen_range(1..12)), ..Faults::default() });
         }
         let mut writes_ok = 0;
         let mut crashed = false;
@@ -65,7 +66,12 @@ fn out_of_space_cycles(seed: u64) {
                 }
             }
         }
+        if crash_this_cycle && !crashed {
+            // The store filled up before the armed write: no crash this time.
+            disk.set_faults(Faults::default());
+        }
         if crashed {
+            crash_cycles += 1;
             disk.power_off();
             drop(store);
             disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
@@ -98,6 +104,7 @@ fn out_of_space_cycles(seed: u64) {
         model.flushed();
     }
     assert!(full_cycles >= 80, "only {full_cycles} cycles reached ENOSPC");
+    assert!(crash_cycles >= 5, "only {crash_cycles} of 10 crash cycles crashed");
     store.close().unwrap();
 }
 
