@@ -7,6 +7,8 @@
 # 4 GiB targets, all three filled sequentially first, in one run.
 #   usage: bash scripts/compare.sh [WORKDIR] [SECONDS_PER_POINT]
 # Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit). Prints a table.
+# ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
+# the rows whose names contain one of those words (e.g. ROWS="random read,70/30").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 zdisk=$here/target/release/zdisk
@@ -19,7 +21,8 @@ trap cleanup EXIT
 rm -f "$dir"/s.zdisk "$dir"/raw.img "$dir"/*.sock
 truncate -s 4G "$dir/raw.img"
 "$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G >/dev/null
-"$zdisk" serve "$dir/s.zdisk" --unix "$dir/z.sock" >"$dir/serve.log" 2>&1 & pids+=($!)
+# shellcheck disable=SC2086
+"$zdisk" serve "$dir/s.zdisk" --unix "$dir/z.sock" ${ZDISK_SERVE_ARGS:-} >"$dir/serve.log" 2>&1 & pids+=($!)
 qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 --socket="$dir/r.sock" "$dir/raw.img" >"$dir/qemu.log" 2>&1 & pids+=($!)
 nbdkit --foreground -U "$dir/m.sock" memory 4G & pids+=($!)
 for s in z r m; do for _ in $(seq 100); do [[ -S $dir/$s.sock ]] && break; sleep 0.1; done; done
@@ -42,6 +45,12 @@ done
 echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
 echo "|---|---|---|---|---|---|---|"
 row() { # name rw bs qd [mix]
+  if [[ -n ${ROWS:-} ]]; then
+    local wanted=0 word
+    IFS=, read -ra words <<<"$ROWS"
+    for word in "${words[@]}"; do [[ $1 == *"$word"* ]] && wanted=1; done
+    ((wanted)) || return 0
+  fi
   read -r zi zl < <(job z "$2" "$3" "$4" "${5:-}")
   read -r ri rl < <(job r "$2" "$3" "$4" "${5:-}")
   read -r mi _ < <(job m "$2" "$3" "$4" "${5:-}")

@@ -9,7 +9,7 @@ use std::io;
 
 use parking_lot::Mutex;
 
-use crate::backing::{assert_aligned, Backing};
+use crate::backing::{assert_aligned, assert_aligned_to, Backing};
 use crate::SECTOR_SIZE;
 
 /// A tiny deterministic generator (SplitMix64): the simulator must not depend on a test
@@ -158,8 +158,13 @@ impl Backing for SimDisk {
         self.size_bytes
     }
 
+    /// Like a disk with 512-byte logical blocks under O_DIRECT.
+    fn read_alignment(&self) -> usize {
+        512
+    }
+
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        assert_aligned(offset, buf.len(), self.size_bytes);
+        assert_aligned_to(offset, buf.len(), self.size_bytes, self.read_alignment());
         let mut s = self.state.lock();
         if s.crashed {
             return Err(power_lost());

@@ -9,9 +9,10 @@
 //!   nonce, so replay follows exactly one history and never picks up stale records.
 //! - No sector is written twice while it may hold acknowledged data: a flush pads the open
 //!   segment to the next sector, and appends continue after the padding.
-//! - Segment reuse rule: a segment emptied by GC becomes free only after two checkpoints
-//!   taken after the cleaning are durable (both retained checkpoints then agree it is unused),
-//!   and only after every reader that could still hold an old map entry has finished.
+//! - Segment reuse rule: a segment emptied by GC becomes free only when all its records lie
+//!   at or before the reuse horizon (the older retained checkpoint, so no replay reads it),
+//!   the records that emptied it are durable, and every reader that could still hold an old
+//!   map entry has finished (`free_cleaned_locked`).
 //! - A failed backing write or sync makes the store read-only until reopened.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
@@ -983,8 +984,8 @@ impl Inner {
         on_disk.sort_by_key(|(_, s)| s.offset_bytes);
         // Coalesce fragments whose sectors touch into runs of at most 1 MiB, one backing read
         // each. Data written sequentially is one run; data scattered by random overwrites is
-        // many.
-        let sector = SECTOR_SIZE as u64;
+        // many. Reads use the device's own alignment, not the 4 KiB the log is written in.
+        let sector = self.backing.read_alignment() as u64;
         let mut runs: Vec<(u64, u64, std::ops::Range<usize>)> = Vec::new();
         let mut run_start = 0;
         while run_start < on_disk.len() {
@@ -1214,7 +1215,7 @@ impl Inner {
         let checkpoint_segments = checkpoint_estimate.div_ceil(capacity);
         match class {
             // Each class leaves the ones below it room to work; GC must always be able to
-            // run, and the two checkpoints that follow it must always fit.
+            // run, and the checkpoints that free young cleaned segments must always fit.
             SpaceClass::Host => 3 + 2 * checkpoint_segments,
             SpaceClass::HostShrinking => 2 + 2 * checkpoint_segments,
             SpaceClass::HostMetadata => 1 + 2 * checkpoint_segments,
