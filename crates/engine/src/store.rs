@@ -203,6 +203,22 @@ struct Log {
     unparseable: Vec<u32>,
 }
 
+impl Log {
+    /// Whether GC may take segment `id`: sealed, on disk (`unwritten` lists the segments
+    /// still buffered), not holding a retained checkpoint, and fully parseable.
+    fn collectable(&self, id: u32, unwritten: &[u32]) -> bool {
+        self.segments[id as usize].state == SegmentState::Sealed
+            && !unwritten.contains(&id)
+            && !self.pinned.iter().any(|p| p.contains(&id))
+            && !self.unparseable.contains(&id)
+    }
+
+    /// Whether any segment is cleaned and waiting for the reuse rule.
+    fn has_cleaned(&self) -> bool {
+        self.segments.iter().any(|s| s.state == SegmentState::Cleaned)
+    }
+}
+
 struct Geometry {
     store_tag: u32,
     segment_size_bytes: u64,
@@ -1332,8 +1348,7 @@ impl Inner {
             for _ in 0..2 {
                 let (short, waiting) = {
                     let log = self.log.lock();
-                    let waiting = log.segments.iter().any(|s| s.state == SegmentState::Cleaned);
-                    ((log.free.len() as u64) < needed + reserve, waiting)
+                    ((log.free.len() as u64) < needed + reserve, log.has_cleaned())
                 };
                 if !short || !waiting {
                     break;
@@ -1887,11 +1902,7 @@ impl Inner {
             let now_seq = log.next_seq - 1;
             let mut freeable = Vec::new();
             for id in 0..log.segments.len() as u32 {
-                let dead = log.segments[id as usize].state == SegmentState::Sealed
-                    && log.segments[id as usize].live_bytes == 0
-                    && !unwritten.contains(&id)
-                    && !log.pinned.iter().any(|p| p.contains(&id))
-                    && !log.unparseable.contains(&id);
+                let dead = log.collectable(id, &unwritten) && log.segments[id as usize].live_bytes == 0;
                 let usage = &mut log.segments[id as usize];
                 if dead {
                     *usage = SegmentUsage { state: SegmentState::Cleaned, cleaned_seq: now_seq, ..*usage };
@@ -1954,12 +1965,7 @@ impl Inner {
             let mut best: Option<(bool, f64, u32)> = None;
             for (id, s) in log.segments.iter().enumerate() {
                 let id = id as u32;
-                if s.state != SegmentState::Sealed
-                    || unwritten.contains(&id)
-                    || log.pinned.iter().any(|p| p.contains(&id))
-                    || log.unparseable.contains(&id)
-                    || s.live_bytes as f64 > live_max
-                {
+                if !log.collectable(id, &unwritten) || s.live_bytes as f64 > live_max {
                     continue;
                 }
                 // Cost-benefit (Rosenblum & Ousterhout): free space gained times age, over
@@ -2103,8 +2109,7 @@ impl Inner {
         // reuse horizon to pass them (it takes two) and space is short.
         let (free, waiting, since) = {
             let log = self.log.lock();
-            let waiting = log.segments.iter().any(|s| s.state == SegmentState::Cleaned);
-            (log.free.len() as u64, waiting, log.bytes_since_checkpoint)
+            (log.free.len() as u64, log.has_cleaned(), log.bytes_since_checkpoint)
         };
         let urgent = waiting && free < reserve + cushion;
         if since >= self.checkpoint_interval_bytes() || urgent {
