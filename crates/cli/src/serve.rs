@@ -48,9 +48,14 @@ pub struct ServeArgs {
     /// Do not use O_DIRECT on the backing store.
     #[arg(long)]
     pub no_direct: bool,
-    /// Bound of the engine's buffer memory (e.g. 256M).
+    /// Bound of the engine's buffer memory (e.g. 256M; default 256M).
     #[arg(long, value_name = "SIZE")]
     pub cache: Option<Size>,
+    /// Memory for a read cache of compressed fragments (e.g. 512M; default 0: off). It holds
+    /// comp_ratio times more data than a block cache of that size; it helps reads with
+    /// locality, not uniform random reads over data much larger than it.
+    #[arg(long, value_name = "SIZE")]
+    pub read_cache: Option<Size>,
     /// `space_flag` becomes 1 ("low") when free space falls below this fraction of the data
     /// area (0.0–1.0; default 0.10). It becomes 2 when a write is refused for lack of space.
     #[arg(long, value_name = "FRACTION", value_parser = parse_fraction)]
@@ -149,6 +154,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if args.no_direct {
         command.arg("direct=false");
+    }
+    if let Some(read_cache) = args.read_cache {
+        command.arg(format!("read_cache={}", read_cache.0));
     }
     if let Some(cache) = args.cache {
         command.arg(format!("cache={}", cache.0));

@@ -624,11 +624,14 @@ fn stat_is_live_while_served_and_metrics_are_served() {
     let s = Scratch::new("live");
     let store = s.format("s.zdisk", "64M", "2x", &[]);
     let addr = format!("127.0.0.1:{}", free_port());
-    let server = Server::start(&s, &store, &["--metrics", &addr]);
+    let server = Server::start(&s, &store, &["--metrics", &addr, "--read-cache", "16M"]);
     let mut c = NbdClient::connect(&server.socket).unwrap();
     c.write_ok(0, &pattern(3, 3, 0, 4 << 20));
     assert_eq!(c.flush().unwrap(), 0);
-    c.read_ok(0, 1 << 20);
+    // Read twice: the second pass finds what the first read from disk in the read cache.
+    for _ in 0..2 {
+        assert!(c.read_ok(0, 1 << 20) == pattern(3, 3, 0, 1 << 20));
+    }
     c.disconnect();
     std::thread::sleep(Duration::from_millis(1500));
 
@@ -636,6 +639,7 @@ fn stat_is_live_while_served_and_metrics_are_served() {
     assert_eq!(stat["source"], "live", "{stat}");
     assert_eq!(stat["logical_size"], 4u64 << 20, "{stat}");
     assert!(stat["host_write_bytes"].as_u64().unwrap() >= 4 << 20, "{stat}");
+    assert!(stat["read_cache_hits"].as_u64().unwrap() > 0, "--read-cache did not reach the engine: {stat}");
     let ratio = stat["comp_ratio"].as_f64().unwrap();
     assert!((1.5..2.5).contains(&ratio), "{stat}");
     let human = s.zdisk_ok(&["stat", store.to_str().unwrap()]);

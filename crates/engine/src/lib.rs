@@ -14,6 +14,7 @@
 //! The on-disk format is specified in `docs/format.md`; the modules mirror it.
 
 mod backing;
+mod cache;
 mod codec;
 mod error;
 mod format;

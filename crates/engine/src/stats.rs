@@ -55,6 +55,15 @@ pub struct Stats {
     pub stored_blocks: u64,
     /// Blocks written as zeroes (they cost no data).
     pub zero_blocks: u64,
+    /// Fragment reads the read cache answered, since the store was opened.
+    #[serde(default)]
+    pub read_cache_hits: u64,
+    /// Fragment reads that went to the backing store, since the store was opened.
+    #[serde(default)]
+    pub read_cache_misses: u64,
+    /// Memory the read cache holds (compressed fragments plus bookkeeping).
+    #[serde(default)]
+    pub read_cache_bytes: u64,
 }
 
 /// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.

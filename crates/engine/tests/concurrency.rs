@@ -22,7 +22,10 @@ fn open_file_store(dir: &tempfile::TempDir, physical: u64, logical: u64) -> Stor
         },
     )
     .unwrap();
-    Store::open(&path, &OpenOptions { checkpoint_interval_bytes: 4 << 20, ..OpenOptions::default() }).unwrap()
+    // The read cache is on so segment reuse under concurrent readers exercises its epochs.
+    let options =
+        OpenOptions { checkpoint_interval_bytes: 4 << 20, read_cache_bytes: 8 << 20, ..OpenOptions::default() };
+    Store::open(&path, &options).unwrap()
 }
 
 #[test]

@@ -201,3 +201,26 @@ fn a_failed_backing_read_is_an_io_error_and_the_store_keeps_serving() {
     assert!(block == data(4096, 1));
     assert_eq!(store.stats().checksum_errors, 0);
 }
+
+#[test]
+fn a_reread_is_served_by_the_read_cache_but_check_still_reads_the_disk() {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(8 * 4096, 1), true).unwrap();
+    store.close().unwrap();
+    let (disk, store) = reopen(&disk);
+    let mut block = vec![0u8; 4096];
+    store.read(0, &mut block).unwrap();
+    let before = store.stats();
+    assert_eq!((before.read_cache_hits, before.read_cache_misses), (0, 1));
+    // Damage the fragment on disk after it was cached: reads keep returning the good copy
+    // the cache verified, and `check`, which must see the disk, reports the damage.
+    disk.flip_bit((DATA_START + 56 + 24 + 4 + 8) as u64, 3);
+    store.read(0, &mut block).unwrap();
+    assert!(block == data(8 * 4096, 1)[..4096]);
+    let after = store.stats();
+    assert_eq!(after.read_cache_hits, 1, "{after:?}");
+    assert!(after.read_cache_bytes > 0);
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(report.problems.iter().any(|p| p.starts_with("block 0 ")), "{:?}", report.problems);
+}

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! nbdkit --foreground -U /tmp/sock libnbdkit_zdisk_plugin.so store=/srv/disk.zdisk \
-//!        [readonly=true] [metrics=127.0.0.1:9100] [direct=true|false] [cache=256M] \
+//!        [readonly=true] [metrics=127.0.0.1:9100] [direct=true|false] [cache=256M] [read_cache=0] \
 //!        [low_space=0.10] [rundir=/run/zdisk]
 //! ```
 //!
@@ -44,6 +44,7 @@ struct Config {
     metrics: Option<String>,
     direct: bool,
     cache_bytes: u64,
+    read_cache_bytes: u64,
     low_space_fraction: f64,
     run_dir: PathBuf,
 }
@@ -57,6 +58,7 @@ impl Default for Config {
             metrics: None,
             direct: defaults.direct_io,
             cache_bytes: defaults.cache_bytes_max,
+            read_cache_bytes: defaults.read_cache_bytes,
             low_space_fraction: defaults.low_space_fraction,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
         }
@@ -140,6 +142,7 @@ impl Server for Handle {
              metrics=HOST:PORT     serve Prometheus text at /metrics and JSON at /stats\n\
              direct=true|false     O_DIRECT on the backing store (default true)\n\
              cache=SIZE            engine buffer memory bound (default 256M)\n\
+             read_cache=SIZE       read cache of compressed fragments (default 0: off)\n\
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)",
         )
@@ -169,6 +172,10 @@ impl Server for Handle {
             "cache" => {
                 let bytes = nbdkit::parse_size(value)?;
                 config.cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("cache={value}")))?;
+            }
+            "read_cache" => {
+                let bytes = nbdkit::parse_size(value)?;
+                config.read_cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("read_cache={value}")))?;
             }
             "low_space" => {
                 let fraction: f64 = value.parse().map_err(|_| einval(format!("low_space={value}: not a number")))?;
@@ -210,6 +217,7 @@ impl Server for Handle {
             read_only: config.read_only,
             direct_io: config.direct,
             cache_bytes_max: config.cache_bytes,
+            read_cache_bytes: config.read_cache_bytes,
             low_space_fraction: config.low_space_fraction,
             ..OpenOptions::default()
         };

@@ -167,7 +167,13 @@ pub fn read_all(store: &Store) -> Vec<u8> {
 }
 
 pub fn test_options() -> OpenOptions {
-    OpenOptions { background: false, checkpoint_interval_bytes: 192 << 10, ..OpenOptions::default() }
+    // A small read cache, so every simulator test also exercises its invalidation.
+    OpenOptions {
+        background: false,
+        checkpoint_interval_bytes: 192 << 10,
+        read_cache_bytes: 1 << 20,
+        ..OpenOptions::default()
+    }
 }
 
 pub fn new_disk(segments: u64, segment_bytes: u64, logical_bytes: u64, codec: Codec, seed: u64) -> Arc<SimDisk> {
