@@ -992,6 +992,7 @@ impl Inner {
     /// read cache may answer and keep what is read (not for `check`, which verifies the disk).
     /// The caller holds the map read lock the entries came from.
     fn fetch_blocks(&self, entries: &[Entry], out: &mut [u8], first_lba: u64, cache: ReadCache) -> Result<()> {
+        let read_cache = (cache == ReadCache::Use).then_some(&self.read_cache);
         let mut on_disk: Vec<(usize, Stored)> = Vec::new();
         {
             let buffered = self.buffered.read();
@@ -1008,19 +1009,16 @@ impl Inner {
                             &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
                             first_lba + i as u64,
                         )?;
-                    } else if let Some(decoded) = (cache == ReadCache::Use)
-                        .then(|| {
-                            self.read_cache.with_fragment(segment, s.offset_bytes, |fragment| {
-                                self.decode_fragment(
-                                    *s,
-                                    fragment,
-                                    &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
-                                    first_lba + i as u64,
-                                )
-                            })
+                    } else if let Some(decoded) = read_cache.and_then(|c| {
+                        c.with_fragment(segment, s.offset_bytes, |fragment| {
+                            self.decode_fragment(
+                                *s,
+                                fragment,
+                                &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
+                                first_lba + i as u64,
+                            )
                         })
-                        .flatten()
-                    {
+                    }) {
                         decoded?;
                     } else {
                         on_disk.push((i, *s));
@@ -1071,8 +1069,8 @@ impl Inner {
                     first_lba + i as u64,
                 )?;
                 // Only fragments that proved good are cached.
-                if cache == ReadCache::Use {
-                    self.read_cache.insert(self.geometry.segment_of(s.offset_bytes), s.offset_bytes, fragment);
+                if let Some(c) = read_cache {
+                    c.insert(self.geometry.segment_of(s.offset_bytes), s.offset_bytes, fragment);
                 }
             }
         }
@@ -2163,9 +2161,10 @@ impl Inner {
     /// Log bytes between checkpoints. Short enough that GC victims (the older segments)
     /// have usually passed the reuse horizon — at most 1/4 of the data area, so the last
     /// two intervals cover at most half of it, segments greedy GC would not take yet (under
-    /// uniform overwrites at 80% utilisation they are still over 80% live) — and long enough that a checkpoint (the
-    /// whole map) stays a small part of what is written: at least 32 times its size. Never
-    /// longer than the configured interval, which bounds recovery time.
+    /// uniform overwrites at 80% utilisation they are still over 80% live) — and long
+    /// enough that a checkpoint (the whole map) stays a small part of what is written: at
+    /// least 32 times its size. Never longer than the configured interval, which bounds
+    /// recovery time.
     fn checkpoint_interval_bytes(&self) -> u64 {
         let data_area = self.geometry.segment_count * self.geometry.segment_size_bytes;
         let checkpoint_bytes = self.log.lock().checkpoint_bytes;
