@@ -2,10 +2,14 @@
 //! in `docs/format.md`; keep the two in step. Every decoder checks lengths before it reads
 //! and returns an error on any inconsistency: it must never panic on arbitrary bytes.
 
+use std::borrow::Cow;
+
 use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
 
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: write-batch records (kind 6). Version 1 stores are read and upgraded when opened
+/// for writing.
+pub const FORMAT_VERSION: u32 = 2;
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"ZDISKSB1";
 pub const RECORD_MAGIC: u32 = 0x4345_525A; // "ZREC"
 pub const CHECKPOINT_MAGIC: u64 = 0x3150_4B43_4B53_445A; // "ZDSKCKP1"
@@ -65,6 +69,15 @@ impl Writer<'_> {
     fn u64(&mut self, v: u64) {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
+    fn u48(&mut self, v: u64) {
+        debug_assert!(v < 1 << 48);
+        self.buf.extend_from_slice(&v.to_le_bytes()[..6]);
+    }
+    /// A fragment entry in two bytes: stored length (13 bits), codec tag (3 bits).
+    fn fragment(&mut self, f: FragmentEntry) {
+        debug_assert!(f.stored_len < 1 << 13 && (f.codec as u8) < 8);
+        self.u16(f.stored_len | (f.codec as u16) << 13);
+    }
 }
 
 /// A bounds-checked little-endian reader: running out of bytes is an error, not a panic.
@@ -97,6 +110,15 @@ impl<'a> Reader<'a> {
     }
     pub fn u64(&mut self) -> Result<u64> {
         Ok(u64::from_le_bytes(self.bytes(8)?.try_into().expect("8 bytes")))
+    }
+    pub fn u48(&mut self) -> Result<u64> {
+        let mut v = [0u8; 8];
+        v[..6].copy_from_slice(self.bytes(6)?);
+        Ok(u64::from_le_bytes(v))
+    }
+    fn fragment(&mut self) -> Result<FragmentEntry> {
+        let packed = self.u16()?;
+        Ok(FragmentEntry { stored_len: packed & 0x1fff, codec: CodecTag::from_u8((packed >> 13) as u8)? })
     }
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
@@ -232,11 +254,18 @@ pub enum RecordKind {
     Trim = 2,
     /// Map `start_lba..start_lba+count` to zero.
     Zero = 3,
-    /// GC copies: entries (lba, old map entry, stored length, codec), applied only where the
-    /// map still holds the old entry.
-    Relocate = 4,
+    /// Version 1 GC copies (19-byte entries: lba, old map entry, stored length, codec); read
+    /// from version 1 stores, never written.
+    RelocateV1 = 4,
     /// A piece of a checkpoint; replay skips it.
     Checkpoint = 5,
+    /// Small host writes gathered while buffered: entries (lba, stored length, codec), one
+    /// per block, in any LBA order. Its entries and header CRC follow the payload (see
+    /// `docs/format.md`), so the record can grow in memory until it is closed.
+    Batch = 6,
+    /// GC copies: entries (lba, old address, fragment), applied only where the map still
+    /// holds the old entry.
+    Relocate = 7,
 }
 
 impl RecordKind {
@@ -245,8 +274,10 @@ impl RecordKind {
             1 => RecordKind::Write,
             2 => RecordKind::Trim,
             3 => RecordKind::Zero,
-            4 => RecordKind::Relocate,
+            4 => RecordKind::RelocateV1,
             5 => RecordKind::Checkpoint,
+            6 => RecordKind::Batch,
+            7 => RecordKind::Relocate,
             _ => return Err(corrupt(format!("unknown record kind {v}"))),
         })
     }
@@ -258,7 +289,13 @@ pub const FLAG_LAST: u8 = 2;
 /// Fixed part of a record header; entries follow, then the header CRC.
 pub const RECORD_FIXED_BYTES: usize = 56;
 pub const WRITE_ENTRY_BYTES: usize = 3;
-pub const RELOCATE_ENTRY_BYTES: usize = 19;
+/// A relocate entry: LBA (48 bits), old byte address (48 bits), fragment (16 bits).
+pub const RELOCATE_ENTRY_BYTES: usize = 14;
+const RELOCATE_V1_ENTRY_BYTES: usize = 19;
+/// A batch entry: LBA (48 bits), then stored length (13 bits) and codec tag (3 bits).
+pub const BATCH_ENTRY_BYTES: usize = 8;
+/// LBAs a batch entry can hold (2^48 blocks: 1 EiB).
+pub const BATCH_LBA_LIMIT: u64 = 1 << 48;
 /// Each stored fragment starts with the CRC32C of its uncompressed block.
 pub const FRAGMENT_CRC_BYTES: usize = 4;
 
@@ -272,7 +309,15 @@ pub struct FragmentEntry {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelocateEntry {
     pub lba: u64,
-    pub old_entry: u64,
+    /// Where the fragment was: the map entry to replace is this address with the same
+    /// stored length and codec.
+    pub old_offset_bytes: u64,
+    pub fragment: FragmentEntry,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchEntry {
+    pub lba: u64,
     pub fragment: FragmentEntry,
 }
 
@@ -283,6 +328,7 @@ pub enum RecordBody {
     Zero { start_lba: u64, block_count: u64 },
     Relocate { entries: Vec<RelocateEntry> },
     Checkpoint,
+    Batch { entries: Vec<BatchEntry> },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -306,6 +352,7 @@ impl RecordHeader {
             RecordBody::Zero { .. } => RecordKind::Zero,
             RecordBody::Relocate { .. } => RecordKind::Relocate,
             RecordBody::Checkpoint => RecordKind::Checkpoint,
+            RecordBody::Batch { .. } => RecordKind::Batch,
         }
     }
 
@@ -314,6 +361,7 @@ impl RecordHeader {
             + match &self.body {
                 RecordBody::Write { fragments, .. } => fragments.len() * WRITE_ENTRY_BYTES,
                 RecordBody::Relocate { entries } => entries.len() * RELOCATE_ENTRY_BYTES,
+                RecordBody::Batch { entries } => entries.len() * BATCH_ENTRY_BYTES,
                 _ => 0,
             }
             + 4
@@ -341,6 +389,7 @@ impl RecordHeader {
                 (*start_lba, *block_count, 0)
             }
             RecordBody::Relocate { entries } => (0, entries.len() as u64, entries.len()),
+            RecordBody::Batch { entries } => (0, entries.len() as u64, entries.len()),
             RecordBody::Checkpoint => (0, 0, 0),
         };
         let _ = entries;
@@ -357,10 +406,15 @@ impl RecordHeader {
             }
             RecordBody::Relocate { entries } => {
                 for e in entries {
-                    w.u64(e.lba);
-                    w.u64(e.old_entry);
-                    w.u16(e.fragment.stored_len);
-                    w.u8(e.fragment.codec as u8);
+                    w.u48(e.lba);
+                    w.u48(e.old_offset_bytes);
+                    w.fragment(e.fragment);
+                }
+            }
+            RecordBody::Batch { entries } => {
+                for e in entries {
+                    w.u48(e.lba);
+                    w.fragment(e.fragment);
                 }
             }
             _ => {}
@@ -383,6 +437,17 @@ impl RecordHeader {
         }
         let len = u32::from_le_bytes(buf[28..32].try_into().ok()?) as usize;
         (RECORD_FIXED_BYTES + 4..=RECORD_FIXED_BYTES + 4 + (1 << 24)).contains(&len).then_some(len)
+    }
+
+    /// Sequence number and store tag of what looks like a record header at the start of
+    /// `buf`, without checking its CRC (a batch's CRC lies past its payload). Only for
+    /// finding candidates; a record is trusted only after `locate_record` and `decode`.
+    pub fn peek_identity(buf: &[u8]) -> Option<(u64, u32)> {
+        RecordHeader::peek_len(buf)?;
+        RecordKind::from_u8(buf[4]).ok()?;
+        let seq = u64::from_le_bytes(buf[8..16].try_into().ok()?);
+        let store_tag = u32::from_le_bytes(buf[24..28].try_into().ok()?);
+        Some((seq, store_tag))
     }
 
     /// Decodes a header; returns it and its CRC. `buf` must hold at least the header.
@@ -430,24 +495,59 @@ impl RecordHeader {
                 }
                 let mut entries = Vec::with_capacity(count as usize);
                 for _ in 0..count {
-                    let lba = r.u64()?;
-                    let old_entry = r.u64()?;
-                    let stored_len = r.u16()?;
-                    let codec = CodecTag::from_u8(r.u8()?)?;
-                    entries.push(RelocateEntry { lba, old_entry, fragment: FragmentEntry { stored_len, codec } });
+                    let lba = r.u48()?;
+                    let old_offset_bytes = r.u48()?;
+                    let fragment = r.fragment()?;
+                    entries.push(RelocateEntry { lba, old_offset_bytes, fragment });
                 }
                 RecordBody::Relocate { entries }
+            }
+            RecordKind::RelocateV1 => {
+                if entry_bytes as u64 != count * RELOCATE_V1_ENTRY_BYTES as u64 {
+                    return Err(corrupt("relocate record entry count"));
+                }
+                let mut entries = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let lba = r.u64()?;
+                    let old = crate::map::unpack(r.u64()?)?;
+                    let stored_len = r.u16()?;
+                    let codec = CodecTag::from_u8(r.u8()?)?;
+                    let crate::map::Entry::Stored(old) = old else {
+                        return Err(corrupt("relocate entry of a block that was not stored"));
+                    };
+                    entries.push(RelocateEntry {
+                        lba,
+                        old_offset_bytes: old.offset_bytes,
+                        fragment: FragmentEntry { stored_len, codec },
+                    });
+                }
+                RecordBody::Relocate { entries }
+            }
+            RecordKind::Batch => {
+                if entry_bytes as u64 != count * BATCH_ENTRY_BYTES as u64 {
+                    return Err(corrupt("batch record entry count"));
+                }
+                let mut entries = Vec::with_capacity(count as usize);
+                for _ in 0..count {
+                    let lba = r.u48()?;
+                    let fragment = r.fragment()?;
+                    entries.push(BatchEntry { lba, fragment });
+                }
+                RecordBody::Batch { entries }
             }
             RecordKind::Trim => RecordBody::Trim { start_lba: lba, block_count: count },
             RecordKind::Zero => RecordBody::Zero { start_lba: lba, block_count: count },
             RecordKind::Checkpoint => RecordBody::Checkpoint,
         };
-        if !matches!(kind, RecordKind::Write | RecordKind::Relocate) && entry_bytes != 0 {
+        if !matches!(kind, RecordKind::Write | RecordKind::Relocate | RecordKind::RelocateV1 | RecordKind::Batch)
+            && entry_bytes != 0
+        {
             return Err(corrupt("record has entries it should not"));
         }
         let fragment_sum: u64 = match &body {
             RecordBody::Write { fragments, .. } => fragments.iter().map(|f| f.stored_len as u64).sum(),
             RecordBody::Relocate { entries } => entries.iter().map(|e| e.fragment.stored_len as u64).sum(),
+            RecordBody::Batch { entries } => entries.iter().map(|e| e.fragment.stored_len as u64).sum(),
             _ => payload_len as u64,
         };
         if fragment_sum != payload_len as u64 {
@@ -455,6 +555,36 @@ impl RecordHeader {
         }
         let header = RecordHeader { flags, seq, prev_crc, session, store_tag, payload_len, payload_crc, body };
         Ok((header, crc))
+    }
+}
+
+/// Locates the record that starts at `at` in a segment image: its header bytes gathered
+/// into one run for [`RecordHeader::decode`] (a batch keeps its entries and header CRC after
+/// the payload), the payload's start and the record's end, as offsets into `image`. None
+/// when the bytes there cannot be a record or it would run past the image. Nothing is
+/// verified yet.
+pub fn locate_record(image: &[u8], at: usize) -> Option<(Cow<'_, [u8]>, usize, usize)> {
+    let head = image.get(at..)?;
+    let header_len = RecordHeader::peek_len(head)?;
+    let payload_len = u32::from_le_bytes(head[32..36].try_into().ok()?) as usize;
+    if head[4] == RecordKind::Batch as u8 {
+        let payload_at = at + RECORD_FIXED_BYTES;
+        let trailer_at = payload_at.checked_add(payload_len)?;
+        let end = trailer_at.checked_add(header_len - RECORD_FIXED_BYTES)?;
+        if end > image.len() {
+            return None;
+        }
+        let mut header = Vec::with_capacity(header_len);
+        header.extend_from_slice(&image[at..payload_at]);
+        header.extend_from_slice(&image[trailer_at..end]);
+        Some((Cow::Owned(header), payload_at, end))
+    } else {
+        let payload_at = at + header_len;
+        let end = payload_at.checked_add(payload_len)?;
+        if end > image.len() {
+            return None;
+        }
+        Some((Cow::Borrowed(&image[at..payload_at]), payload_at, end))
     }
 }
 
@@ -665,6 +795,96 @@ mod tests {
             map: vec![(0, 1), (5, 2), (99, 3)],
         };
         assert_eq!(Checkpoint::decode(&cp.encode()).unwrap(), cp);
+    }
+
+    #[test]
+    fn batch_and_relocate_records_round_trip_and_batches_keep_their_entries_after_the_payload() {
+        let fragment = |stored_len, codec| FragmentEntry { stored_len, codec };
+        let batch = RecordHeader {
+            flags: FLAG_FIRST | FLAG_LAST,
+            seq: 9,
+            prev_crc: 3,
+            session: 4,
+            store_tag: 5,
+            payload_len: 4100 + 20,
+            payload_crc: 0,
+            body: RecordBody::Batch {
+                entries: vec![
+                    BatchEntry { lba: (1 << 48) - 1, fragment: fragment(4100, CodecTag::Raw) },
+                    BatchEntry { lba: 7, fragment: fragment(0, CodecTag::Raw) },
+                    BatchEntry { lba: 3, fragment: fragment(20, CodecTag::Deflate) },
+                ],
+            },
+        };
+        let relocate = RecordHeader {
+            body: RecordBody::Relocate {
+                entries: vec![RelocateEntry {
+                    lba: 12,
+                    old_offset_bytes: crate::map::OFFSET_MAX,
+                    fragment: fragment(2000, CodecTag::Zstd),
+                }],
+            },
+            payload_len: 2000,
+            ..batch.clone()
+        };
+        for header in [batch, relocate] {
+            let mut contiguous = Vec::new();
+            let crc = header.encode(&mut contiguous);
+            assert_eq!(RecordHeader::decode(&contiguous).unwrap(), (header.clone(), crc));
+            // As laid out in a segment: a batch's entries and CRC follow its payload.
+            let payload = vec![0xa5u8; header.payload_len as usize];
+            let mut image = vec![0u8; 100];
+            let split = if header.kind() == RecordKind::Batch { RECORD_FIXED_BYTES } else { contiguous.len() };
+            image.extend_from_slice(&contiguous[..split]);
+            image.extend_from_slice(&payload);
+            image.extend_from_slice(&contiguous[split..]);
+            let (gathered, payload_at, end) = locate_record(&image, 100).unwrap();
+            assert_eq!(&*gathered, &contiguous[..]);
+            assert_eq!(&image[payload_at..payload_at + payload.len()], &payload[..]);
+            assert_eq!(end, image.len());
+            assert!(locate_record(&image[..image.len() - 1], 100).is_none(), "a cut record is not located");
+        }
+    }
+
+    #[test]
+    fn version_1_relocate_records_still_decode() {
+        let old = crate::map::pack_stored(crate::map::Stored {
+            offset_bytes: 5 << 20,
+            stored_len: 2000,
+            codec: CodecTag::Lz4,
+        });
+        let mut buf = Vec::new();
+        let mut w = Writer { buf: &mut buf };
+        w.u32(RECORD_MAGIC);
+        w.u8(RecordKind::RelocateV1 as u8);
+        w.u8(FLAG_FIRST | FLAG_LAST);
+        w.u16(0);
+        w.u64(9); // seq
+        w.u32(1); // prev crc
+        w.u32(2); // session
+        w.u32(3); // store tag
+        w.u32((RECORD_FIXED_BYTES + RELOCATE_V1_ENTRY_BYTES + 4) as u32);
+        w.u32(2000); // payload length
+        w.u32(0); // payload crc
+        w.u64(0);
+        w.u64(1); // one entry
+        w.u64(77); // lba
+        w.u64(old);
+        w.u16(2000);
+        w.u8(CodecTag::Lz4 as u8);
+        let crc = crc32c::crc32c(&buf);
+        buf.extend_from_slice(&crc.to_le_bytes());
+        let (header, _) = RecordHeader::decode(&buf).unwrap();
+        assert_eq!(
+            header.body,
+            RecordBody::Relocate {
+                entries: vec![RelocateEntry {
+                    lba: 77,
+                    old_offset_bytes: 5 << 20,
+                    fragment: FragmentEntry { stored_len: 2000, codec: CodecTag::Lz4 }
+                }]
+            }
+        );
     }
 
     proptest! {

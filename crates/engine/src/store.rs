@@ -30,9 +30,10 @@ use crate::cache::FragmentCache;
 use crate::codec::{decompress_block, Codec, CodecTag};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    Checkpoint, ChunkRef, FragmentEntry, RecordBody, RecordHeader, RelocateEntry, SegmentState, SegmentUsage,
-    Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, FRAGMENT_CRC_BYTES,
-    RECORD_FIXED_BYTES, RELOCATE_ENTRY_BYTES, SUPERBLOCK_SLOT_BYTES, WRITE_ENTRY_BYTES,
+    locate_record, BatchEntry, Checkpoint, ChunkRef, FragmentEntry, RecordBody, RecordHeader, RelocateEntry,
+    SegmentState, SegmentUsage, Superblock, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, CHUNK_REFS_MAX, DATA_START_BYTES,
+    FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, FRAGMENT_CRC_BYTES, RECORD_FIXED_BYTES, RELOCATE_ENTRY_BYTES,
+    SUPERBLOCK_SLOT_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::{self, Entry, Map, Stored};
 use crate::stats::{Counters, Stats};
@@ -176,6 +177,19 @@ struct OpenSegment {
     written_offset: usize,
 }
 
+/// A batch record still growing at the end of the open segment. Its fixed header is
+/// reserved at `record_at` and written when it closes, together with the entries and the
+/// header CRC that follow the fragments. Its sequence number is taken when it opens; until
+/// it closes no other record may be appended, and none of its bytes are written out.
+struct OpenBatch {
+    record_at: usize,
+    seq: u64,
+    prev_crc: u32,
+    entries: Vec<BatchEntry>,
+    payload_len: usize,
+    payload_crc: u32,
+}
+
 struct SealedSegment {
     buffer: Arc<SegmentBuffer>,
     end_offset: usize,
@@ -187,6 +201,8 @@ struct Log {
     prev_crc: u32,
     session: u32,
     open: Option<OpenSegment>,
+    /// The batch record growing in the open segment, if any.
+    batch: Option<OpenBatch>,
     sealed_unwritten: VecDeque<SealedSegment>,
     segments: Vec<SegmentUsage>,
     free: BTreeSet<u32>,
@@ -297,6 +313,9 @@ const BLOCK_LOCK_STRIPES: usize = 1024;
 const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
 /// A request is split into records of at most this many blocks, so headers stay small.
 const RECORD_BLOCKS_MAX: usize = 512;
+/// Host writes of at most this many blocks go into batch records, which carry an LBA per
+/// block; larger ones get write records of their own (a start LBA and 3 bytes per block).
+const BATCH_WRITE_BLOCKS_MAX: usize = 8;
 /// A write that finds no space runs at most this many rounds of GC before ENOSPC.
 const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
 /// Segments background GC cleans in one round before it frees what it can.
@@ -592,6 +611,7 @@ impl Store {
             prev_crc: sb.replay_prev_crc,
             session: session_nonce(&sb.uuid),
             open: None,
+            batch: None,
             sealed_unwritten: VecDeque::new(),
             segments,
             free: BTreeSet::new(),
@@ -678,6 +698,13 @@ impl Store {
         }
         inner.durable_seq.store(log.next_seq - 1, Ordering::Release);
         *inner.log.lock() = log;
+        if !options.read_only && sb.format_version < FORMAT_VERSION {
+            // Version 1 knows no batch records. Both slots say version 2 before one is
+            // written, so an older zdisk refuses the store instead of ending its replay at
+            // the first batch (which it would take for the end of the log).
+            inner.checkpoint_now()?;
+            inner.checkpoint_now()?;
+        }
         let inner = Arc::new(inner);
         let mut workers = Vec::new();
         if options.background && !options.read_only {
@@ -863,6 +890,7 @@ fn empty_log() -> Log {
         prev_crc: 0,
         session: 0,
         open: None,
+        batch: None,
         sealed_unwritten: VecDeque::new(),
         segments: Vec::new(),
         free: BTreeSet::new(),
@@ -1262,14 +1290,16 @@ impl Inner {
         } else {
             (log.checkpoint_bytes + log.checkpoint_bytes / 4 + 4096).min(checkpoint_bound)
         };
-        let checkpoint_segments = checkpoint_estimate.div_ceil(capacity);
+        // Two checkpoints are written back to back, so their room is rounded up once.
+        let one_checkpoint = checkpoint_estimate.div_ceil(capacity);
+        let two_checkpoints = (2 * checkpoint_estimate).div_ceil(capacity);
         match class {
             // Each class leaves the ones below it room to work; GC must always be able to
             // run, and the checkpoints that free young cleaned segments must always fit.
-            SpaceClass::Host => 2 + 2 * checkpoint_segments,
-            SpaceClass::HostShrinking | SpaceClass::HostMetadata => 1 + 2 * checkpoint_segments,
-            SpaceClass::Gc => 2 * checkpoint_segments,
-            SpaceClass::GcSettled => checkpoint_segments,
+            SpaceClass::Host => 2 + two_checkpoints,
+            SpaceClass::HostShrinking | SpaceClass::HostMetadata => 1 + two_checkpoints,
+            SpaceClass::Gc => two_checkpoints,
+            SpaceClass::GcSettled => one_checkpoint,
             SpaceClass::Internal => 0,
         }
     }
@@ -1281,8 +1311,10 @@ impl Inner {
             bytes += match op {
                 Op::Write { blocks, .. } => {
                     let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
+                    let entry_bytes =
+                        if blocks.len() <= BATCH_WRITE_BLOCKS_MAX { BATCH_ENTRY_BYTES } else { WRITE_ENTRY_BYTES };
                     payload
-                        + blocks.len() as u64 * WRITE_ENTRY_BYTES as u64
+                        + blocks.len() as u64 * entry_bytes as u64
                         + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
                 }
                 Op::Relocate { entries } => {
@@ -1352,11 +1384,14 @@ impl Inner {
             if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
                 continue; // another writer just ran a round: retry the append first
             }
-            let free_before = self.log.lock().free.len();
-            // Clean until the victims give back what this write lacks, plus one segment
-            // (victims that are nearly full give back little each).
+            let (free_before, unused_before) = {
+                let log = self.log.lock();
+                (log.free.len(), self.unused_bytes(&log))
+            };
+            // Clean until the victims give back what this write lacks. No more: every
+            // segment GC keeps free beyond the reserve raises the utilisation it works at.
             let want_bytes =
-                (needed + reserve + 1).saturating_sub(free_before as u64) * self.geometry.segment_size_bytes;
+                (needed + reserve).saturating_sub(free_before as u64).max(1) * self.geometry.segment_size_bytes;
             let mut cleaned = 0;
             let mut gained_bytes = 0;
             let mut freed = 0;
@@ -1394,10 +1429,14 @@ impl Inner {
                 freed += self.free_cleaned()?;
             }
             self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
-            if cleaned == 0 && freed == 0 {
-                return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
-            }
-            if self.log.lock().free.len() <= free_before {
+            // Progress is judged by the space not holding records (free and cleaned segments,
+            // the open segment's room), not by this round's own work: the background worker
+            // may have freed the segments this round cleaned, and relocating a victim may
+            // take a new segment while giving back only part of one.
+            if self.unused_bytes(&self.log.lock()) <= unused_before {
+                if cleaned == 0 && freed == 0 {
+                    return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
+                }
                 stalled_rounds += 1;
                 if stalled_rounds >= 2 {
                     return Err(Error::new(
@@ -1409,6 +1448,13 @@ impl Inner {
         }
     }
 
+    /// Bytes of the data area that hold no records: free and cleaned segments and the open
+    /// segment's room.
+    fn unused_bytes(&self, log: &Log) -> u64 {
+        let cleaned = log.segments.iter().filter(|s| s.state == SegmentState::Cleaned).count();
+        (log.free.len() + cleaned) as u64 * self.geometry.segment_size_bytes + self.room(log) as u64
+    }
+
     /// Remembers that a host request was refused for lack of space (`space_flag` 2) until
     /// one succeeds again.
     fn note_no_space(&self, e: &Error) {
@@ -1418,6 +1464,7 @@ impl Inner {
     }
 
     fn open_new_segment(&self, log: &mut Log) -> Result<()> {
+        self.close_batch(log);
         if let Some(open) = log.open.take() {
             let id = open.buffer.segment as usize;
             log.segments[id].state = SegmentState::Sealed;
@@ -1450,13 +1497,119 @@ impl Inner {
     }
 
     /// Room left in the open segment (0 if none is open).
+    /// (An open batch's entries and CRC, still to be appended, are not room.)
     fn room(&self, log: &Log) -> usize {
-        log.open.as_ref().map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset)
+        let trailer = log.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + 4);
+        log.open.as_ref().map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset - trailer)
+    }
+
+    /// Appends host blocks to the open batch record, first closing it (and opening a new
+    /// segment) when they do not fit. All of them go into one record: a request is atomic.
+    fn append_to_batch(&self, log: &mut Log, map: &Map, start_lba: u64, blocks: &[Block]) -> Result<()> {
+        debug_assert!(blocks.len() <= BATCH_WRITE_BLOCKS_MAX);
+        debug_assert!(start_lba + (blocks.len() as u64) < BATCH_LBA_LIMIT);
+        let payload: usize = blocks.iter().map(|b| b.bytes.len()).sum();
+        let added = payload + blocks.len() * BATCH_ENTRY_BYTES;
+        let fits = log
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.entries.len() + blocks.len() <= RECORD_BLOCKS_MAX && self.room(log) >= added);
+        if !fits {
+            self.close_batch(log);
+            if log.open.is_none() || self.room(log) < RECORD_FIXED_BYTES + added + 4 {
+                self.open_new_segment(log)?;
+            }
+            let open = log.open.as_mut().expect("an open segment");
+            let record_at = open.append_offset;
+            open.append_offset += RECORD_FIXED_BYTES;
+            let segment = open.buffer.segment as usize;
+            log.batch = Some(OpenBatch {
+                record_at,
+                seq: log.next_seq,
+                prev_crc: log.prev_crc,
+                entries: Vec::new(),
+                payload_len: 0,
+                payload_crc: 0,
+            });
+            log.segments[segment].last_seq = log.next_seq;
+            log.next_seq += 1;
+        }
+        let open = log.open.as_mut().expect("an open segment");
+        let batch = log.batch.as_mut().expect("an open batch");
+        let segment = open.buffer.segment;
+        let base = self.geometry.segment_base(segment);
+        let mut at = open.append_offset;
+        let mut news = Vec::with_capacity(blocks.len());
+        {
+            let mut data = open.buffer.data.write();
+            for (i, block) in blocks.iter().enumerate() {
+                data[at..at + block.bytes.len()].copy_from_slice(&block.bytes);
+                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, &block.bytes);
+                batch.entries.push(BatchEntry { lba: start_lba + i as u64, fragment: block.entry });
+                news.push(if block.bytes.is_empty() {
+                    map::ZERO
+                } else {
+                    map::pack_stored(Stored {
+                        offset_bytes: base + at as u64,
+                        stored_len: block.entry.stored_len,
+                        codec: block.entry.codec,
+                    })
+                });
+                at += block.bytes.len();
+            }
+        }
+        batch.payload_len += payload;
+        open.append_offset = at;
+        log.segments[segment as usize].end_bytes = at as u64;
+        log.bytes_since_checkpoint += payload as u64;
+        for (i, new) in news.into_iter().enumerate() {
+            let old = map.swap(start_lba + i as u64, new);
+            self.account(log, old, false);
+            self.account(log, new, true);
+        }
+        Counters::add(&self.counters.data_bytes, payload as u64);
+        Ok(())
+    }
+
+    /// Closes the open batch record, if any: appends its entries and header CRC after its
+    /// fragments and fills in its fixed header. Until then nothing of it is written out, so
+    /// the header is never rewritten on disk.
+    fn close_batch(&self, log: &mut Log) {
+        let Some(batch) = log.batch.take() else { return };
+        let header = RecordHeader {
+            flags: FLAG_FIRST | FLAG_LAST,
+            seq: batch.seq,
+            prev_crc: batch.prev_crc,
+            session: log.session,
+            store_tag: self.geometry.store_tag,
+            payload_len: batch.payload_len as u32,
+            payload_crc: batch.payload_crc,
+            body: RecordBody::Batch { entries: batch.entries },
+        };
+        let mut header_bytes = Vec::with_capacity(header.encoded_len());
+        let crc = header.encode(&mut header_bytes);
+        let (fixed, trailer) = header_bytes.split_at(RECORD_FIXED_BYTES);
+        let open = log.open.as_mut().expect("a batch lives in the open segment");
+        debug_assert_eq!(open.append_offset, batch.record_at + RECORD_FIXED_BYTES + batch.payload_len);
+        debug_assert!(open.written_offset <= batch.record_at, "part of an open batch was written out");
+        debug_assert!(open.append_offset + trailer.len() <= self.geometry.segment_size_bytes as usize);
+        {
+            let mut data = open.buffer.data.write();
+            data[batch.record_at..batch.record_at + RECORD_FIXED_BYTES].copy_from_slice(fixed);
+            data[open.append_offset..open.append_offset + trailer.len()].copy_from_slice(trailer);
+        }
+        open.append_offset += trailer.len();
+        let segment = open.buffer.segment as usize;
+        log.segments[segment].end_bytes = open.append_offset as u64;
+        log.prev_crc = crc;
+        log.bytes_since_checkpoint += header_bytes.len() as u64;
+        Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
     }
 
     /// Writes one record into the open segment; returns (record offset, payload offset) as
     /// physical byte addresses.
     fn put_record(&self, log: &mut Log, flags: u8, body: RecordBody, payload: &[&[u8]]) -> (u64, u64) {
+        debug_assert!(log.batch.is_none(), "a record appended while a batch is open");
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
         let mut payload_crc = 0u32;
         for part in payload {
@@ -1521,6 +1674,14 @@ impl Inner {
                 return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
             }
         }
+        if let [Op::Write { start_lba, blocks }] = ops.as_slice() {
+            if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
+                self.append_to_batch(log, &map, *start_lba, blocks)?;
+                drop(map);
+                return Ok((log.next_seq - 1, Vec::new()));
+            }
+        }
+        self.close_batch(log);
         // Split the ops into records first, so FIRST and LAST can be set.
         enum Piece<'a> {
             Write(u64, &'a [Block]),
@@ -1626,7 +1787,16 @@ impl Inner {
                         let body = RecordBody::Relocate {
                             entries: part
                                 .iter()
-                                .map(|(lba, old, b)| RelocateEntry { lba: *lba, old_entry: *old, fragment: b.entry })
+                                .map(|(lba, old, b)| RelocateEntry {
+                                    lba: *lba,
+                                    old_offset_bytes: map::unpack(*old)
+                                        .ok()
+                                        .and_then(
+                                            |e| if let Entry::Stored(s) = e { Some(s.offset_bytes) } else { None },
+                                        )
+                                        .expect("GC relocates stored fragments"),
+                                    fragment: b.entry,
+                                })
                                 .collect(),
                         };
                         let payload: Vec<&[u8]> = part.iter().map(|(_, _, b)| b.bytes.as_slice()).collect();
@@ -1713,6 +1883,7 @@ impl Inner {
         let target_seq;
         {
             let mut log = self.log.lock();
+            self.close_batch(&mut log);
             target_seq = log.next_seq - 1;
             while let Some(sealed) = log.sealed_unwritten.pop_front() {
                 let end = round_up(sealed.end_offset as u64, sector as u64) as usize;
@@ -1847,6 +2018,8 @@ impl Inner {
         self.check_writable()?;
         let (snapshot, replay_offset_bytes, replay_prev_crc) = {
             let mut log = self.log.lock();
+            // The snapshot covers whole records only.
+            self.close_batch(&mut log);
             log.snapshot_generation += 1;
             let map = self.map.read();
             let replay_offset_bytes = match &log.open {
@@ -1871,6 +2044,7 @@ impl Inner {
         }
         self.write_out(true)?;
         let sb = Superblock {
+            format_version: FORMAT_VERSION,
             generation: snapshot.generation,
             logical_size_bytes: snapshot.logical_size_bytes,
             checkpoint_seq: snapshot.seq,
@@ -2043,6 +2217,7 @@ impl Inner {
                         fragments.iter().enumerate().map(|(i, f)| (start_lba + i as u64, *f)).collect()
                     }
                     RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
+                    RecordBody::Batch { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
                     _ => Vec::new(),
                 };
                 for (lba, fragment) in fragments {
@@ -2130,10 +2305,7 @@ impl Inner {
         let mut busy = false;
         if free < reserve + cushion {
             let mut cleaned = 0;
-            while free + cleaned < reserve + cushion + 1
-                && cleaned < GC_ROUND_SEGMENTS
-                && self.gc_once(false)?.is_some()
-            {
+            while free + cleaned < reserve + cushion && cleaned < GC_ROUND_SEGMENTS && self.gc_once(false)?.is_some() {
                 cleaned += 1;
                 busy = true;
             }
@@ -2204,18 +2376,11 @@ impl Inner {
             if self.backing.read_at(base, &mut head).is_err() {
                 continue;
             }
-            let len = RecordHeader::peek_len(&head).unwrap_or(0);
-            if len > SECTOR_SIZE {
-                head.resize(round_up(len as u64, SECTOR_SIZE as u64) as usize, 0);
-                if head.len() as u64 > self.geometry.segment_size_bytes
-                    || self.backing.read_at(base, &mut head).is_err()
-                {
-                    continue;
-                }
-            }
-            if let Ok((header, _)) = RecordHeader::decode(&head) {
-                if header.seq > sb.checkpoint_seq && header.store_tag == self.geometry.store_tag {
-                    index.entry(header.seq).or_default().push(id as u32);
+            // Candidates only (a batch's header CRC lies past its payload): `record_at`
+            // verifies whichever one replay follows.
+            if let Some((seq, store_tag)) = RecordHeader::peek_identity(&head) {
+                if seq > sb.checkpoint_seq && store_tag == self.geometry.store_tag {
+                    index.entry(seq).or_default().push(id as u32);
                 }
             }
         }
@@ -2315,9 +2480,37 @@ impl Inner {
                         codec: e.fragment.codec,
                     });
                     at += e.fragment.stored_len as u64;
-                    if e.lba < block_count && map.compare_swap(e.lba, e.old_entry, new) {
-                        self.account(log, e.old_entry, false);
+                    if e.lba >= block_count || e.old_offset_bytes > map::OFFSET_MAX {
+                        continue;
+                    }
+                    let old = map::pack_stored(Stored {
+                        offset_bytes: e.old_offset_bytes,
+                        stored_len: e.fragment.stored_len,
+                        codec: e.fragment.codec,
+                    });
+                    if map.compare_swap(e.lba, old, new) {
+                        self.account(log, old, false);
                         self.account(log, new, true);
+                    }
+                }
+            }
+            RecordBody::Batch { entries } => {
+                let mut at = record.payload_offset_bytes;
+                for e in entries {
+                    let raw = if e.fragment.stored_len == 0 {
+                        map::ZERO
+                    } else {
+                        map::pack_stored(Stored {
+                            offset_bytes: at,
+                            stored_len: e.fragment.stored_len,
+                            codec: e.fragment.codec,
+                        })
+                    };
+                    at += e.fragment.stored_len as u64;
+                    if e.lba < block_count {
+                        let old = map.swap(e.lba, raw);
+                        self.account(log, old, false);
+                        self.account(log, raw, true);
                     }
                 }
             }
@@ -2544,17 +2737,14 @@ fn parse_record_at(image: &[u8], base: u64, offset: u64, store_tag: u32) -> Opti
     if at + RECORD_FIXED_BYTES + 4 > image.len() {
         return None;
     }
-    let header_len = RecordHeader::peek_len(&image[at..])?;
-    if at + header_len > image.len() {
-        return None;
-    }
-    let (header, crc) = RecordHeader::decode(&image[at..at + header_len]).ok()?;
+    let (header_bytes, payload_at, end) = locate_record(image, at)?;
+    let (header, crc) = RecordHeader::decode(&header_bytes).ok()?;
     if header.store_tag != store_tag {
         return None;
     }
-    let payload_at = at + header_len;
-    let end = payload_at + header.payload_len as usize;
-    if end > image.len() || crc32c::crc32c(&image[payload_at..end]) != header.payload_crc {
+    // `locate_record` read the payload length before the CRC vouched for it.
+    let payload = image.get(payload_at..payload_at + header.payload_len as usize)?;
+    if payload_at + payload.len() > end || crc32c::crc32c(payload) != header.payload_crc {
         return None;
     }
     Some(FoundRecord {

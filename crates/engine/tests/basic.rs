@@ -222,3 +222,51 @@ fn resize_grows_and_refuses_a_shrink_that_would_drop_data() {
     store.resize(80 << 20).unwrap();
     assert_eq!(store.logical_size_bytes(), 80 << 20);
 }
+
+/// Sets the format version of both superblock slots (fixing their CRCs); returns it as read.
+fn set_format_version(path: &std::path::Path, version: u32) {
+    let mut bytes = std::fs::read(path).unwrap();
+    for slot in 0..2 {
+        let at = slot * 16384;
+        bytes[at + 8..at + 12].copy_from_slice(&version.to_le_bytes());
+        let crc = crc32c::crc32c(&bytes[at..at + 16380]);
+        bytes[at + 16380..at + 16384].copy_from_slice(&crc.to_le_bytes());
+    }
+    std::fs::write(path, &bytes).unwrap();
+}
+
+fn slot_versions(path: &std::path::Path) -> [u32; 2] {
+    let bytes = std::fs::read(path).unwrap();
+    [0, 1].map(|slot| u32::from_le_bytes(bytes[slot * 16384 + 8..slot * 16384 + 12].try_into().unwrap()))
+}
+
+#[test]
+fn a_version_1_store_is_read_and_upgraded_when_opened_for_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = format(&dir, 16 << 20, 32 << 20, Codec::Lz4);
+    // Version 1 stores hold write records only: write whole 64 KiB requests (no batches).
+    {
+        let store = Store::open(&path, &OpenOptions::default()).unwrap();
+        store.write(0, &pattern(64 << 10, 3), true).unwrap();
+        store.close().unwrap();
+    }
+    set_format_version(&path, 1);
+    {
+        let reader = Store::open(&path, &OpenOptions { read_only: true, ..OpenOptions::default() }).unwrap();
+        let mut back = vec![0u8; 64 << 10];
+        reader.read(0, &mut back).unwrap();
+        assert_eq!(back, pattern(64 << 10, 3));
+    }
+    assert_eq!(slot_versions(&path), [1, 1], "a read-only open changes nothing");
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    assert_eq!(slot_versions(&path), [2, 2], "both slots are upgraded before anything is written");
+    store.write(1 << 20, &pattern(4096, 5), false).unwrap();
+    store.close().unwrap();
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    let mut back = vec![0u8; 64 << 10];
+    store.read(0, &mut back).unwrap();
+    assert_eq!(back, pattern(64 << 10, 3));
+    let mut small = vec![0u8; 4096];
+    store.read(1 << 20, &mut small).unwrap();
+    assert_eq!(small, pattern(4096, 5));
+}
