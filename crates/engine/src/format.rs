@@ -331,6 +331,21 @@ pub enum RecordBody {
     Batch { entries: Vec<BatchEntry> },
 }
 
+impl RecordBody {
+    /// The fragments a record's payload holds, in payload order, with the LBA each is for
+    /// (empty for records without payload fragments).
+    pub fn fragments(&self) -> Vec<(u64, FragmentEntry)> {
+        match self {
+            RecordBody::Write { start_lba, fragments } => {
+                fragments.iter().enumerate().map(|(i, f)| (start_lba + i as u64, *f)).collect()
+            }
+            RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
+            RecordBody::Batch { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
+            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint => Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordHeader {
     pub flags: u8,

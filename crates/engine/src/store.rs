@@ -1546,15 +1546,7 @@ impl Inner {
                 data[at..at + block.bytes.len()].copy_from_slice(&block.bytes);
                 batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, &block.bytes);
                 batch.entries.push(BatchEntry { lba: start_lba + i as u64, fragment: block.entry });
-                news.push(if block.bytes.is_empty() {
-                    map::ZERO
-                } else {
-                    map::pack_stored(Stored {
-                        offset_bytes: base + at as u64,
-                        stored_len: block.entry.stored_len,
-                        codec: block.entry.codec,
-                    })
-                });
+                news.push(fragment_map_entry(base + at as u64, block.entry));
                 at += block.bytes.len();
             }
         }
@@ -1736,15 +1728,7 @@ impl Inner {
                         let (_, payload_at) = self.put_record(log, flags, body, &payload);
                         let mut at = payload_at;
                         for (i, block) in part.iter().enumerate() {
-                            let raw = if block.bytes.is_empty() {
-                                map::ZERO
-                            } else {
-                                map::pack_stored(Stored {
-                                    offset_bytes: at,
-                                    stored_len: block.entry.stored_len,
-                                    codec: block.entry.codec,
-                                })
-                            };
+                            let raw = fragment_map_entry(at, block.entry);
                             at += block.bytes.len() as u64;
                             let old = map.swap(start_lba + (done + i) as u64, raw);
                             self.account(log, old, false);
@@ -2212,15 +2196,7 @@ impl Inner {
             let map = self.map.read();
             for record in parse_segment(&image, base, self.geometry.store_tag) {
                 let mut at = record.payload_offset_bytes;
-                let fragments: Vec<(u64, FragmentEntry)> = match &record.header.body {
-                    RecordBody::Write { start_lba, fragments } => {
-                        fragments.iter().enumerate().map(|(i, f)| (start_lba + i as u64, *f)).collect()
-                    }
-                    RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
-                    RecordBody::Batch { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
-                    _ => Vec::new(),
-                };
-                for (lba, fragment) in fragments {
+                for (lba, fragment) in record.header.body.fragments() {
                     if fragment.stored_len > 0 && lba < map.block_count() {
                         let raw = map::pack_stored(Stored {
                             offset_bytes: at,
@@ -2445,16 +2421,11 @@ impl Inner {
     fn apply_replayed(&self, log: &mut Log, map: &Map, record: &FoundRecord) {
         let block_count = map.block_count();
         match &record.header.body {
-            RecordBody::Write { start_lba, fragments } => {
+            RecordBody::Write { .. } | RecordBody::Batch { .. } => {
                 let mut at = record.payload_offset_bytes;
-                for (i, f) in fragments.iter().enumerate() {
-                    let lba = start_lba + i as u64;
-                    let raw = if f.stored_len == 0 {
-                        map::ZERO
-                    } else {
-                        map::pack_stored(Stored { offset_bytes: at, stored_len: f.stored_len, codec: f.codec })
-                    };
-                    at += f.stored_len as u64;
+                for (lba, fragment) in record.header.body.fragments() {
+                    let raw = fragment_map_entry(at, fragment);
+                    at += fragment.stored_len as u64;
                     if lba < block_count {
                         let old = map.swap(lba, raw);
                         self.account(log, old, false);
@@ -2491,26 +2462,6 @@ impl Inner {
                     if map.compare_swap(e.lba, old, new) {
                         self.account(log, old, false);
                         self.account(log, new, true);
-                    }
-                }
-            }
-            RecordBody::Batch { entries } => {
-                let mut at = record.payload_offset_bytes;
-                for e in entries {
-                    let raw = if e.fragment.stored_len == 0 {
-                        map::ZERO
-                    } else {
-                        map::pack_stored(Stored {
-                            offset_bytes: at,
-                            stored_len: e.fragment.stored_len,
-                            codec: e.fragment.codec,
-                        })
-                    };
-                    at += e.fragment.stored_len as u64;
-                    if e.lba < block_count {
-                        let old = map.swap(e.lba, raw);
-                        self.account(log, old, false);
-                        self.account(log, raw, true);
                     }
                 }
             }
@@ -2693,6 +2644,15 @@ impl Inner {
         }
         progress(total, total);
         Ok(report)
+    }
+}
+
+/// The map entry of a fragment stored at `offset_bytes` (an all-zero block has none).
+fn fragment_map_entry(offset_bytes: u64, fragment: FragmentEntry) -> u64 {
+    if fragment.stored_len == 0 {
+        map::ZERO
+    } else {
+        map::pack_stored(Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec })
     }
 }
 
