@@ -65,4 +65,5 @@ row "128K seq write QD32" write 128k 32
 row "4K random write QD1" randwrite 4k 1
 row "4K random read QD32 (after random writes)" randread 4k 32
 row "128K seq read QD32 (after random writes)" read 128k 32
+row "128K seq read QD1 (after random writes)" read 128k 1
 "$zdisk" stat "$dir/s.zdisk"

@@ -23,6 +23,12 @@ pub trait Backing: Send + Sync {
     fn read_alignment(&self) -> usize {
         SECTOR_SIZE
     }
+    /// Reads several ranges, each under `read_at`'s rules. A backing that can have them in
+    /// flight together does, so a request whose fragments lie scattered waits about one
+    /// device latency instead of one per range.
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        reads.iter_mut().try_for_each(|(offset, buf)| self.read_at(*offset, buf))
+    }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Makes every completed write durable (fdatasync).
     fn sync(&self) -> io::Result<()>;
@@ -73,6 +79,86 @@ fn probe_read_alignment(file: &File, size_bytes: u64) -> usize {
 
 thread_local! {
     static BOUNCE: std::cell::RefCell<AlignedBuf> = std::cell::RefCell::new(AVec::new(4096));
+    /// Each thread that reads scattered ranges gets its own ring, so submitting never
+    /// waits for another thread (nbdkit serves each request on one worker thread).
+    static RING: std::cell::RefCell<RingState> = const { std::cell::RefCell::new(RingState::Untried) };
+}
+
+/// Ranges one ring submission carries; a 128 KiB request needs at most 32.
+const RING_ENTRIES: u32 = 64;
+
+enum RingState {
+    Untried,
+    /// io_uring is not available here (old kernel, seccomp, disabled by sysctl): `pread`.
+    Unavailable,
+    Ready(Box<io_uring::IoUring>),
+}
+
+/// The ring failed before taking any read: nothing was read and nothing is in flight.
+struct Broken(io::Error);
+type RingResult = Result<io::Result<()>, Broken>;
+
+/// Reads `reads` from `file` with every range of a chunk in flight at once: one submission
+/// (so one doorbell to the device for the batch) and one wait. `Err(Broken)` means nothing
+/// was read and nothing is in flight, and the ring must not be used again.
+fn read_on_ring(ring: &mut io_uring::IoUring, file: &File, reads: &mut [(u64, &mut [u8])]) -> RingResult {
+    use io_uring::{opcode, types};
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    let mut first_error = None;
+    for chunk in reads.chunks_mut(RING_ENTRIES as usize) {
+        {
+            let mut queue = ring.submission();
+            debug_assert!(queue.is_empty(), "a ring is left empty between calls");
+            for (index, (offset, buf)) in chunk.iter_mut().enumerate() {
+                let entry = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), buf.len() as u32)
+                    .offset(*offset)
+                    .build()
+                    .user_data(index as u64);
+                // SAFETY: the kernel writes into `buf` and reads `fd` until the entry's
+                // completion is reaped. `reads` borrows every buffer mutably for this whole
+                // call, `fd` belongs to the `FileBacking` borrowed by the caller, and this
+                // function returns only once every entry it pushed has completed (below) or
+                // was never submitted (the ring is then abandoned, never entered again).
+                unsafe { queue.push(&entry) }.expect("the ring has room for a whole chunk");
+            }
+        }
+        let mut reaped = 0;
+        let mut short = Vec::new();
+        while reaped < chunk.len() {
+            if let Err(e) = ring.submit_and_wait(chunk.len() - reaped) {
+                let retry = matches!(e.raw_os_error(), Some(libc::EINTR | libc::EAGAIN | libc::EBUSY));
+                if !retry {
+                    if reaped == 0 && ring.submission().len() == chunk.len() {
+                        return Err(Broken(e));
+                    }
+                    // Some reads are in flight into the caller's buffers: returning now would
+                    // let the device write into memory that is no longer theirs.
+                    panic!("io_uring wait failed with reads in flight: {e}");
+                }
+            }
+            for completion in ring.completion() {
+                reaped += 1;
+                let index = completion.user_data() as usize;
+                match usize::try_from(completion.result()) {
+                    Ok(n) if n == chunk[index].1.len() => {}
+                    // Short reads happen only at the end of a file; `read_exact_at` retries
+                    // and reports what is wrong.
+                    Ok(_) => short.push(index),
+                    Err(_) => {
+                        first_error.get_or_insert_with(|| io::Error::from_raw_os_error(-completion.result()));
+                    }
+                }
+            }
+        }
+        for index in short {
+            let (offset, buf) = &mut chunk[index];
+            if let Err(e) = file.read_exact_at(buf, *offset) {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Ok(first_error.map_or(Ok(()), Err))
 }
 
 impl FileBacking {
@@ -149,6 +235,43 @@ impl Backing for FileBacking {
         self.read_alignment
     }
 
+    fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {
+        let one_by_one =
+            |reads: &mut [(u64, &mut [u8])]| reads.iter_mut().try_for_each(|(offset, buf)| self.read_at(*offset, buf));
+        if reads.len() < 2 || reads.iter().any(|(_, buf)| self.needs_bounce(buf.as_ptr())) {
+            return one_by_one(reads);
+        }
+        for (offset, buf) in reads.iter() {
+            assert_aligned_to(*offset, buf.len(), self.size_bytes, self.read_alignment);
+        }
+        let on_ring = RING.with(|state| {
+            let mut state = state.borrow_mut();
+            if let RingState::Untried = *state {
+                *state = match io_uring::IoUring::new(RING_ENTRIES) {
+                    Ok(ring) => RingState::Ready(Box::new(ring)),
+                    Err(e) => {
+                        tracing::info!("io_uring is unavailable ({e}): scattered reads go one at a time");
+                        RingState::Unavailable
+                    }
+                };
+            }
+            let RingState::Ready(ring) = &mut *state else {
+                return None;
+            };
+            let result = read_on_ring(ring, &self.file, reads);
+            if let Err(Broken(e)) = &result {
+                tracing::warn!("io_uring submission failed ({e}): scattered reads go one at a time");
+                // Entries never submitted die with the ring: nothing enters it again.
+                *state = RingState::Unavailable;
+            }
+            Some(result)
+        });
+        match on_ring {
+            Some(Ok(result)) => result,
+            None | Some(Err(Broken(_))) => one_by_one(reads),
+        }
+    }
+
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         assert_aligned(offset, data.len(), self.size_bytes);
         if !self.needs_bounce(data.as_ptr()) {
@@ -214,5 +337,61 @@ mod tests {
         back.resize(alignment, 0);
         backing.read_at(8192 + (SECTOR_SIZE - alignment) as u64, &mut back).unwrap();
         assert_eq!(back[..], block[SECTOR_SIZE - alignment..]);
+    }
+
+    /// `read_many` returns what `read_at` does for every range: over more ranges than one
+    /// ring submission carries, of mixed lengths, adjacent and overlapping, both on the
+    /// ring and on a thread where io_uring is unavailable.
+    #[test]
+    fn read_many_matches_read_at_on_and_off_the_ring() {
+        use rand::{Rng, SeedableRng};
+        let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
+        let path = dir.path().join("backing");
+        let size = 4 << 20;
+        let content: Vec<u8> = (0..size).map(|i: usize| (i * 7 + i / 4096) as u8).collect();
+        std::fs::write(&path, &content).unwrap();
+        let backing = FileBacking::open(&path, true, true, true).unwrap();
+        let alignment = backing.read_alignment();
+        let seed: u64 = rand::random();
+        println!("seed {seed}");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let ranges: Vec<(u64, usize)> = (0..RING_ENTRIES as usize * 2 + 7)
+            .map(|_| {
+                let len = rng.gen_range(1..=16) * alignment;
+                let offset = rng.gen_range(0..(size - len) / alignment) * alignment;
+                (offset as u64, len)
+            })
+            .collect();
+        for ring in [true, false] {
+            let ranges = ranges.clone();
+            let backing = &backing;
+            let content = &content;
+            std::thread::scope(|scope| {
+                scope.spawn(move || {
+                    if !ring {
+                        RING.with(|state| *state.borrow_mut() = RingState::Unavailable);
+                    }
+                    let mut buffers: Vec<AlignedBuf> = ranges
+                        .iter()
+                        .map(|&(_, len)| {
+                            let mut buf = AVec::new(4096);
+                            buf.resize(len, 0xAA);
+                            buf
+                        })
+                        .collect();
+                    let mut reads: Vec<(u64, &mut [u8])> =
+                        ranges.iter().zip(buffers.iter_mut()).map(|(r, b)| (r.0, &mut b[..])).collect();
+                    backing.read_many(&mut reads).unwrap();
+                    for ((offset, len), buf) in ranges.iter().zip(&buffers) {
+                        let at = *offset as usize;
+                        assert!(buf[..] == content[at..at + len], "ring {ring}: range at {offset}, {len} bytes");
+                    }
+                    if ring {
+                        let used = RING.with(|state| matches!(*state.borrow(), RingState::Ready(_)));
+                        println!("io_uring used: {used}");
+                    }
+                });
+            });
+        }
     }
 }

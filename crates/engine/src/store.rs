@@ -884,6 +884,18 @@ impl Drop for Store {
     }
 }
 
+/// Log bytes the records relocating `entries` take: the fragments, an entry each, and a
+/// header per record.
+fn relocation_bytes(entries: &[(u64, u64, Block)]) -> u64 {
+    if entries.is_empty() {
+        return 0;
+    }
+    let payload: u64 = entries.iter().map(|(_, _, b)| b.bytes.len() as u64).sum();
+    payload
+        + entries.len() as u64 * RELOCATE_ENTRY_BYTES as u64
+        + (entries.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
+}
+
 fn empty_log() -> Log {
     Log {
         next_seq: 1,
@@ -1078,15 +1090,20 @@ impl Inner {
             runs.push((start, end, run_start..run_end));
             run_start = run_end;
         }
-        // (Issuing the runs of one request in parallel was tried: at QD32 it made scattered
-        // 128 KiB reads slower, the queue already keeps the disk busy.)
-        let buffers = runs.iter().map(|run| -> Result<AlignedBuf> {
-            let mut raw = new_buffer((run.1 - run.0) as usize);
-            self.backing.read_at(run.0, &mut raw).map_err(|e| Error::io(format!("read at {}", run.0), e))?;
-            Ok(raw)
-        });
+        // The runs go to the device together (io_uring where there is one): a request
+        // whose blocks were scattered by random overwrites waits about one device latency,
+        // not one per run. (Parallel `pread`s on helper threads were tried before: at QD32
+        // their wake-ups cost more than the overlap won.)
+        let mut buffers: Vec<AlignedBuf> = runs.iter().map(|run| new_buffer((run.1 - run.0) as usize)).collect();
+        {
+            let mut reads: Vec<(u64, &mut [u8])> =
+                runs.iter().zip(buffers.iter_mut()).map(|(run, raw)| (run.0, &mut raw[..])).collect();
+            self.backing.read_many(&mut reads).map_err(|e| {
+                let first = runs.first().map_or(0, |run| run.0);
+                Error::io(format!("read of {} range(s) from {first}", runs.len()), e)
+            })?;
+        }
         for ((start, _, range), raw) in runs.iter().zip(buffers) {
-            let raw = raw?;
             for &(i, s) in &on_disk[range.clone()] {
                 let at = (s.offset_bytes - start) as usize;
                 let fragment = &raw[at..at + s.stored_len as usize];
@@ -1317,12 +1334,7 @@ impl Inner {
                         + blocks.len() as u64 * entry_bytes as u64
                         + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
                 }
-                Op::Relocate { entries } => {
-                    let payload: u64 = entries.iter().map(|(_, _, b)| b.bytes.len() as u64).sum();
-                    payload
-                        + entries.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-                        + (entries.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_FIXED_BYTES as u64 + 4)
-                }
+                Op::Relocate { entries } => relocation_bytes(entries),
                 Op::Trim { .. } | Op::Zero { .. } => RECORD_FIXED_BYTES as u64 + 4,
                 Op::Checkpoint { bytes } => {
                     bytes.len() as u64
@@ -1330,7 +1342,14 @@ impl Inner {
                 }
             };
         }
-        let room = log.open.as_ref().map_or(0, |o| self.geometry.segment_size_bytes - o.append_offset as u64);
+        let room = self.room(log) as u64;
+        // Fragments do not span segments, so a record carrying them may leave up to a block
+        // unused at a segment's end; a trim or zero record is a fixed header and fits
+        // whenever its bytes do (so a trim can use the open segment's last sector).
+        let fixed_size = ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }));
+        if fixed_size && bytes <= room {
+            return 0;
+        }
         // What does not fit the open segment (less the worst case wasted at its end) goes
         // to new segments, each holding at least `segment_capacity` bytes of records.
         let room_usable = room.saturating_sub(BLOCK_SIZE as u64 + 128);
@@ -2147,9 +2166,12 @@ impl Inner {
             // Segments still (partly) in memory may not be on disk yet: leave them be.
             let unwritten: Vec<u32> = self.buffered.read().iter().map(|b| b.segment).collect();
             // In the background only segments worth it; when a writer waits, or space is
-            // short, anything that gives back at least a sector.
+            // short, anything whose relocation fits one segment.
             let short = (log.free.len() as u64) < self.reserve_segments(&log, SpaceClass::Host) + 2;
-            let live_max = if foreground || short { size - SECTOR_SIZE as f64 } else { size * 0.90 };
+            // (The bound leaves room for relocation entries; a victim whose relocation still
+            // does not fit one segment is given up after it is read, below.)
+            let capacity = self.geometry.segment_capacity() as f64;
+            let live_max = if foreground || short { capacity - capacity / 64.0 } else { size * 0.90 };
             // A segment written after the reuse horizon can be cleaned but not freed before
             // up to two more checkpoints: take one only when nothing older qualifies, and in
             // the background only when space is short.
@@ -2213,6 +2235,13 @@ impl Inner {
                 }
             }
         }
+        // Relocating costs the live fragments plus an entry each. It must fit one fresh
+        // segment: GC may count on one beyond its reserve, no more, and a victim that
+        // gives back less than it takes would eat the reserves trims and checkpoints need.
+        let relocated_bytes = relocation_bytes(&live);
+        if relocated_bytes > self.geometry.segment_capacity() {
+            return Ok(None);
+        }
         if !live.is_empty() {
             let class = if settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
             self.append_group(vec![Op::Relocate { entries: live }], class)?;
@@ -2230,7 +2259,7 @@ impl Inner {
         let cleaned_seq = log.next_seq - 1;
         log.segments[victim as usize] = SegmentUsage { state: SegmentState::Cleaned, cleaned_seq, ..usage };
         Counters::add(&self.counters.gc_segments_cleaned, 1);
-        Ok(Some(self.geometry.segment_size_bytes.saturating_sub(usage_live_before)))
+        Ok(Some(self.geometry.segment_size_bytes - relocated_bytes))
     }
 
     fn worker_loop(&self) {
