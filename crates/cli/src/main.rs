@@ -80,6 +80,16 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // What the engine reports outside a request's result (see the plugin's after_fork).
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ZDISK_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .without_time()
+        .with_target(false)
+        .init();
     let cli = Cli::parse();
     let result = match &cli.command {
         Cmd::Format(args) => commands::format(args).map(|()| 0),

@@ -166,3 +166,27 @@ fn detach_refuses_a_device_it_did_not_attach() {
     assert_eq!(code, 1);
     assert!(stderr.contains("not attached by zdisk"), "{stderr}");
 }
+
+/// What the engine reports outside a request's result reaches the operator: with the
+/// newest checkpoint damaged, `zdisk stat` still works (from the previous one) and says so
+/// on stderr. Offsets from docs/format.md: 16 KiB superblock slots, the generation at 32,
+/// the first checkpoint chunk's address at 120.
+#[test]
+fn engine_warnings_reach_stderr() {
+    let s = Scratch::new("warnings");
+    let store = s.format("w.zdisk", "32M", "1x", &[]);
+    let path = store.to_str().unwrap();
+    // Two more checkpoints, so a previous one is there to fall back to.
+    s.zdisk_ok(&["resize", path, "--logical-size", "2x"]);
+    s.zdisk_ok(&["resize", path, "--logical-size", "3x"]);
+    let mut image = std::fs::read(&store).unwrap();
+    let u64_at = |image: &[u8], at: usize| u64::from_le_bytes(image[at..at + 8].try_into().unwrap());
+    let slot = if u64_at(&image, 32) > u64_at(&image, (16 << 10) + 32) { 0 } else { 16 << 10 };
+    let chunk = u64_at(&image, slot + 120) as usize;
+    image[chunk + 3] ^= 2;
+    std::fs::write(&store, &image).unwrap();
+    let output = s.zdisk().args(["stat", path]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "stat of a store with a damaged newest checkpoint failed: {stderr}");
+    assert!(stderr.contains("newest checkpoint unreadable"), "no warning on stderr: {stderr}");
+}

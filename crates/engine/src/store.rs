@@ -155,6 +155,8 @@ enum SpaceClass {
     /// runs, so it may use one segment of the reserve that other host writes may not.
     HostShrinking,
     HostMetadata,
+    /// A trim or zero on a full store, after GC could not make the metadata reserve.
+    TrimWhileFull,
     /// GC relocations out of a segment the reuse horizon has not passed: may use the
     /// reserve but must leave room for the two checkpoints that make it reusable.
     Gc,
@@ -1291,8 +1293,9 @@ impl Inner {
 
     // ---------------------------------------------------------------- the log
 
-    /// Reserve in segments for a class: what host writes must leave for GC and checkpoints.
-    fn reserve_segments(&self, log: &Log, class: SpaceClass) -> u64 {
+    /// Room one checkpoint takes in the log, conservatively: its records' bytes, and what
+    /// each segment boundary it crosses may waste.
+    fn checkpoint_room_bytes(&self, log: &Log) -> u64 {
         let capacity = self.geometry.segment_capacity();
         let mapped = log.stored_blocks + log.zero_blocks;
         // A checkpoint is at most 16 bytes per mapped block and 33 per segment before zstd;
@@ -1307,22 +1310,47 @@ impl Inner {
         } else {
             (log.checkpoint_bytes + log.checkpoint_bytes / 4 + 4096).min(checkpoint_bound)
         };
-        // Two checkpoints are written back to back, so their room is rounded up once.
-        let one_checkpoint = checkpoint_estimate.div_ceil(capacity);
-        let two_checkpoints = (2 * checkpoint_estimate).div_ceil(capacity);
+        checkpoint_estimate
+            + (checkpoint_estimate / capacity + 1) * (RECORD_FIXED_BYTES as u64 + 4 + BLOCK_SIZE as u64 + 128)
+    }
+
+    /// The reserve of a class in bytes: what an append of that class must leave unused in
+    /// the log (free segments and the open segment's room) for the classes below it.
+    ///
+    /// Each class leaves the ones below it room to work, down to GC, which leaves room for
+    /// the checkpoints that make its victims reusable. The reserve is in bytes, not whole
+    /// segments, and binds every append, even one that fits the open segment: GC must be
+    /// able to relocate a victim into the last free segment and still have room for those
+    /// checkpoints, or a store at GC's floor, with nothing cleaned, could never move again
+    /// (it did: ENOSPC forever at 50% utilisation). See docs/space.md, "Reserves".
+    fn reserve_bytes(&self, log: &Log, class: SpaceClass) -> u64 {
+        let capacity = self.geometry.segment_capacity();
+        let checkpoint = self.checkpoint_room_bytes(log);
         match class {
-            // Each class leaves the ones below it room to work; GC must always be able to
-            // run, and the checkpoints that free young cleaned segments must always fit.
-            SpaceClass::Host => 2 + two_checkpoints,
-            SpaceClass::HostShrinking | SpaceClass::HostMetadata => 1 + two_checkpoints,
-            SpaceClass::Gc => two_checkpoints,
-            SpaceClass::GcSettled => one_checkpoint,
+            SpaceClass::Host => 2 * capacity + 2 * checkpoint,
+            SpaceClass::HostShrinking | SpaceClass::HostMetadata => capacity + 2 * checkpoint,
+            // Trim and zero records are a fixed header each, and every one that unmaps data
+            // makes garbage: they may go below the metadata reserve when GC cannot give it
+            // back (trim must work on a full store), but leave GC a victim's worth of room.
+            SpaceClass::TrimWhileFull => capacity / 8 + 2 * checkpoint,
+            SpaceClass::Gc => 2 * checkpoint,
+            SpaceClass::GcSettled => checkpoint,
             SpaceClass::Internal => 0,
         }
     }
 
-    /// Segments a group of ops needs beyond the open segment's room, conservatively.
-    fn segments_needed(&self, log: &Log, ops: &[Op]) -> u64 {
+    /// The host reserve in whole segments, for the background worker's targets.
+    fn host_reserve_segments(&self, log: &Log) -> u64 {
+        self.reserve_bytes(log, SpaceClass::Host).div_ceil(self.geometry.segment_capacity())
+    }
+
+    /// Bytes the log can still take: free segments and the open segment's room.
+    fn available_bytes(&self, log: &Log) -> u64 {
+        log.free.len() as u64 * self.geometry.segment_capacity() + self.room(log) as u64
+    }
+
+    /// Bytes a group of ops takes in the log, conservatively.
+    fn group_bytes(&self, ops: &[Op]) -> u64 {
         let mut bytes = 0u64;
         for op in ops {
             bytes += match op {
@@ -1342,35 +1370,32 @@ impl Inner {
                 }
             };
         }
-        let room = self.room(log) as u64;
+        bytes
+    }
+
+    /// How many bytes the log lacks for a group of ops of a class (0: it may be appended
+    /// now).
+    fn shortfall_bytes(&self, log: &Log, ops: &[Op], class: SpaceClass) -> u64 {
+        let bytes = self.group_bytes(ops);
         // Fragments do not span segments, so a record carrying them may leave up to a block
-        // unused at a segment's end; a trim or zero record is a fixed header and fits
-        // whenever its bytes do (so a trim can use the open segment's last sector).
+        // unused at the open segment's end (a free segment's capacity already allows for
+        // that); a trim or zero record is a fixed header and fits whenever its bytes do.
         let fixed_size = ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }));
-        if fixed_size && bytes <= room {
-            return 0;
-        }
-        // What does not fit the open segment (less the worst case wasted at its end) goes
-        // to new segments, each holding at least `segment_capacity` bytes of records.
-        let room_usable = room.saturating_sub(BLOCK_SIZE as u64 + 128);
-        if bytes <= room_usable {
-            0
-        } else {
-            (bytes - room_usable).div_ceil(self.geometry.segment_capacity())
-        }
+        let end_waste = if fixed_size { 0 } else { BLOCK_SIZE as u64 + 128 };
+        let available = self.available_bytes(log).saturating_sub(end_waste);
+        (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
     }
 
     /// Appends a request's ops as one record group and publishes the map. Returns the
     /// sequence number of the group's last record.
-    fn append_group(&self, ops: Vec<Op>, class: SpaceClass) -> Result<(u64, Vec<ChunkRef>)> {
+    fn append_group(&self, ops: Vec<Op>, mut class: SpaceClass) -> Result<(u64, Vec<ChunkRef>)> {
         let mut attempts = 0;
         let mut stalled_rounds = 0;
         loop {
             let mut log = self.log.lock();
             self.check_writable()?;
-            let needed = self.segments_needed(&log, &ops);
-            let reserve = self.reserve_segments(&log, class);
-            if needed == 0 || log.free.len() as u64 >= needed + reserve {
+            let shortfall = self.shortfall_bytes(&log, &ops, class);
+            if shortfall == 0 {
                 let appended = self.append_locked(&mut log, ops)?;
                 if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
                     self.space_exhausted.store(false, Ordering::Relaxed);
@@ -1387,84 +1412,106 @@ impl Inner {
                 return Ok(appended);
             }
             drop(log);
-            // Foreground GC, in bounded rounds: clean a few segments and free them; when they
-            // wait for the reuse horizon, checkpoint (at most twice) to move it past them.
-            // One writer runs a round at a time; the others wait for it and then retry. A
-            // round that gives back nothing ends the attempt: a checkpoint costs space too,
-            // and spending it for no gain only digs deeper.
-            if matches!(class, SpaceClass::Internal | SpaceClass::Gc | SpaceClass::GcSettled)
-                || attempts >= FOREGROUND_GC_ROUNDS_MAX
-            {
+            if matches!(
+                class,
+                SpaceClass::Internal | SpaceClass::Gc | SpaceClass::GcSettled | SpaceClass::TrimWhileFull
+            ) {
                 return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
             }
-            attempts += 1;
-            let round_generation = self.foreground_rounds.load(Ordering::Acquire);
-            let _round = self.foreground_gc.lock();
-            if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
-                continue; // another writer just ran a round: retry the append first
-            }
-            let (free_before, unused_before) = {
-                let log = self.log.lock();
-                (log.free.len(), self.unused_bytes(&log))
+            // Foreground GC, in bounded rounds (see `foreground_gc_round`). A trim or zero
+            // that GC could not make room for may still go below the metadata reserve.
+            let give_up = if attempts >= FOREGROUND_GC_ROUNDS_MAX {
+                Some("physical space is exhausted")
+            } else {
+                attempts += 1;
+                self.foreground_gc_round(shortfall, &mut stalled_rounds)?
             };
-            // Clean until the victims give back what this write lacks. No more: every
-            // segment GC keeps free beyond the reserve raises the utilisation it works at.
-            let want_bytes =
-                (needed + reserve).saturating_sub(free_before as u64).max(1) * self.geometry.segment_size_bytes;
-            let mut cleaned = 0;
-            let mut gained_bytes = 0;
-            let mut freed = 0;
-            while cleaned < FOREGROUND_GC_VICTIMS_MAX && gained_bytes < want_bytes {
-                match self.gc_once(true) {
-                    Ok(Some(bytes)) => {
-                        cleaned += 1;
-                        gained_bytes += bytes;
-                    }
-                    Ok(None) => break,
-                    // Relocations ran into GC's reserve: free what is cleaned so far and go on.
-                    Err(e) if e.kind() == ErrorKind::NoSpace => match self.free_cleaned()? {
-                        0 => break,
-                        n => freed += n,
-                    },
-                    Err(e) => return Err(e),
+            if let Some(message) = give_up {
+                let fixed_size = ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }));
+                if class == SpaceClass::HostMetadata && fixed_size {
+                    class = SpaceClass::TrimWhileFull;
+                    continue;
                 }
-            }
-            freed += self.free_cleaned()?;
-            // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it
-            // to the previous one, so two free everything cleaned before the first.
-            for _ in 0..2 {
-                let (short, waiting) = {
-                    let log = self.log.lock();
-                    ((log.free.len() as u64) < needed + reserve, log.has_cleaned())
-                };
-                if !short || !waiting {
-                    break;
-                }
-                match self.checkpoint_now() {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == ErrorKind::NoSpace => break,
-                    Err(e) => return Err(e),
-                }
-                freed += self.free_cleaned()?;
-            }
-            self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
-            // Progress is judged by the space not holding records (free and cleaned segments,
-            // the open segment's room), not by this round's own work: the background worker
-            // may have freed the segments this round cleaned, and relocating a victim may
-            // take a new segment while giving back only part of one.
-            if self.unused_bytes(&self.log.lock()) <= unused_before {
-                if cleaned == 0 && freed == 0 {
-                    return Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted"));
-                }
-                stalled_rounds += 1;
-                if stalled_rounds >= 2 {
-                    return Err(Error::new(
-                        ErrorKind::NoSpace,
-                        "physical space is exhausted (GC cannot give back space)",
-                    ));
-                }
+                return Err(Error::new(ErrorKind::NoSpace, message));
             }
         }
+    }
+
+    /// One round of foreground GC for a writer that lacks `shortfall_bytes`: clean a few
+    /// segments and free them; when they wait for the reuse horizon, checkpoint (at most
+    /// twice) to move it past them. One writer runs a round at a time; the others wait for
+    /// it and then retry. Returns why the writer should give up, or None to retry.
+    ///
+    /// A round that gives back nothing ends the attempt: a checkpoint costs space too, and
+    /// spending it for no gain only digs deeper. But only when it is the round's own
+    /// failure: the background worker may have freed what the writer needed meanwhile, and
+    /// then the writer retries.
+    fn foreground_gc_round(&self, shortfall_bytes: u64, stalled_rounds: &mut u32) -> Result<Option<&'static str>> {
+        let round_generation = self.foreground_rounds.load(Ordering::Acquire);
+        let _round = self.foreground_gc.lock();
+        if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
+            return Ok(None); // another writer just ran a round: retry the append first
+        }
+        let (available_before, unused_before) = {
+            let log = self.log.lock();
+            (self.available_bytes(&log), self.unused_bytes(&log))
+        };
+        // Clean until the victims give back what this write lacks. No more: every segment
+        // GC keeps free beyond the reserve raises the utilisation it works at.
+        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes);
+        let mut cleaned = 0;
+        let mut gained_bytes = 0;
+        let mut freed = 0;
+        while cleaned < FOREGROUND_GC_VICTIMS_MAX && gained_bytes < want_bytes {
+            match self.gc_once(true) {
+                Ok(Some(bytes)) => {
+                    cleaned += 1;
+                    gained_bytes += bytes;
+                }
+                Ok(None) => break,
+                // Relocations ran into GC's reserve: free what is cleaned so far and go on.
+                Err(e) if e.kind() == ErrorKind::NoSpace => match self.free_cleaned()? {
+                    0 => break,
+                    n => freed += n,
+                },
+                Err(e) => return Err(e),
+            }
+        }
+        freed += self.free_cleaned()?;
+        // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
+        // the previous one, so two free everything cleaned before the first.
+        for _ in 0..2 {
+            let (short, waiting) = {
+                let log = self.log.lock();
+                (self.available_bytes(&log) < available_before + shortfall_bytes, log.has_cleaned())
+            };
+            if !short || !waiting {
+                break;
+            }
+            match self.checkpoint_now() {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                Err(e) => return Err(e),
+            }
+            freed += self.free_cleaned()?;
+        }
+        self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+        // Progress is judged by the space not holding records (free and cleaned segments,
+        // the open segment's room), not by this round's own work: the background worker may
+        // have freed the segments this round cleaned, and relocating a victim may take a
+        // new segment while giving back only part of one.
+        let (available_after, unused_after) = {
+            let log = self.log.lock();
+            (self.available_bytes(&log), self.unused_bytes(&log))
+        };
+        if available_after >= available_before + shortfall_bytes || unused_after > unused_before {
+            return Ok(None);
+        }
+        if cleaned == 0 && freed == 0 {
+            return Ok(Some("physical space is exhausted"));
+        }
+        *stalled_rounds += 1;
+        Ok((*stalled_rounds >= 2).then_some("physical space is exhausted (GC cannot give back space)"))
     }
 
     /// Bytes of the data area that hold no records: free and cleaned segments and the open
@@ -2167,7 +2214,7 @@ impl Inner {
             let unwritten: Vec<u32> = self.buffered.read().iter().map(|b| b.segment).collect();
             // In the background only segments worth it; when a writer waits, or space is
             // short, anything whose relocation fits one segment.
-            let short = (log.free.len() as u64) < self.reserve_segments(&log, SpaceClass::Host) + 2;
+            let short = (log.free.len() as u64) < self.host_reserve_segments(&log) + 2;
             // (The bound leaves room for relocation entries; a victim whose relocation still
             // does not fit one segment is given up after it is read, below.)
             let capacity = self.geometry.segment_capacity() as f64;
@@ -2304,7 +2351,7 @@ impl Inner {
         // segment usually costs one flush, not a checkpoint.
         let (free, reserve, cushion) = {
             let log = self.log.lock();
-            let reserve = self.reserve_segments(&log, SpaceClass::Host);
+            let reserve = self.host_reserve_segments(&log);
             (log.free.len() as u64, reserve, self.cushion_segments())
         };
         let mut busy = false;
@@ -2547,7 +2594,7 @@ impl Inner {
             }
         }
         let open_room = log.open.as_ref().map_or(0, |o| segment_size - o.append_offset as u64);
-        let reserve = self.reserve_segments(&log, SpaceClass::Host) * segment_size;
+        let reserve = self.reserve_bytes(&log, SpaceClass::Host);
         let free_space = (log.free.len() as u64 * segment_size + reclaimable + open_room).saturating_sub(reserve);
         let checkpoint_bytes = log.checkpoint_bytes * 2;
         let physical_size = live + checkpoint_bytes + 2 * SUPERBLOCK_SLOT_BYTES as u64;
@@ -2763,5 +2810,112 @@ fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> Vec<FoundRecord> {
             }
             _ => return records,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::SimDisk;
+
+    fn small_store(seed: u64) -> Store {
+        let segment_bytes = 64u64 << 10;
+        let disk = Arc::new(SimDisk::new((1 << 20) + 32 * segment_bytes, seed));
+        let format = FormatOptions {
+            physical_size_bytes: 0,
+            logical_size_bytes: 4 << 20,
+            codec: Codec::Lz4,
+            segment_size_bytes: Some(segment_bytes),
+            force: true,
+        };
+        Store::format_backing(disk.as_ref(), &format).unwrap();
+        Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()
+    }
+
+    fn incompressible(rng: &mut crate::sim::SimRng, len: usize) -> Vec<u8> {
+        (0..len).map(|_| rng.next_u64() as u8).collect()
+    }
+
+    /// Takes free segments out of the free set (and out of GC's reach) until `keep` are
+    /// left: the state a busy store reaches, made directly.
+    fn take_free_segments(inner: &Inner, keep: usize) {
+        let mut log = inner.log.lock();
+        while log.free.len() > keep {
+            let id = log.free.pop_last().unwrap();
+            log.segments[id as usize].state = SegmentState::Open;
+        }
+    }
+
+    /// Liveness at GC's floor: one free segment left, the open segment nearly full, nothing
+    /// cleaned, half the data garbage. GC must still relocate a victim (into the last free
+    /// segment, keeping room for the checkpoints that free it), and then give back more
+    /// than it took. With reserves counted in whole free segments GC refused here, and the
+    /// store answered every write with ENOSPC forever (`zdisk bench --smoke` in CI).
+    #[test]
+    fn gc_can_always_move_at_its_floor() {
+        let store = small_store(3);
+        let inner = &store.inner;
+        let mut rng = crate::sim::SimRng::new(3);
+        // 512 KiB of incompressible blocks, then every other block overwritten: the first
+        // segments are half garbage.
+        store.write(0, &incompressible(&mut rng, 512 << 10), false).unwrap();
+        for lba in (0..128u64).step_by(2) {
+            store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+        }
+        // Fill the open segment to its last few KiB with fresh blocks.
+        let mut lba = 512;
+        while inner.room(&inner.log.lock()) > 12 << 10 {
+            store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+            lba += 1;
+        }
+        store.flush().unwrap();
+        take_free_segments(inner, 1);
+        let available_before = inner.available_bytes(&inner.log.lock());
+        assert!(available_before < inner.reserve_bytes(&inner.log.lock(), SpaceClass::Host));
+        assert!(inner.gc_once(true).unwrap().is_some(), "GC found no victim it could relocate at its floor");
+        // Two checkpoints move the reuse horizon past the victim; then it is free again.
+        inner.checkpoint_now().unwrap();
+        inner.checkpoint_now().unwrap();
+        inner.free_cleaned().unwrap();
+        let available_after = inner.available_bytes(&inner.log.lock());
+        assert!(
+            available_after > available_before,
+            "a GC step at the floor took more than it gave back: {available_before} -> {available_after}"
+        );
+    }
+
+    /// Trim must work on a full store even when GC cannot give back the metadata reserve:
+    /// it may then go below it (`SpaceClass::TrimWhileFull`), while a host write is refused.
+    /// Only white-box: the state (the log at GC's floor, nothing collectable) is made by
+    /// taking free segments out of the free set, which no sequence of requests does on
+    /// purpose.
+    #[test]
+    fn a_trim_on_a_full_store_may_go_below_the_metadata_reserve() {
+        let store = small_store(1);
+        let inner = &store.inner;
+        // Incompressible, never overwritten: nothing for GC to give back.
+        let data = incompressible(&mut crate::sim::SimRng::new(7), 256 << 10);
+        store.write(0, &data, false).unwrap();
+        store.flush().unwrap();
+        {
+            let log = inner.log.lock();
+            let metadata = inner.reserve_bytes(&log, SpaceClass::HostMetadata);
+            let capacity = inner.geometry.segment_capacity();
+            let keep = (metadata.saturating_sub(inner.room(&log) as u64) / capacity) as usize;
+            drop(log);
+            take_free_segments(inner, keep);
+            let log = inner.log.lock();
+            assert!(inner.available_bytes(&log) < metadata);
+            let floor = inner.reserve_bytes(&log, SpaceClass::TrimWhileFull);
+            assert!(inner.available_bytes(&log) > floor + 4096, "the test state is below the trim floor too");
+        }
+        let err = store.write(512 << 10, &data[..4096], false).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+        store.trim(0, 64 << 10, false).expect("a trim on a full store");
+        store.write_zeroes(64 << 10, 8192, false).expect("a write-zeroes on a full store");
+        let mut back = vec![0xffu8; 128 << 10];
+        store.read(0, &mut back).unwrap();
+        assert!(back[..(64 << 10) + 8192].iter().all(|&b| b == 0), "trimmed and zeroed blocks read as zeros");
+        assert_eq!(back[(64 << 10) + 8192..], data[(64 << 10) + 8192..128 << 10]);
     }
 }

@@ -211,6 +211,13 @@ impl Server for Handle {
     }
 
     fn after_fork() -> nbdkit::Result<()> {
+        // The engine reports what it cannot return to a request (a failed background
+        // write-out, GC or discard; the store turning read-only) through `tracing`: to
+        // nbdkit's stderr, at warnings and above unless ZDISK_LOG says otherwise.
+        let filter = tracing_subscriber::EnvFilter::try_from_env("ZDISK_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let _ =
+            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(false).try_init();
         let config = config();
         let path = config.store.clone().ok_or_else(|| einval("store=PATH is required"))?;
         let options = OpenOptions {
