@@ -120,6 +120,22 @@ impl<'a> Reader<'a> {
         let packed = self.u16()?;
         Ok(FragmentEntry { stored_len: packed & 0x1fff, codec: CodecTag::from_u8((packed >> 13) as u8)? })
     }
+    /// A record's entry list: `count` entries of `entry_bytes` each, which must be exactly
+    /// what is left of the header.
+    fn entries<T>(
+        &mut self,
+        count: u64,
+        entry_bytes: usize,
+        what: &'static str,
+        mut read: impl FnMut(&mut Reader<'a>) -> Result<T>,
+    ) -> Result<Vec<T>> {
+        // (Checked: a header's count is whatever its bytes say.)
+        if count.checked_mul(entry_bytes as u64) != Some(self.remaining() as u64) {
+            return Err(corrupt(what));
+        }
+        (0..count).map(|_| read(self)).collect()
+    }
+
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
@@ -493,36 +509,24 @@ impl RecordHeader {
         let entry_bytes = r.remaining();
         let body = match kind {
             RecordKind::Write => {
-                if entry_bytes as u64 != count * WRITE_ENTRY_BYTES as u64 {
-                    return Err(corrupt("write record entry count"));
-                }
-                let mut fragments = Vec::with_capacity(count as usize);
-                for _ in 0..count {
+                let fragments = r.entries(count, WRITE_ENTRY_BYTES, "write record entry count", |r| {
                     let stored_len = r.u16()?;
                     let codec = CodecTag::from_u8(r.u8()?)?;
-                    fragments.push(FragmentEntry { stored_len, codec });
-                }
+                    Ok(FragmentEntry { stored_len, codec })
+                })?;
                 RecordBody::Write { start_lba: lba, fragments }
             }
             RecordKind::Relocate => {
-                if entry_bytes as u64 != count * RELOCATE_ENTRY_BYTES as u64 {
-                    return Err(corrupt("relocate record entry count"));
-                }
-                let mut entries = Vec::with_capacity(count as usize);
-                for _ in 0..count {
+                let entries = r.entries(count, RELOCATE_ENTRY_BYTES, "relocate record entry count", |r| {
                     let lba = r.u48()?;
                     let old_offset_bytes = r.u48()?;
                     let fragment = r.fragment()?;
-                    entries.push(RelocateEntry { lba, old_offset_bytes, fragment });
-                }
+                    Ok(RelocateEntry { lba, old_offset_bytes, fragment })
+                })?;
                 RecordBody::Relocate { entries }
             }
             RecordKind::RelocateV1 => {
-                if entry_bytes as u64 != count * RELOCATE_V1_ENTRY_BYTES as u64 {
-                    return Err(corrupt("relocate record entry count"));
-                }
-                let mut entries = Vec::with_capacity(count as usize);
-                for _ in 0..count {
+                let entries = r.entries(count, RELOCATE_V1_ENTRY_BYTES, "relocate record entry count", |r| {
                     let lba = r.u64()?;
                     let old = crate::map::unpack(r.u64()?)?;
                     let stored_len = r.u16()?;
@@ -530,24 +534,20 @@ impl RecordHeader {
                     let crate::map::Entry::Stored(old) = old else {
                         return Err(corrupt("relocate entry of a block that was not stored"));
                     };
-                    entries.push(RelocateEntry {
+                    Ok(RelocateEntry {
                         lba,
                         old_offset_bytes: old.offset_bytes,
                         fragment: FragmentEntry { stored_len, codec },
-                    });
-                }
+                    })
+                })?;
                 RecordBody::Relocate { entries }
             }
             RecordKind::Batch => {
-                if entry_bytes as u64 != count * BATCH_ENTRY_BYTES as u64 {
-                    return Err(corrupt("batch record entry count"));
-                }
-                let mut entries = Vec::with_capacity(count as usize);
-                for _ in 0..count {
+                let entries = r.entries(count, BATCH_ENTRY_BYTES, "batch record entry count", |r| {
                     let lba = r.u48()?;
                     let fragment = r.fragment()?;
-                    entries.push(BatchEntry { lba, fragment });
-                }
+                    Ok(BatchEntry { lba, fragment })
+                })?;
                 RecordBody::Batch { entries }
             }
             RecordKind::Trim => RecordBody::Trim { start_lba: lba, block_count: count },

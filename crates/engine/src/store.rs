@@ -888,6 +888,11 @@ impl Drop for Store {
 
 /// Log bytes the records relocating `entries` take: the fragments, an entry each, and a
 /// header per record.
+/// Whether a group is only trim and zero records: fixed-size headers, no fragments.
+fn metadata_only(ops: &[Op]) -> bool {
+    ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }))
+}
+
 fn relocation_bytes(entries: &[(u64, u64, Block)]) -> u64 {
     if entries.is_empty() {
         return 0;
@@ -1380,8 +1385,7 @@ impl Inner {
         // Fragments do not span segments, so a record carrying them may leave up to a block
         // unused at the open segment's end (a free segment's capacity already allows for
         // that); a trim or zero record is a fixed header and fits whenever its bytes do.
-        let fixed_size = ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }));
-        let end_waste = if fixed_size { 0 } else { BLOCK_SIZE as u64 + 128 };
+        let end_waste = if metadata_only(ops) { 0 } else { BLOCK_SIZE as u64 + 128 };
         let available = self.available_bytes(log).saturating_sub(end_waste);
         (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
     }
@@ -1427,8 +1431,7 @@ impl Inner {
                 self.foreground_gc_round(shortfall, &mut stalled_rounds)?
             };
             if let Some(message) = give_up {
-                let fixed_size = ops.iter().all(|op| matches!(op, Op::Trim { .. } | Op::Zero { .. }));
-                if class == SpaceClass::HostMetadata && fixed_size {
+                if class == SpaceClass::HostMetadata && metadata_only(&ops) {
                     class = SpaceClass::TrimWhileFull;
                     continue;
                 }

@@ -22,6 +22,16 @@ fn fresh() -> Arc<SimDisk> {
     new_disk(32, 64 << 10, 1 << 20, Codec::Lz4, 3)
 }
 
+/// A fresh store holding one durable 8-block write at LBA 0 (one record at the start of the
+/// data area), closed.
+fn one_write_of_eight_blocks() -> Arc<SimDisk> {
+    let disk = fresh();
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(8 * 4096, 1), true).unwrap();
+    store.close().unwrap();
+    disk
+}
+
 fn reopen(disk: &SimDisk) -> (Arc<SimDisk>, Store) {
     let disk = Arc::new(SimDisk::from_image(disk.image(), 5));
     let store = Store::open_backing(disk.clone(), &test_options()).expect("reopen");
@@ -35,10 +45,7 @@ fn record_offsets(image: &[u8]) -> Vec<usize> {
 
 #[test]
 fn a_flipped_data_bit_fails_that_read_only_and_is_counted() {
-    let disk = fresh();
-    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(8 * 4096, 1), true).unwrap();
-    store.close().unwrap();
+    let disk = one_write_of_eight_blocks();
     // The first record starts the data area: header (56 + 8*3 + 4 bytes), then fragments,
     // each a 4-byte CRC and the compressed block. Flip a bit inside the first fragment.
     disk.flip_bit((DATA_START + 56 + 24 + 4 + 8) as u64, 3);
@@ -204,10 +211,7 @@ fn a_failed_backing_read_is_an_io_error_and_the_store_keeps_serving() {
 
 #[test]
 fn a_reread_is_served_by_the_read_cache_but_check_still_reads_the_disk() {
-    let disk = fresh();
-    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(8 * 4096, 1), true).unwrap();
-    store.close().unwrap();
+    let disk = one_write_of_eight_blocks();
     let (disk, store) = reopen(&disk);
     let mut block = vec![0u8; 4096];
     store.read(0, &mut block).unwrap();
