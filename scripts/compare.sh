@@ -7,11 +7,12 @@
 # 4 GiB targets, all three filled sequentially first, in one run.
 #   usage: bash scripts/compare.sh [WORKDIR] [SECONDS_PER_POINT]
 # Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit). Prints a table.
-# ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
+# ZDISK_BIN runs another build of zdisk (its plugin must sit next to it), to compare builds
+# side by side. ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
 # the rows whose names contain one of those words (e.g. ROWS="random read,70/30").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-zdisk=$here/target/release/zdisk
+zdisk=${ZDISK_BIN:-$here/target/release/zdisk}
 dir=${1:-$(mktemp -d /var/tmp/zdisk-compare.XXXXXX)}
 runtime=${2:-15}
 mkdir -p "$dir"

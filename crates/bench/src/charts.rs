@@ -6,7 +6,7 @@ use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 
 use crate::plan::{DataMode, TargetKind, WorkloadKind};
-use crate::report::Report;
+use crate::results::{fmt_int, Report};
 
 const SIZE_PX: (u32, u32) = (720, 380);
 
@@ -40,7 +40,7 @@ struct Axes<'a> {
 
 fn plain(v: &f64) -> String {
     if v.abs() >= 1000.0 || (v.fract() == 0.0) {
-        crate::report::fmt_int(*v)
+        fmt_int(*v)
     } else {
         format!("{v:.1}")
     }

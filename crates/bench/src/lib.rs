@@ -9,6 +9,7 @@ mod corpus;
 mod fio;
 mod plan;
 mod report;
+mod results;
 mod runner;
 mod server;
 mod steady;
@@ -224,7 +225,7 @@ impl Config {
             bail!("--round must be at least the {} ms IOPS logging interval", log_ms);
         }
         let consistency_ms = secs_to_ms("consistency", a.consistency.unwrap_or(pick(1800.0, 10.0, 0.6)))?;
-        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", report::unix_now())));
+        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", results::unix_now())));
         let zdisk_bin = match &a.zdisk_bin {
             Some(p) => p.clone(),
             None => std::env::current_exe()?,

@@ -16,7 +16,7 @@ use serde_json::Value;
 use crate::corpus::Corpus;
 use crate::fio::{self, DataArgs, FioJob, FioOutcome};
 use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
-use crate::report::{
+use crate::results::{
     fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
     TargetInfo,
 };
@@ -239,7 +239,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     let report = Report {
         schema: "zdisk-bench/1",
         command: command_line(),
-        started_unix_s: crate::report::unix_now(),
+        started_unix_s: crate::results::unix_now(),
         wall_s: 0.0,
         comp_ratio: None,
         perf_multiplier: None,
@@ -312,7 +312,7 @@ pub fn run(cfg: &Config) -> Result<()> {
     }
     bench.pb.finish_and_clear();
     bench.report.wall_s = bench.t0.elapsed().as_secs_f64();
-    bench.report.host.loadavg_end = crate::report::loadavg();
+    bench.report.host.loadavg_end = crate::results::loadavg();
     if let Err(e) = &outcome {
         bench.report.errors.push(format!("benchmark stopped early: {e:#}"));
     }
@@ -723,7 +723,7 @@ impl Bench<'_> {
         let value = result?;
         let wall_s = started.elapsed().as_secs_f64();
         let after = tree_sample(pid);
-        let stat_after = self.stat_fresh(ti, crate::report::unix_now_ms());
+        let stat_after = self.stat_fresh(ti, crate::results::unix_now_ms());
         self.push_sample(ti, data, phase, &stat_after);
         let f = |v: &Option<Value>, k: &str| v.as_ref().and_then(|v| v.get(k)).and_then(Value::as_f64);
         let job_wa = match (

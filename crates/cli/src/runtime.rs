@@ -12,8 +12,6 @@
 //! A file here is only a hint: the store's lock is the truth about whether it is served.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use zdisk_engine::Lock;
 
 pub const DEFAULT_RUN_DIR: &str = "/run/zdisk";
 
@@ -100,26 +99,10 @@ pub fn wait_gone(pid: u32, timeout: Duration) -> bool {
     true
 }
 
-/// Whether another process holds the store's lock (the engine takes `flock`: exclusive
-/// for a writer, shared for a reader). `exclusive` probes as a writer would.
-pub fn store_is_locked(path: &Path, exclusive: bool) -> Result<bool> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    let mode = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
-    // SAFETY: flock on a file descriptor we own; the lock is dropped with the file below.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), mode | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(false);
-    }
-    let error = std::io::Error::last_os_error();
-    if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(true)
-    } else {
-        Err(error).with_context(|| format!("probing the lock of {}", path.display()))
-    }
+/// Whether another process holds the store's lock so that one of `lock` cannot be taken
+/// (the engine takes `flock`: exclusive for a writer, shared for a reader).
+pub fn store_is_locked(path: &Path, lock: Lock) -> Result<bool> {
+    zdisk_engine::is_locked(path, lock).with_context(|| format!("probing the lock of {}", path.display()))
 }
 
 /// Sends one request line to the plugin's control socket and returns its one-line reply.

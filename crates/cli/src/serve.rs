@@ -236,7 +236,7 @@ impl Drop for Nbdkit {
 /// Starts nbdkit and waits until it serves (or fails).
 pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
     Store::info(&args.store).with_context(|| format!("{} is not a servable zdisk store", args.store.display()))?;
-    if runtime::store_is_locked(&args.store, !args.readonly)? {
+    if runtime::store_is_locked(&args.store, if args.readonly { zdisk_engine::Lock::Shared } else { zdisk_engine::Lock::Exclusive })? {
         bail!(
             "{} is already open in another process (being served?): refusing to serve it twice \
              (`zdisk stat {}` shows who)",

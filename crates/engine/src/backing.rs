@@ -42,9 +42,13 @@ pub fn assert_aligned(offset: u64, len: usize, size_bytes: u64) {
 }
 
 pub fn assert_aligned_to(offset: u64, len: usize, size_bytes: u64, alignment: usize) {
-    debug_assert_eq!(offset % alignment as u64, 0, "unaligned backing offset {offset}");
-    debug_assert_eq!(len % alignment, 0, "unaligned backing length {len}");
-    debug_assert!(offset + len as u64 <= size_bytes, "backing I/O past the end");
+    // Checked in release builds too: a misaligned O_DIRECT I/O fails with EINVAL, and an
+    // I/O past the end would read or write what is not ours. Two divisions per I/O.
+    assert!(
+        offset.is_multiple_of(alignment as u64) && len.is_multiple_of(alignment),
+        "unaligned backing I/O: {len} bytes at {offset} (alignment {alignment})"
+    );
+    assert!(offset.checked_add(len as u64).is_some_and(|end| end <= size_bytes), "backing I/O past the end");
 }
 
 type AlignedBuf = AVec<u8, ConstAlign<4096>>;
@@ -161,52 +165,88 @@ fn read_on_ring(ring: &mut io_uring::IoUring, file: &File, reads: &mut [(u64, &m
     Ok(first_error.map_or(Ok(()), Err))
 }
 
-impl FileBacking {
-    /// Opens `path` for the engine. `direct` asks for O_DIRECT and falls back to buffered I/O
-    /// where the file system refuses it (tmpfs). `exclusive` takes an exclusive advisory
-    /// lock (a shared one otherwise) and fails with `Locked` if another process holds it.
-    pub fn open(path: &Path, writable: bool, direct: bool, exclusive: bool) -> Result<FileBacking> {
-        let open = |direct: bool| {
-            let mut options = OpenOptions::new();
-            options.read(true).write(writable);
-            if direct {
-                options.custom_flags(libc::O_DIRECT);
-            }
-            options.open(path)
-        };
-        let (file, direct) = match open(direct) {
-            Ok(file) => (file, direct),
-            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
-                (open(false).map_err(|e| Error::io(format!("open {}", path.display()), e))?, false)
-            }
-            Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
-        };
-        let locked = if exclusive { file.try_lock() } else { file.try_lock_shared() };
-        if let Err(e) = locked {
-            return Err(match e {
-                std::fs::TryLockError::WouldBlock => Error::new(
-                    ErrorKind::Locked,
-                    format!("{} is open in another process (is it being served?)", path.display()),
-                ),
-                std::fs::TryLockError::Error(e) => Error::io(format!("lock {}", path.display()), e),
-            });
+/// How a backing store is opened: the one description every opener passes to [`open`].
+#[derive(Debug, Clone, Copy)]
+pub struct BackingOptions {
+    pub access: Access,
+    /// Ask for O_DIRECT; falls back to buffered I/O where the file system refuses it (tmpfs).
+    pub direct_io: bool,
+    pub lock: Lock,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadOnly,
+    ReadWrite,
+}
+
+/// The advisory lock (`flock`) taken on the backing store while it is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lock {
+    /// None: reading the superblock of a store another process serves.
+    None,
+    /// Shared: read-only openers.
+    Shared,
+    /// Exclusive: the one writer.
+    Exclusive,
+}
+
+/// Opens a file or block device for the engine: the one place a disk is opened. Fails with
+/// `Locked` if the lock asked for is held by another process.
+pub fn open(path: &Path, options: &BackingOptions) -> Result<FileBacking> {
+    let writable = options.access == Access::ReadWrite;
+    let open_file = |direct: bool| {
+        let mut file_options = OpenOptions::new();
+        file_options.read(true).write(writable);
+        if direct {
+            file_options.custom_flags(libc::O_DIRECT);
         }
-        let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
-        let block_device = metadata.file_type().is_block_device();
-        let size_bytes = if block_device {
-            use std::io::{Seek, SeekFrom};
-            (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io(format!("size of {}", path.display()), e))?
-        } else {
-            metadata.len()
-        };
-        let read_alignment = if direct { probe_read_alignment(&file, size_bytes) } else { MIN_READ_ALIGNMENT };
-        Ok(FileBacking { file, size_bytes, direct, block_device, read_alignment })
+        file_options.open(path)
+    };
+    let (file, direct) = match open_file(options.direct_io) {
+        Ok(file) => (file, options.direct_io),
+        Err(e) if options.direct_io && e.raw_os_error() == Some(libc::EINVAL) => {
+            (open_file(false).map_err(|e| Error::io(format!("open {}", path.display()), e))?, false)
+        }
+        Err(e) => return Err(Error::io(format!("open {}", path.display()), e)),
+    };
+    let locked = match options.lock {
+        Lock::None => Ok(()),
+        Lock::Shared => file.try_lock_shared(),
+        Lock::Exclusive => file.try_lock(),
+    };
+    if let Err(e) = locked {
+        return Err(match e {
+            std::fs::TryLockError::WouldBlock => Error::new(
+                ErrorKind::Locked,
+                format!("{} is open in another process (is it being served?)", path.display()),
+            ),
+            std::fs::TryLockError::Error(e) => Error::io(format!("lock {}", path.display()), e),
+        });
     }
+    let metadata = file.metadata().map_err(|e| Error::io(format!("stat {}", path.display()), e))?;
+    let block_device = metadata.file_type().is_block_device();
+    let size_bytes = if block_device {
+        use std::io::{Seek, SeekFrom};
+        (&file).seek(SeekFrom::End(0)).map_err(|e| Error::io(format!("size of {}", path.display()), e))?
+    } else {
+        metadata.len()
+    };
+    let read_alignment = if direct { probe_read_alignment(&file, size_bytes) } else { MIN_READ_ALIGNMENT };
+    Ok(FileBacking { file, size_bytes, direct, block_device, read_alignment })
+}
 
-    pub fn is_direct(&self) -> bool {
-        self.direct
+/// Whether another process holds the store's lock in a way that excludes `lock` (for
+/// example: it is being served). The probe's own lock is dropped before this returns.
+pub fn is_locked(path: &Path, lock: Lock) -> Result<bool> {
+    match open(path, &BackingOptions { access: Access::ReadOnly, direct_io: false, lock }) {
+        Ok(_) => Ok(false),
+        Err(e) if e.kind() == ErrorKind::Locked => Ok(true),
+        Err(e) => Err(e),
     }
+}
 
+impl FileBacking {
     fn needs_bounce(&self, ptr: *const u8) -> bool {
         self.direct && !(ptr as usize).is_multiple_of(SECTOR_SIZE)
     }
@@ -326,7 +366,8 @@ mod tests {
         let dir = tempfile::tempdir_in("/var/tmp").unwrap_or_else(|_| tempfile::tempdir().unwrap());
         let path = dir.path().join("backing");
         std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
-        let backing = FileBacking::open(&path, true, true, true).unwrap();
+        let backing =
+            open(&path, &BackingOptions { access: Access::ReadWrite, direct_io: true, lock: Lock::Exclusive }).unwrap();
         let alignment = backing.read_alignment();
         assert!(alignment == MIN_READ_ALIGNMENT || alignment == SECTOR_SIZE, "alignment {alignment}");
         let mut block: AlignedBuf = AVec::new(4096);
@@ -350,7 +391,8 @@ mod tests {
         let size = 4 << 20;
         let content: Vec<u8> = (0..size).map(|i: usize| (i * 7 + i / 4096) as u8).collect();
         std::fs::write(&path, &content).unwrap();
-        let backing = FileBacking::open(&path, true, true, true).unwrap();
+        let backing =
+            open(&path, &BackingOptions { access: Access::ReadWrite, direct_io: true, lock: Lock::Exclusive }).unwrap();
         let alignment = backing.read_alignment();
         let seed: u64 = rand::random();
         println!("seed {seed}");

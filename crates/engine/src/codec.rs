@@ -157,23 +157,24 @@ impl FromStr for Codec {
         match (name, level) {
             ("lz4", None) => Ok(Codec::Lz4),
             ("lz4", Some(_)) => Err("lz4 takes no level".to_string()),
-            ("zstd", level) => {
-                let level = level.unwrap_or(3);
-                if (1..=19).contains(&level) {
-                    Ok(Codec::Zstd { level })
-                } else {
-                    Err(format!("zstd level must be 1..=19, got {level}"))
-                }
-            }
-            ("deflate", level) => {
-                let level = level.unwrap_or(6);
-                if (1..=12).contains(&level) {
-                    Ok(Codec::Deflate { level })
-                } else {
-                    Err(format!("deflate level must be 1..=12, got {level}"))
-                }
-            }
+            ("zstd", level) => level_in(level, 3, 1..=19, "zstd").map(|level| Codec::Zstd { level }),
+            ("deflate", level) => level_in(level, 6, 1..=12, "deflate").map(|level| Codec::Deflate { level }),
             _ => Err(format!("unknown codec {s:?} (expected lz4, zstd[:L] or deflate[:L])")),
         }
+    }
+}
+
+/// A codec level, or the default when none was given, checked against its range.
+fn level_in(
+    level: Option<i32>,
+    default: i32,
+    range: std::ops::RangeInclusive<i32>,
+    name: &str,
+) -> std::result::Result<i32, String> {
+    let level = level.unwrap_or(default);
+    if range.contains(&level) {
+        Ok(level)
+    } else {
+        Err(format!("{name} level must be {}..={}, got {level}", range.start(), range.end()))
     }
 }

@@ -11,7 +11,8 @@
 //! 3. nothing the client did not write ever changes;
 //! 4. corruption is detected by CRC32C and reported as an error, never returned as data.
 //!
-//! The on-disk format is specified in `docs/format.md`; the modules mirror it.
+//! The on-disk format is specified in `docs/format.md`; `format` mirrors it. How the
+//! modules divide the work is in `docs/architecture.md`.
 
 mod backing;
 mod cache;
@@ -19,19 +20,23 @@ mod codec;
 mod error;
 mod format;
 mod map;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 mod stats;
 mod store;
+mod types;
 
-pub use backing::{Backing, FileBacking};
+pub use backing::{is_locked, Backing, FileBacking, Lock};
 pub use codec::{Codec, CodecTag};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::Stats;
 pub use store::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
+pub use types::{Lba, SegmentId};
 
 /// The logical block: the unit of compression and of the map.
 pub const BLOCK_SIZE: usize = 4096;
-/// The backing I/O unit: every backing offset and length is a multiple of it.
+/// The unit the log is written in: every backing write offset and length is a multiple of
+/// it. (Reads may be finer: [`Backing::read_alignment`].)
 pub const SECTOR_SIZE: usize = 4096;
 
 /// Entry points for the fuzz targets in `fuzz/`: every on-disk decoder, fed arbitrary bytes,
@@ -45,6 +50,6 @@ pub mod fuzzing {
         crate::format::RecordHeader::decode(bytes).is_ok()
     }
     pub fn decode_checkpoint(bytes: &[u8]) -> bool {
-        crate::format::Checkpoint::decode(bytes).is_ok()
+        crate::format::Checkpoint::decode(bytes, 1 << 30).is_ok()
     }
 }

@@ -1,4 +1,4 @@
-//! The logical-to-physical map: one packed `u64` per 4 KiB logical block, updated with
+//! The logical-to-physical map: one packed entry per 4 KiB logical block, updated with
 //! atomic stores so reads need no lock on the map itself.
 //!
 //! Packing (see docs/format.md, "Map entry"):
@@ -10,15 +10,44 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::codec::CodecTag;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::FragmentEntry;
+use crate::types::Lba;
 
-pub const UNMAPPED: u64 = 0;
-pub const ZERO: u64 = 1;
 const KIND_STORED: u64 = 2;
 const LEN_BITS: u32 = 13;
 const OFFSET_SHIFT: u32 = 18;
 pub const OFFSET_MAX: u64 = (1 << (64 - OFFSET_SHIFT)) - 1;
 
+/// A map entry as stored: one `u64` (in memory and in checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PackedEntry(pub u64);
+
+impl PackedEntry {
+    pub const UNMAPPED: PackedEntry = PackedEntry(0);
+    pub const ZERO: PackedEntry = PackedEntry(1);
+
+    pub fn stored(s: Stored) -> PackedEntry {
+        debug_assert!(s.offset_bytes <= OFFSET_MAX);
+        debug_assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
+        PackedEntry(KIND_STORED | (s.codec as u64) << 2 | (s.stored_len as u64) << 5 | s.offset_bytes << OFFSET_SHIFT)
+    }
+
+    /// The entry of a fragment stored at `offset_bytes` (an all-zero block has none).
+    pub fn of_fragment(offset_bytes: u64, fragment: FragmentEntry) -> PackedEntry {
+        if fragment.stored_len == 0 {
+            PackedEntry::ZERO
+        } else {
+            PackedEntry::stored(Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec })
+        }
+    }
+
+    pub fn unpack(self) -> Result<Entry> {
+        unpack(self.0)
+    }
+}
+
+/// Where a stored block's fragment is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stored {
     pub offset_bytes: u64,
@@ -33,20 +62,14 @@ pub enum Entry {
     Stored(Stored),
 }
 
-pub fn pack_stored(s: Stored) -> u64 {
-    debug_assert!(s.offset_bytes <= OFFSET_MAX);
-    debug_assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
-    KIND_STORED | (s.codec as u64) << 2 | (s.stored_len as u64) << 5 | s.offset_bytes << OFFSET_SHIFT
-}
-
 pub fn unpack(raw: u64) -> Result<Entry> {
     match raw & 3 {
-        0 if raw == UNMAPPED => Ok(Entry::Unmapped),
-        1 if raw == ZERO => Ok(Entry::Zero),
+        0 if raw == PackedEntry::UNMAPPED.0 => Ok(Entry::Unmapped),
+        1 if raw == PackedEntry::ZERO.0 => Ok(Entry::Zero),
         2 => {
             let stored_len = ((raw >> 5) & ((1 << LEN_BITS) - 1)) as u16;
             if stored_len == 0 {
-                return Err(crate::Error::new(crate::ErrorKind::Corrupt, "map entry with zero length"));
+                return Err(Error::new(ErrorKind::Corrupt, "map entry with zero length"));
             }
             Ok(Entry::Stored(Stored {
                 offset_bytes: raw >> OFFSET_SHIFT,
@@ -54,7 +77,7 @@ pub fn unpack(raw: u64) -> Result<Entry> {
                 codec: CodecTag::from_u8(((raw >> 2) & 7) as u8)?,
             }))
         }
-        _ => Err(crate::Error::new(crate::ErrorKind::Corrupt, format!("bad map entry {raw:#x}"))),
+        _ => Err(Error::new(ErrorKind::Corrupt, format!("bad map entry {raw:#x}"))),
     }
 }
 
@@ -66,39 +89,39 @@ pub struct Map {
 
 impl Map {
     pub fn new(block_count: u64) -> Map {
-        Map { entries: (0..block_count).map(|_| AtomicU64::new(UNMAPPED)).collect() }
+        Map { entries: (0..block_count).map(|_| AtomicU64::new(PackedEntry::UNMAPPED.0)).collect() }
     }
 
     pub fn block_count(&self) -> u64 {
         self.entries.len() as u64
     }
 
-    pub fn get(&self, lba: u64) -> u64 {
-        self.entries[lba as usize].load(Ordering::Acquire)
+    pub fn get(&self, lba: Lba) -> PackedEntry {
+        PackedEntry(self.entries[lba.0 as usize].load(Ordering::Acquire))
     }
 
     /// Publishes a new entry and returns the one it replaced.
-    pub fn swap(&self, lba: u64, raw: u64) -> u64 {
-        self.entries[lba as usize].swap(raw, Ordering::AcqRel)
+    pub fn swap(&self, lba: Lba, new: PackedEntry) -> PackedEntry {
+        PackedEntry(self.entries[lba.0 as usize].swap(new.0, Ordering::AcqRel))
     }
 
     /// Replaces `old` with `new` only if the entry still holds `old` (GC relocation).
-    pub fn compare_swap(&self, lba: u64, old: u64, new: u64) -> bool {
-        self.entries[lba as usize].compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    pub fn compare_swap(&self, lba: Lba, old: PackedEntry, new: PackedEntry) -> bool {
+        self.entries[lba.0 as usize].compare_exchange(old.0, new.0, Ordering::AcqRel, Ordering::Acquire).is_ok()
     }
 
     pub fn resize(&mut self, block_count: u64) {
-        self.entries.resize_with(block_count as usize, || AtomicU64::new(UNMAPPED));
+        self.entries.resize_with(block_count as usize, || AtomicU64::new(PackedEntry::UNMAPPED.0));
     }
 
     /// Every entry that is not unmapped, ascending.
-    pub fn mapped(&self) -> Vec<(u64, u64)> {
+    pub fn mapped(&self) -> Vec<(Lba, PackedEntry)> {
         self.entries
             .iter()
             .enumerate()
             .filter_map(|(lba, e)| {
-                let raw = e.load(Ordering::Acquire);
-                (raw != UNMAPPED).then_some((lba as u64, raw))
+                let raw = PackedEntry(e.load(Ordering::Acquire));
+                (raw != PackedEntry::UNMAPPED).then_some((Lba(lba as u64), raw))
             })
             .collect()
     }
@@ -111,9 +134,9 @@ mod tests {
     #[test]
     fn stored_entries_round_trip() {
         let s = Stored { offset_bytes: OFFSET_MAX, stored_len: 4100, codec: CodecTag::Deflate };
-        assert_eq!(unpack(pack_stored(s)).unwrap(), Entry::Stored(s));
-        assert_eq!(unpack(UNMAPPED).unwrap(), Entry::Unmapped);
-        assert_eq!(unpack(ZERO).unwrap(), Entry::Zero);
+        assert_eq!(PackedEntry::stored(s).unpack().unwrap(), Entry::Stored(s));
+        assert_eq!(PackedEntry::UNMAPPED.unpack().unwrap(), Entry::Unmapped);
+        assert_eq!(PackedEntry::ZERO.unpack().unwrap(), Entry::Zero);
         assert!(unpack(3).is_err());
         assert!(unpack(5).is_err());
     }

@@ -87,38 +87,40 @@ pub struct Counters {
     pub fua_ops: AtomicU64,
 }
 
-/// The persisted form of [`Counters`], in checkpoint order.
-pub const COUNTER_COUNT: usize = 16;
+/// The persisted form of [`Counters`]: the values in the checkpoint's order
+/// (`format::COUNTER_ORDER`, which `docs/format.md` lists).
+pub const COUNTER_COUNT: usize = crate::format::COUNTER_ORDER.len();
 
 impl Counters {
-    fn all(&self) -> [&AtomicU64; COUNTER_COUNT] {
+    /// Every counter with its name, in checkpoint order.
+    fn all(&self) -> [(&'static str, &AtomicU64); COUNTER_COUNT] {
         [
-            &self.host_write_bytes,
-            &self.host_read_bytes,
-            &self.backing_write_bytes,
-            &self.padding_bytes,
-            &self.metadata_bytes,
-            &self.data_bytes,
-            &self.checksum_errors,
-            &self.gc_bytes_moved,
-            &self.gc_segments_cleaned,
-            &self.checkpoints,
-            &self.read_ops,
-            &self.write_ops,
-            &self.trim_ops,
-            &self.zero_ops,
-            &self.flush_ops,
-            &self.fua_ops,
+            ("host_write_bytes", &self.host_write_bytes),
+            ("host_read_bytes", &self.host_read_bytes),
+            ("backing_write_bytes", &self.backing_write_bytes),
+            ("padding_bytes", &self.padding_bytes),
+            ("metadata_bytes", &self.metadata_bytes),
+            ("data_bytes", &self.data_bytes),
+            ("checksum_errors", &self.checksum_errors),
+            ("gc_bytes_moved", &self.gc_bytes_moved),
+            ("gc_segments_cleaned", &self.gc_segments_cleaned),
+            ("checkpoints", &self.checkpoints),
+            ("read_ops", &self.read_ops),
+            ("write_ops", &self.write_ops),
+            ("trim_ops", &self.trim_ops),
+            ("zero_ops", &self.zero_ops),
+            ("flush_ops", &self.flush_ops),
+            ("fua_ops", &self.fua_ops),
         ]
     }
 
     pub fn to_array(&self) -> [u64; COUNTER_COUNT] {
-        self.all().map(|c| c.load(Ordering::Relaxed))
+        self.all().map(|(_, c)| c.load(Ordering::Relaxed))
     }
 
     pub fn from_array(values: &[u64; COUNTER_COUNT]) -> Counters {
         let counters = Counters::default();
-        for (counter, value) in counters.all().into_iter().zip(values) {
+        for ((_, counter), value) in counters.all().into_iter().zip(values) {
             counter.store(*value, Ordering::Relaxed);
         }
         counters
@@ -130,5 +132,17 @@ impl Counters {
 
     pub fn get(counter: &AtomicU64) -> u64 {
         counter.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The checkpoint's counter order is part of the format: the list here must be it.
+    #[test]
+    fn counters_persist_in_the_documented_order() {
+        let names = Counters::default().all().map(|(name, _)| name);
+        assert_eq!(names, crate::format::COUNTER_ORDER);
     }
 }

@@ -67,7 +67,7 @@ fn text_block(lba: u64, version: u8) -> Vec<u8> {
         state ^= state >> 7;
         state ^= state << 17;
         block.extend_from_slice(words[(state % words.len() as u64) as usize].as_bytes());
-        if state % 5 == 0 {
+        if state.is_multiple_of(5) {
             block.extend_from_slice(format!(" {}", (state >> 20) % 100_000).as_bytes());
         }
         block.push(b' ');

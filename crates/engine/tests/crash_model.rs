@@ -208,21 +208,20 @@ fn mixed_requests_survive_random_crashes() {
 
 #[test]
 fn overwrites_at_50_percent_utilisation_survive_crashes_inside_gc() {
-    run_scenario(
-        Scenario {
-            name: "overwrites_at_50_percent_utilisation_survive_crashes_inside_gc",
-            segments: 64,
-            segment_bytes: 64 << 10,
-            logical_bytes: 2 << 20,
-            incompressible_percent: 92,
-            cycles: 40,
-            ops_per_cycle: 40,
-            fill: true,
-            write_percent: 70,
-        },
-        20,
-    );
+    run_scenario(OVERWRITES_AT_50_PERCENT, 20);
 }
+
+const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
+    name: "overwrites_at_50_percent_utilisation_survive_crashes_inside_gc",
+    segments: 64,
+    segment_bytes: 64 << 10,
+    logical_bytes: 2 << 20,
+    incompressible_percent: 92,
+    cycles: 40,
+    ops_per_cycle: 40,
+    fill: true,
+    write_percent: 70,
+};
 
 #[test]
 fn overwrites_at_85_percent_utilisation_survive_crashes_inside_gc() {
@@ -230,13 +229,8 @@ fn overwrites_at_85_percent_utilisation_survive_crashes_inside_gc() {
         Scenario {
             name: "overwrites_at_85_percent_utilisation_survive_crashes_inside_gc",
             segments: 128,
-            segment_bytes: 64 << 10,
             logical_bytes: 1740 * 4096,
-            incompressible_percent: 92,
-            cycles: 40,
-            ops_per_cycle: 40,
-            fill: true,
-            write_percent: 70,
+            ..OVERWRITES_AT_50_PERCENT
         },
         20,
     );

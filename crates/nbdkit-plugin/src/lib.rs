@@ -254,11 +254,17 @@ impl Server for Handle {
         if let Some(service) = serving.service.take() {
             service.stop();
         }
-        let Ok(shared) = Arc::try_unwrap(serving.shared) else {
-            // nbdkit unloads after every connection closed; if one still holds the store,
-            // make what it acknowledged durable and leave it to that connection.
-            eprintln!("zdisk: store still in use at unload; flushed, not closed");
-            return;
+        let shared = match Arc::try_unwrap(serving.shared) {
+            Ok(shared) => shared,
+            Err(shared) => {
+                // nbdkit unloads after every connection closed; if one still holds the
+                // store, make what it acknowledged durable and leave it to that connection.
+                match shared.store.flush() {
+                    Ok(()) => eprintln!("zdisk: store still in use at unload; flushed, not closed"),
+                    Err(e) => eprintln!("zdisk: store still in use at unload; flushing it failed: {e}"),
+                }
+                return;
+            }
         };
         match Arc::try_unwrap(shared.store) {
             Ok(store) => {

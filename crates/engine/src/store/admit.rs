@@ -1,0 +1,151 @@
+//! Admission of host requests: append when there is room, otherwise make room with
+//! foreground GC, in bounded rounds, and refuse with ENOSPC only when GC cannot give back
+//! what the request lacks.
+//!
+//! Only host requests come through here. GC and checkpoints call the single append attempt
+//! (`Inner::try_append`) and fail at once when short, so GC never waits on GC.
+//!
+//! Invariants: at most `FOREGROUND_GC_ROUNDS_MAX` rounds per request; one writer runs a
+//! round at a time (the others wait for it and retry); a refused request has no effect.
+
+use std::sync::atomic::Ordering;
+
+use super::gc::GcMode;
+use super::log::{Appended, Attempt};
+use super::op::{metadata_only, Op};
+use super::space::SpaceClass;
+use super::state::Inner;
+use crate::error::{Error, ErrorKind, Result};
+
+/// A write that finds no space runs at most this many rounds of GC before ENOSPC.
+const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
+/// Victims one foreground GC round may clean (bounds the pause of the write that waits).
+const FOREGROUND_GC_VICTIMS_MAX: usize = 16;
+const EXHAUSTED: &str = "physical space is exhausted";
+
+/// What a foreground GC round tells the waiting writer.
+enum RoundOutcome {
+    /// Try the append again.
+    Retry,
+    GiveUp(&'static str),
+}
+
+impl Inner {
+    /// Appends a host request's group, making room with foreground GC when it lacks it.
+    /// A trim or zero that GC could not make room for may still go below the metadata
+    /// reserve (`SpaceClass::TrimWhileFull`).
+    pub(crate) fn admit(&self, ops: &[Op], mut class: SpaceClass) -> Result<Appended> {
+        debug_assert!(!class.is_internal(), "only host requests wait for space");
+        let mut rounds = 0;
+        let mut stalled_rounds = 0;
+        loop {
+            let shortfall_bytes = match self.try_append(ops, class)? {
+                Attempt::Appended(appended) => return Ok(appended),
+                Attempt::Short { shortfall_bytes } => shortfall_bytes,
+            };
+            if class.is_internal() {
+                return Err(Error::new(ErrorKind::NoSpace, EXHAUSTED));
+            }
+            let outcome = if rounds >= FOREGROUND_GC_ROUNDS_MAX {
+                RoundOutcome::GiveUp(EXHAUSTED)
+            } else {
+                rounds += 1;
+                self.foreground_gc_round(shortfall_bytes, &mut stalled_rounds)?
+            };
+            if let RoundOutcome::GiveUp(message) = outcome {
+                if class == SpaceClass::HostMetadata && metadata_only(ops) {
+                    class = SpaceClass::TrimWhileFull;
+                    continue;
+                }
+                return Err(Error::new(ErrorKind::NoSpace, message));
+            }
+        }
+    }
+
+    /// One round of foreground GC for a writer that lacks `shortfall_bytes`: clean a few
+    /// segments and free them; when they wait for the reuse horizon, checkpoint (at most
+    /// twice) to move it past them. One writer runs a round at a time; the others wait for
+    /// it and then retry.
+    ///
+    /// A round that gives back nothing ends the attempt: a checkpoint costs space too, and
+    /// spending it for no gain only digs deeper. But only when it is the round's own
+    /// failure: the background worker may have freed what the writer needed meanwhile, and
+    /// then the writer retries.
+    fn foreground_gc_round(&self, shortfall_bytes: u64, stalled_rounds: &mut u32) -> Result<RoundOutcome> {
+        let round_generation = self.foreground_rounds.load(Ordering::Acquire);
+        let _round = self.foreground_gc.lock();
+        if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
+            return Ok(RoundOutcome::Retry); // another writer just ran a round: retry the append first
+        }
+        let (available_before, unused_before) = {
+            let log = self.log.lock();
+            (self.available_bytes(&log), self.unused_bytes(&log))
+        };
+        let (cleaned, mut freed) = self.clean_for(shortfall_bytes)?;
+        // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
+        // the previous one, so two free everything cleaned before the first.
+        for _ in 0..2 {
+            let (short, waiting) = {
+                let log = self.log.lock();
+                (self.available_bytes(&log) < available_before + shortfall_bytes, log.segments.has_cleaned())
+            };
+            if !short || !waiting {
+                break;
+            }
+            match self.checkpoint_now() {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                Err(e) => return Err(e),
+            }
+            freed += self.free_cleaned()?;
+        }
+        self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+        // Progress is judged by the space not holding records (free and cleaned segments,
+        // the open segment's room), not by this round's own work: the background worker may
+        // have freed the segments this round cleaned, and relocating a victim may take a
+        // new segment while giving back only part of one.
+        let (available_after, unused_after) = {
+            let log = self.log.lock();
+            (self.available_bytes(&log), self.unused_bytes(&log))
+        };
+        if available_after >= available_before + shortfall_bytes || unused_after > unused_before {
+            return Ok(RoundOutcome::Retry);
+        }
+        if cleaned == 0 && freed == 0 {
+            return Ok(RoundOutcome::GiveUp(EXHAUSTED));
+        }
+        *stalled_rounds += 1;
+        Ok(if *stalled_rounds >= 2 {
+            RoundOutcome::GiveUp("physical space is exhausted (GC cannot give back space)")
+        } else {
+            RoundOutcome::Retry
+        })
+    }
+
+    /// Cleans victims until they give back what a writer lacks (no more: every segment GC
+    /// keeps free beyond the reserve raises the utilisation it works at), and frees them.
+    /// Returns (segments cleaned, segments freed).
+    fn clean_for(&self, shortfall_bytes: u64) -> Result<(usize, usize)> {
+        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes);
+        let mut cleaned = 0;
+        let mut gained_bytes = 0;
+        let mut freed = 0;
+        while cleaned < FOREGROUND_GC_VICTIMS_MAX && gained_bytes < want_bytes {
+            match self.gc_once(GcMode::Foreground) {
+                Ok(Some(bytes)) => {
+                    cleaned += 1;
+                    gained_bytes += bytes;
+                }
+                Ok(None) => break,
+                // Relocations ran into GC's reserve: free what is cleaned so far and go on.
+                Err(e) if e.kind() == ErrorKind::NoSpace => match self.free_cleaned()? {
+                    0 => break,
+                    n => freed += n,
+                },
+                Err(e) => return Err(e),
+            }
+        }
+        freed += self.free_cleaned()?;
+        Ok((cleaned, freed))
+    }
+}

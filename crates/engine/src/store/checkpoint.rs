@@ -1,0 +1,229 @@
+//! Checkpoints, and freeing segments under the reuse rule.
+//!
+//! A checkpoint is a snapshot of the map, the segment table and the counters as of one
+//! record, written into the log as chunk records, made durable, and then pointed at by the
+//! next superblock slot (generation g goes to slot g mod 2).
+//!
+//! Invariants:
+//! - The superblock slot is written only after every chunk it lists is durable.
+//! - The reuse horizon is the checkpoint sequence number of the older retained superblock:
+//!   recovery from either replays only records after it.
+//! - Reuse rule: a cleaned segment becomes free only when (1) all its records are at or
+//!   before the horizon, (2) the records that emptied it are durable, and (3) no reader
+//!   still holds a map entry into it. Checked in this order by `free_cleaned_locked`,
+//!   under the checkpoint lock, so two callers never free the same segment.
+
+use std::sync::atomic::Ordering;
+
+use super::lock::MutexGuard;
+use super::log::Attempt;
+use super::op::Op;
+use super::space::SpaceClass;
+use super::state::{round_up, Geometry, Inner};
+use super::writeout::WriteOut;
+use crate::backing::Backing;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{
+    Checkpoint, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
+};
+use crate::stats::Counters;
+use crate::types::SegmentId;
+use crate::{BLOCK_SIZE, SECTOR_SIZE};
+
+impl Inner {
+    /// Takes a snapshot, writes it into the log, makes it durable, points the next
+    /// superblock slot at it, and frees the segments the reuse rule now allows.
+    pub(crate) fn checkpoint_now(&self) -> Result<()> {
+        let mut durable_sb = self.checkpoint.lock();
+        self.check_writable()?;
+        let (snapshot, replay_offset_bytes, replay_prev_crc) = self.snapshot();
+        let encoded = snapshot.encode();
+        let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
+            Attempt::Appended(appended) => appended,
+            Attempt::Short { .. } => return Err(Error::new(ErrorKind::NoSpace, "no room for a checkpoint")),
+        };
+        if appended.chunks.len() > CHUNK_REFS_MAX {
+            return Err(Error::new(ErrorKind::NoSpace, "checkpoint too large for the superblock"));
+        }
+        self.write_out(WriteOut::Flush)?;
+        let sb = Superblock {
+            format_version: FORMAT_VERSION,
+            generation: snapshot.generation,
+            logical_size_bytes: snapshot.logical_size_bytes,
+            checkpoint_seq: snapshot.seq,
+            replay_offset_bytes,
+            replay_prev_crc,
+            checkpoint_chunks: appended.chunks,
+            ..durable_sb.clone()
+        };
+        let slot = (sb.generation % 2) * SUPERBLOCK_SLOT_BYTES as u64;
+        let bytes = sb.encode();
+        self.backing.write_at(slot, &bytes).map_err(|e| self.fail(Error::io("write superblock", e)))?;
+        self.backing.sync().map_err(|e| self.fail(Error::io("sync superblock", e)))?;
+        Counters::add(&self.counters.backing_write_bytes, bytes.len() as u64);
+        Counters::add(&self.counters.metadata_bytes, (bytes.len() + encoded.len()) as u64);
+        Counters::add(&self.counters.checkpoints, 1);
+        {
+            let mut log = self.log.lock();
+            log.epochs.checkpoint_bytes = encoded.len() as u64;
+            log.segments.pin_newest(chunk_segments(&self.geometry, &sb));
+            // The slot just written replaced the one before the previous checkpoint; the
+            // previous checkpoint is now the older retained one.
+            assert!(durable_sb.checkpoint_seq <= sb.checkpoint_seq, "checkpoints out of order");
+            log.epochs.reuse_horizon_seq = durable_sb.checkpoint_seq;
+        }
+        *durable_sb = sb;
+        self.free_cleaned_locked(&durable_sb)?;
+        Ok(())
+    }
+
+    /// The snapshot a checkpoint writes, with where replay after it starts and what it
+    /// chains to. It covers whole records only: the open batch is closed first.
+    fn snapshot(&self) -> (Checkpoint, u64, u32) {
+        let mut log = self.log.lock();
+        self.close_batch(&mut log);
+        log.epochs.snapshot_generation += 1;
+        let map = self.map.read();
+        let replay_offset_bytes = match &log.appender.open {
+            Some(open) => self.geometry.segment_base(open.buffer.segment) + open.append_offset_bytes as u64,
+            None => DATA_START_BYTES,
+        };
+        let snapshot = Checkpoint {
+            seq: log.appender.next_seq - 1,
+            generation: log.epochs.snapshot_generation,
+            logical_size_bytes: map.block_count() * BLOCK_SIZE as u64,
+            counters: self.counters.to_array(),
+            segments: log.segments.snapshot(),
+            map: map.mapped().into_iter().map(|(lba, entry)| (lba.0, entry.0)).collect(),
+        };
+        log.epochs.bytes_since_checkpoint = 0;
+        (snapshot, replay_offset_bytes, log.appender.prev_crc)
+    }
+
+    /// Frees the cleaned segments the reuse rule allows (see [`Inner::free_cleaned_locked`]).
+    pub(crate) fn free_cleaned(&self) -> Result<usize> {
+        let durable_sb = self.checkpoint.lock();
+        self.free_cleaned_locked(&durable_sb)
+    }
+
+    /// Frees every cleaned segment that nothing recovery could replay points into, in the
+    /// order of the reuse rule (module comment), and only then discards it on the backing
+    /// and puts it in the free set — a segment discarded after reuse would lose the new
+    /// data written into it. Sealed segments whose data all died (overwritten or trimmed)
+    /// are freed the same way, without GC reading them.
+    pub(crate) fn free_cleaned_locked(&self, _checkpoint_held: &MutexGuard<'_, Superblock>) -> Result<usize> {
+        // GC must not be working on a segment while it is freed (it would mark it cleaned
+        // after it was reused).
+        let _gc = self.gc_lock.lock();
+        let unwritten = self.unwritten_segments();
+        let (freeable, emptied_seq) = {
+            let mut log = self.log.lock();
+            let horizon = log.epochs.reuse_horizon_seq;
+            let now_seq = log.appender.next_seq - 1;
+            let dead: Vec<SegmentId> = log
+                .segments
+                .iter()
+                .filter(|&(id, s)| s.live_bytes == 0 && log.segments.collectable(id, &unwritten))
+                .map(|(id, _)| id)
+                .collect();
+            for id in dead {
+                log.segments.mark_cleaned(id, now_seq);
+            }
+            // (1) behind the horizon.
+            let freeable: Vec<SegmentId> = log
+                .segments
+                .iter()
+                .filter(|(_, s)| s.state == SegmentState::Cleaned && s.last_seq <= horizon)
+                .map(|(id, _)| id)
+                .collect();
+            let emptied_seq = freeable.iter().map(|&id| log.segments.get(id).cleaned_seq).max().unwrap_or(0);
+            (freeable, emptied_seq)
+        };
+        if freeable.is_empty() {
+            return Ok(0);
+        }
+        // (2) what emptied them is durable; (3) no reader holds an old map entry.
+        self.flush_upto(emptied_seq)?;
+        drop(self.map.write());
+        for &id in &freeable {
+            let base = self.geometry.segment_base(id);
+            if let Err(e) = self.backing.discard(base, self.geometry.segment_size_bytes) {
+                tracing::warn!("discard of segment {id} failed: {e}");
+            }
+        }
+        let mut log = self.log.lock();
+        let horizon = log.epochs.reuse_horizon_seq;
+        for &id in &freeable {
+            // Cleaned segments are touched by nobody else (GC and allocation skip them).
+            let usage = log.segments.get(id);
+            assert!(usage.last_seq <= horizon, "freeing segment {id} before the reuse horizon passed it");
+            assert!(
+                usage.cleaned_seq <= self.durable_seq.load(Ordering::Acquire),
+                "freeing segment {id} before what emptied it is durable"
+            );
+            log.segments.release(id);
+            self.read_cache.forget_segment(id.0);
+        }
+        Ok(freeable.len())
+    }
+
+    /// Log bytes between checkpoints. Short enough that GC victims (the older segments)
+    /// have usually passed the reuse horizon — at most 1/4 of the data area, so the last
+    /// two intervals cover at most half of it, segments greedy GC would not take yet (under
+    /// uniform overwrites at 80% utilisation they are still over 80% live) — and long
+    /// enough that a checkpoint (the whole map) stays a small part of what is written: at
+    /// least 32 times its size. Never longer than the configured interval, which bounds
+    /// recovery time.
+    pub(crate) fn checkpoint_interval_bytes(&self) -> u64 {
+        let checkpoint_bytes = self.log.lock().epochs.checkpoint_bytes;
+        (self.geometry.data_area_bytes() / 4).max(32 * checkpoint_bytes).min(self.options.checkpoint_interval_bytes)
+    }
+}
+
+/// The segments holding the chunks of the checkpoint a superblock points at.
+pub(crate) fn chunk_segments(geometry: &Geometry, sb: &Superblock) -> Vec<SegmentId> {
+    let mut segments: Vec<SegmentId> = sb
+        .checkpoint_chunks
+        .iter()
+        .filter(|c| c.offset_bytes >= DATA_START_BYTES)
+        .map(|c| geometry.segment_of(c.offset_bytes))
+        .filter(|&s| (s.0 as u64) < geometry.segment_count)
+        .collect();
+    segments.dedup();
+    segments
+}
+
+/// Reads and decodes the checkpoint a superblock points at (`None` for a fresh store).
+pub(crate) fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<Option<Checkpoint>> {
+    if sb.checkpoint_chunks.is_empty() {
+        return Ok(None);
+    }
+    let mut compressed = Vec::new();
+    for chunk in &sb.checkpoint_chunks {
+        let start = chunk.offset_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
+        let end = round_up(chunk.offset_bytes + chunk.length_bytes as u64, SECTOR_SIZE as u64);
+        if start < DATA_START_BYTES || end > sb.physical_size_bytes {
+            return Err(Error::new(ErrorKind::Corrupt, "checkpoint chunk outside the data area"));
+        }
+        let mut buf = vec![0u8; (end - start) as usize];
+        backing.read_at(start, &mut buf).map_err(|e| Error::io("read checkpoint", e))?;
+        let at = (chunk.offset_bytes - start) as usize;
+        let bytes = &buf[at..at + chunk.length_bytes as usize];
+        if crc32c::crc32c(bytes) != chunk.crc {
+            return Err(Error::new(
+                ErrorKind::Corrupt,
+                format!("checkpoint chunk at {} fails its checksum", chunk.offset_bytes),
+            ));
+        }
+        compressed.extend_from_slice(bytes);
+    }
+    // The superblock carries the checkpoint's logical size: the map holds at most that many
+    // blocks, which bounds what decoding may allocate.
+    let block_count = sb.logical_size_bytes / BLOCK_SIZE as u64;
+    let decoded_max = Checkpoint::decoded_bytes_max(sb.segment_count(), block_count);
+    let cp = Checkpoint::decode(&compressed, decoded_max)?;
+    if cp.seq != sb.checkpoint_seq || cp.generation != sb.generation {
+        return Err(Error::new(ErrorKind::Corrupt, "checkpoint does not match its superblock"));
+    }
+    Ok(Some(cp))
+}

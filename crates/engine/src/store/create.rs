@@ -1,0 +1,189 @@
+//! Formatting a store, and reading what its superblock says without opening it.
+//!
+//! Invariants: format refuses, with nothing written, a geometry the engine cannot serve and
+//! a target that holds a zdisk store or other data (unless forced); it writes both
+//! superblock slots (generation 0, no checkpoint) only after discarding the data area, and
+//! syncs before it returns.
+
+use std::path::Path;
+
+use super::options::{FormatOptions, StoreInfo};
+use super::recovery::read_superblocks;
+use crate::backing::{self, Access, Backing, BackingOptions, Lock};
+use crate::codec::Codec;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{Superblock, DATA_START_BYTES, FORMAT_VERSION, LOGICAL_SIZE_MAX_BYTES};
+use crate::{BLOCK_SIZE, SECTOR_SIZE};
+
+const SEGMENT_BYTES_MIN: u64 = 64 << 10;
+const SEGMENT_BYTES_MAX: u64 = 256 << 20;
+const SEGMENT_BYTES_DEFAULT: u64 = 4 << 20;
+/// A store has at least this many segments (GC needs room to move).
+const SEGMENTS_MIN: u64 = 8;
+/// The default segment size shrinks on small stores until there are this many.
+const SEGMENTS_PREFERRED: u64 = 64;
+
+const FORMAT_OPEN: BackingOptions =
+    BackingOptions { access: Access::ReadWrite, direct_io: false, lock: Lock::Exclusive };
+
+pub(crate) fn store_tag(uuid: &[u8; 16]) -> u32 {
+    crc32c::crc32c(uuid)
+}
+
+/// A fresh random session nonce for one open of the store (never 0), so records of one
+/// run never chain with stale records of another.
+pub(crate) fn session_nonce() -> u32 {
+    let random = uuid::Uuid::new_v4();
+    u32::from_le_bytes(random.as_bytes()[..4].try_into().expect("4 bytes")) | 1
+}
+
+pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
+    let codec = Codec::from_parts(sb.codec_tag, sb.codec_level).map(|c| c.to_string()).unwrap_or_default();
+    StoreInfo {
+        uuid: uuid::Uuid::from_bytes(sb.uuid).to_string(),
+        format_version: sb.format_version,
+        logical_size_bytes: sb.logical_size_bytes,
+        physical_size_bytes: sb.physical_size_bytes,
+        segment_size_bytes: sb.segment_size_bytes,
+        codec,
+    }
+}
+
+/// Default segment size: 4 MiB, smaller on small stores so there are at least 64 segments.
+fn default_segment_size(physical_size_bytes: u64) -> u64 {
+    let mut size = SEGMENT_BYTES_DEFAULT;
+    while size > SEGMENT_BYTES_MIN && physical_size_bytes.saturating_sub(DATA_START_BYTES) / size < SEGMENTS_PREFERRED {
+        size /= 2;
+    }
+    size
+}
+
+/// Checks a logical size a store may have.
+pub(crate) fn validate_logical_size(logical_size_bytes: u64) -> Result<()> {
+    if logical_size_bytes == 0
+        || !logical_size_bytes.is_multiple_of(BLOCK_SIZE as u64)
+        || logical_size_bytes > LOGICAL_SIZE_MAX_BYTES
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 64 TiB"),
+        ));
+    }
+    Ok(())
+}
+
+/// Formats `path` (created at the physical size if it does not exist).
+pub(crate) fn format(path: &Path, options: &FormatOptions) -> Result<StoreInfo> {
+    let exists = path.exists();
+    if !exists {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
+        file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+    }
+    let backing = backing::open(path, &FORMAT_OPEN)?;
+    if exists && !options.force {
+        refuse_to_overwrite(path, &backing)?;
+    }
+    let is_file = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(false);
+    let backing = if is_file && backing.size_bytes() != options.physical_size_bytes {
+        drop(backing);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
+        file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+        backing::open(path, &FORMAT_OPEN)?
+    } else {
+        backing
+    };
+    format_backing(&backing, options)
+}
+
+/// Refuses a target that holds a zdisk store or any data in its first sector.
+fn refuse_to_overwrite(path: &Path, backing: &dyn Backing) -> Result<()> {
+    if let Ok((sb, _)) = read_superblocks(backing) {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "{} already holds zdisk store {}; use --force to overwrite it",
+                path.display(),
+                info_from(&sb).uuid
+            ),
+        ));
+    }
+    if backing.size_bytes() > 0 {
+        let mut head = vec![0u8; SECTOR_SIZE];
+        backing.read_at(0, &mut head).map_err(|e| Error::io("read", e))?;
+        if head.iter().any(|&b| b != 0) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{} holds data; use --force to overwrite it", path.display()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Formats an already opened backing store (its whole size).
+pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> Result<StoreInfo> {
+    let physical_size_bytes = backing.size_bytes() / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
+    let segment_size_bytes = options.segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
+    if !(SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&segment_size_bytes)
+        || !segment_size_bytes.is_multiple_of(SEGMENT_BYTES_MIN)
+    {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("segment size {segment_size_bytes} must be a multiple of 64 KiB between 64 KiB and 256 MiB"),
+        ));
+    }
+    let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
+    if segment_count < SEGMENTS_MIN {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "physical size {physical_size_bytes} is too small: it must hold 1 MiB of superblocks and at least {SEGMENTS_MIN} segments of {segment_size_bytes} bytes"
+            ),
+        ));
+    }
+    if physical_size_bytes > crate::map::OFFSET_MAX {
+        return Err(Error::new(ErrorKind::InvalidArgument, "physical size above 64 TiB"));
+    }
+    validate_logical_size(options.logical_size_bytes)?;
+    let sb = Superblock {
+        format_version: FORMAT_VERSION,
+        uuid: *uuid::Uuid::new_v4().as_bytes(),
+        generation: 0,
+        logical_size_bytes: options.logical_size_bytes,
+        physical_size_bytes,
+        segment_size_bytes,
+        codec_tag: options.codec.tag() as u8,
+        codec_level: options.codec.level(),
+        feature_flags: 0,
+        checkpoint_seq: 0,
+        replay_offset_bytes: DATA_START_BYTES,
+        replay_prev_crc: 0,
+        checkpoint_chunks: Vec::new(),
+    };
+    // Purge: old log records must not be mistaken for ours (they would not chain anyway,
+    // but discarding also gives the space back to a thin backing).
+    backing
+        .discard(DATA_START_BYTES, segment_count * segment_size_bytes)
+        .map_err(|e| Error::io("discard data area", e))?;
+    let mut slots = sb.encode();
+    slots.extend_from_slice(&sb.encode());
+    slots.resize(DATA_START_BYTES as usize, 0);
+    backing.write_at(0, &slots).map_err(|e| Error::io("write superblocks", e))?;
+    backing.sync().map_err(|e| Error::io("sync superblocks", e))?;
+    Ok(info_from(&sb))
+}
+
+/// Reads the superblock without locking or recovering (works while the store is served).
+pub(crate) fn info(path: &Path) -> Result<StoreInfo> {
+    let backing =
+        backing::open(path, &BackingOptions { access: Access::ReadOnly, direct_io: false, lock: Lock::None })?;
+    let (sb, _) = read_superblocks(&backing)?;
+    Ok(info_from(&sb))
+}

@@ -1,0 +1,151 @@
+//! Garbage collection: pick a victim segment, collect its live fragments, relocate them.
+//!
+//! Invariants:
+//! - A fragment is live only if the map still points at it; relocation replaces the map
+//!   entry only if it still holds the old place (compare-and-swap, `apply.rs`), so a
+//!   concurrent overwrite always wins.
+//! - A victim is marked cleaned only when nothing in it is live any more; if live bytes
+//!   remain (a damaged record header hid them), it is kept and never taken again.
+//! - A relocation must fit one fresh segment: GC may count on one beyond its reserve, and a
+//!   victim that gives back less than it takes would eat the reserves trims and checkpoints
+//!   need.
+
+use super::op::{relocation_bytes, Block, LiveFragment, Op};
+use super::scan::parse_segment;
+use super::space::SpaceClass;
+use super::state::{new_buffer, round_up, Inner};
+use crate::error::{Error, ErrorKind, Result};
+use crate::map::PackedEntry;
+use crate::stats::Counters;
+use crate::types::SegmentId;
+use crate::SECTOR_SIZE;
+
+/// Who runs GC: in the background only segments worth it are taken; in the foreground a
+/// writer waits, so anything whose relocation fits a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GcMode {
+    Background,
+    Foreground,
+}
+
+/// The victim GC chose, and whether the reuse horizon has passed it.
+struct Victim {
+    segment: SegmentId,
+    settled: bool,
+}
+
+impl Inner {
+    /// Cleans one victim segment. Returns the bytes it gives back once freed (segment size
+    /// less what was relocated), or None when no segment is worth cleaning.
+    pub(crate) fn gc_once(&self, mode: GcMode) -> Result<Option<u64>> {
+        let _gc = self.gc_lock.lock();
+        self.check_writable()?;
+        let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
+        let live = self.collect_live(victim.segment)?;
+        // Relocating costs the live fragments plus an entry each. It must fit one fresh
+        // segment (see the module comment).
+        let relocated_bytes = relocation_bytes(&live);
+        if relocated_bytes > self.geometry.segment_capacity() {
+            return Ok(None);
+        }
+        if !live.is_empty() {
+            let class = if victim.settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
+            self.relocate(live, class)?;
+        }
+        let mut log = self.log.lock();
+        let usage = *log.segments.get(victim.segment);
+        if usage.live_bytes != 0 {
+            // Live data that parsing did not find: a damaged record header (or a bug). Never
+            // free such a segment; leave it out of GC from now on; `check` reports it.
+            tracing::error!(
+                "segment {} still has {} live bytes after GC; keeping it",
+                victim.segment,
+                usage.live_bytes
+            );
+            log.segments.mark_unparseable(victim.segment);
+            return Ok(Some(0));
+        }
+        // Everything that emptied it was appended by now (a concurrent overwrite included).
+        let cleaned_seq = log.appender.next_seq - 1;
+        log.segments.mark_cleaned(victim.segment, cleaned_seq);
+        Counters::add(&self.counters.gc_segments_cleaned, 1);
+        Ok(Some(self.geometry.segment_size_bytes - relocated_bytes))
+    }
+
+    /// Chooses a victim: cost-benefit in the background, the emptiest in the foreground,
+    /// segments behind the reuse horizon first.
+    fn pick_victim(&self, mode: GcMode) -> Option<Victim> {
+        let log = self.log.lock();
+        let now = log.appender.next_seq;
+        let size = self.geometry.segment_size_bytes as f64;
+        // Segments still (partly) in memory may not be on disk yet: leave them be.
+        let unwritten = self.unwritten_segments();
+        let foreground = mode == GcMode::Foreground;
+        // In the background only segments worth it; when a writer waits, or space is
+        // short, anything whose relocation fits one segment.
+        let short = (log.segments.free_count() as u64) < self.host_reserve_segments(&log) + 2;
+        // (The bound leaves room for relocation entries; a victim whose relocation still
+        // does not fit one segment is given up after it is read.)
+        let capacity = self.geometry.segment_capacity() as f64;
+        let live_max = if foreground || short { capacity - capacity / 64.0 } else { size * 0.90 };
+        // A segment written after the reuse horizon can be cleaned but not freed before
+        // up to two more checkpoints: take one only when nothing older qualifies, and in
+        // the background only when space is short.
+        let horizon = log.epochs.reuse_horizon_seq;
+        let mut best: Option<(bool, f64, SegmentId)> = None;
+        for (id, s) in log.segments.iter() {
+            if !log.segments.collectable(id, &unwritten) || s.live_bytes as f64 > live_max {
+                continue;
+            }
+            let settled = s.last_seq <= horizon;
+            if !(settled || foreground || short) {
+                continue;
+            }
+            // Cost-benefit (Rosenblum & Ousterhout): free space gained times age, over the
+            // cost of reading the segment and writing its live data. In the foreground a
+            // writer is waiting: take the emptiest segment (greedy).
+            let u = s.live_bytes as f64 / size;
+            let age = (now - s.last_seq.min(now)) as f64 + 1.0;
+            let score = if foreground { 1.0 - u } else { (1.0 - u) * age / (1.0 + u) };
+            if best.is_none_or(|(b_settled, b_score, _)| (settled, score) > (b_settled, b_score)) {
+                best = Some((settled, score, id));
+            }
+        }
+        best.map(|(settled, _, segment)| Victim { segment, settled })
+    }
+
+    /// Reads a victim and returns the fragments in it the map still points at.
+    fn collect_live(&self, segment: SegmentId) -> Result<Vec<LiveFragment>> {
+        let base = self.geometry.segment_base(segment);
+        let usage = *self.log.lock().segments.get(segment);
+        // An empty victim needs no read: nothing in it is live.
+        if usage.live_bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
+        self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {segment}"), e))?;
+        let mut live = Vec::new();
+        let map = self.map.read();
+        for record in parse_segment(&image, base, self.geometry.store_tag) {
+            let mut at = record.payload_offset_bytes;
+            for (lba, fragment) in record.header.body.fragments() {
+                let here = PackedEntry::of_fragment(at, fragment);
+                if fragment.stored_len > 0 && lba.0 < map.block_count() && map.get(lba) == here {
+                    let from = (at - base) as usize;
+                    let bytes = image[from..from + fragment.stored_len as usize].to_vec();
+                    live.push(LiveFragment { lba, old: here, block: Block { entry: fragment, bytes } });
+                }
+                at += fragment.stored_len as u64;
+            }
+        }
+        Ok(live)
+    }
+
+    /// Appends the relocation of `live` (GC's single append attempt: no foreground GC).
+    fn relocate(&self, live: Vec<LiveFragment>, class: SpaceClass) -> Result<()> {
+        match self.try_append(&[Op::Relocate { fragments: live }], class)? {
+            super::log::Attempt::Appended(_) => Ok(()),
+            super::log::Attempt::Short { .. } => Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted")),
+        }
+    }
+}

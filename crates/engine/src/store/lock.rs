@@ -1,0 +1,210 @@
+//! The store's locks, each with a rank, and the lock order written down once.
+//!
+//! A thread holding a lock may only take locks of a higher rank:
+//!
+//! | rank | lock (field of `Inner`) | guards |
+//! |---|---|---|
+//! | 0 | `block_locks` (stripes) | read-modify-write of partial blocks; several, in index order |
+//! | 1 | `foreground_gc` | one foreground GC round at a time |
+//! | 2 | `checkpoint` | checkpoints, freeing segments; the newest durable superblock |
+//! | 3 | `gc_lock` | one GC victim at a time; freeing never races a victim |
+//! | 4 | `io` | backing writes of log data, so a flush knows every earlier write is done |
+//! | 5 | `log` | the appender, the segment table, checkpoint epochs |
+//! | 6 | `map` | the block map (write: resize, and the freeing barrier) |
+//! | 7 | `buffered` | the list of segment buffers readers may find data in |
+//! | 8 | a segment buffer's `data` | its bytes |
+//! | 9 | `signal` | the worker threads' wake-up flags |
+//!
+//! The path of a host write shows why: it holds its block stripes while it may run a
+//! foreground GC round, which checkpoints, which cleans a victim, which appends (log), which
+//! publishes map entries, which may open a segment (buffered list) and copies bytes into its
+//! buffer, which wakes the worker.
+//!
+//! Debug builds (and CI's profile) check every acquisition against the locks the thread
+//! already holds and panic naming both; release builds check nothing. The read cache's
+//! slot locks are outside the order: they are only ever try-locked.
+
+use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Rank {
+    BlockStripe = 0,
+    ForegroundGc = 1,
+    Checkpoint = 2,
+    Gc = 3,
+    Io = 4,
+    Log = 5,
+    Map = 6,
+    Buffered = 7,
+    SegmentData = 8,
+    Signal = 9,
+}
+
+const RANKS: usize = 10;
+
+thread_local! {
+    /// How many locks of each rank this thread holds (debug builds only).
+    static HELD: RefCell<[u16; RANKS]> = const { RefCell::new([0; RANKS]) };
+}
+
+/// Proof that the current thread registered a lock of `rank`; unregisters when dropped.
+struct Held(Rank);
+
+impl Held {
+    fn acquire(rank: Rank) -> Held {
+        if cfg!(debug_assertions) {
+            HELD.with(|held| {
+                let mut held = held.borrow_mut();
+                if let Some(higher) = (rank as usize + 1..RANKS).find(|&r| held[r] > 0) {
+                    panic!("lock order violated: taking {rank:?} while holding rank {higher} (see store/lock.rs)");
+                }
+                assert!(
+                    held[rank as usize] == 0 || rank == Rank::BlockStripe,
+                    "lock order violated: taking {rank:?} twice"
+                );
+                held[rank as usize] += 1;
+            });
+        }
+        Held(rank)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if cfg!(debug_assertions) {
+            HELD.with(|held| held.borrow_mut()[self.0 as usize] -= 1);
+        }
+    }
+}
+
+/// A mutex with a place in the lock order.
+pub(crate) struct Mutex<T> {
+    rank: Rank,
+    inner: parking_lot::Mutex<T>,
+}
+
+pub(crate) struct MutexGuard<'a, T> {
+    guard: parking_lot::MutexGuard<'a, T>,
+    _held: Held,
+}
+
+impl<T> Mutex<T> {
+    pub fn new(rank: Rank, value: T) -> Mutex<T> {
+        Mutex { rank, inner: parking_lot::Mutex::new(value) }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, T> {
+        let held = Held::acquire(self.rank);
+        MutexGuard { guard: self.inner.lock(), _held: held }
+    }
+}
+
+impl<T> MutexGuard<'_, T> {
+    /// Waits on `condvar` for at most `timeout`, releasing the lock meanwhile.
+    pub fn wait_for(&mut self, condvar: &parking_lot::Condvar, timeout: Duration) {
+        condvar.wait_for(&mut self.guard, timeout);
+    }
+}
+
+impl<T> Deref for MutexGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> DerefMut for MutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+/// A reader-writer lock with a place in the lock order.
+pub(crate) struct RwLock<T> {
+    rank: Rank,
+    inner: parking_lot::RwLock<T>,
+}
+
+pub(crate) struct ReadGuard<'a, T> {
+    guard: parking_lot::RwLockReadGuard<'a, T>,
+    _held: Held,
+}
+
+pub(crate) struct WriteGuard<'a, T> {
+    guard: parking_lot::RwLockWriteGuard<'a, T>,
+    _held: Held,
+}
+
+impl<T> RwLock<T> {
+    pub fn new(rank: Rank, value: T) -> RwLock<T> {
+        RwLock { rank, inner: parking_lot::RwLock::new(value) }
+    }
+
+    pub fn read(&self) -> ReadGuard<'_, T> {
+        let held = Held::acquire(self.rank);
+        ReadGuard { guard: self.inner.read(), _held: held }
+    }
+
+    pub fn write(&self) -> WriteGuard<'_, T> {
+        let held = Held::acquire(self.rank);
+        WriteGuard { guard: self.inner.write(), _held: held }
+    }
+
+    pub fn into_inner(self) -> T {
+        self.inner.into_inner()
+    }
+}
+
+impl<T> Deref for ReadGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> Deref for WriteGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.guard
+    }
+}
+
+impl<T> DerefMut for WriteGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.guard
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locks_taken_in_rank_order_are_fine() {
+        let log = Mutex::new(Rank::Log, 1);
+        let map = RwLock::new(Rank::Map, 2);
+        let _log = log.lock();
+        let _map = map.read();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "lock order violated")]
+    fn a_lock_taken_against_the_order_panics_in_debug_builds() {
+        let log = Mutex::new(Rank::Log, 1);
+        let map = RwLock::new(Rank::Map, 2);
+        let _map = map.read();
+        let _log = log.lock();
+    }
+
+    #[test]
+    fn releasing_a_lock_lets_a_lower_one_be_taken_again() {
+        let checkpoint = Mutex::new(Rank::Checkpoint, ());
+        let gc = Mutex::new(Rank::Gc, ());
+        drop(gc.lock());
+        let _checkpoint = checkpoint.lock();
+        let _gc = gc.lock();
+    }
+}

@@ -1,0 +1,495 @@
+//! The log: one append attempt, and how a group of ops becomes records in the open segment.
+//!
+//! Invariants:
+//! - Map order is log order: a group's records are appended and its map entries published
+//!   under one hold of the log lock (`apply.rs` is the one rule for both).
+//! - A group is FIRST..LAST; relocations and checkpoint chunks are groups of one record.
+//! - Records chain: each carries the previous header's CRC and the session nonce.
+//! - A batch record open at the end of the log is the last record: nothing else is appended
+//!   until it is closed, and none of its bytes are written out before (so its fixed header,
+//!   filled in at close, never rewrites a written sector).
+//! - Fragments never span segments; a record that does not fit seals the segment.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::apply::apply_record;
+use super::lock::{Rank, RwLock};
+use super::op::{Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
+use super::segments::SegmentTable;
+use super::space::SpaceClass;
+use super::state::{new_buffer, AlignedBuf, Inner, SegmentBuffer};
+use super::writeout::WriteOut;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{
+    BatchEntry, ChunkRef, RecordBody, RecordHeader, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST,
+    RECORD_FIXED_BYTES, RECORD_HEADER_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
+};
+use crate::map::Map;
+use crate::stats::Counters;
+use crate::types::{Lba, SegmentId};
+
+/// Buffered log bytes past which the writer thread is woken.
+pub(crate) const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
+
+/// Everything the log lock guards.
+pub(crate) struct Log {
+    pub appender: Appender,
+    pub segments: SegmentTable,
+    pub epochs: CheckpointEpochs,
+}
+
+/// Where the next record goes and what it chains to.
+pub(crate) struct Appender {
+    pub next_seq: u64,
+    pub prev_crc: u32,
+    pub session: u32,
+    pub open: Option<OpenSegment>,
+    /// The batch record growing in the open segment, if any.
+    pub batch: Option<OpenBatch>,
+    pub sealed_unwritten: VecDeque<SealedSegment>,
+    pub buffer_pool: Vec<AlignedBuf>,
+}
+
+/// Checkpoint bookkeeping the appender and the space rules need.
+pub(crate) struct CheckpointEpochs {
+    /// Generation of the newest checkpoint snapshot taken (durable or not).
+    pub snapshot_generation: u64,
+    /// The reuse horizon: the checkpoint sequence number of the older retained superblock.
+    /// Recovery (even falling back to that superblock) replays only records after it, so a
+    /// segment whose records all lie at or before it is never read by replay again.
+    pub reuse_horizon_seq: u64,
+    pub bytes_since_checkpoint: u64,
+    /// Size of the newest checkpoint, for the reserve estimate.
+    pub checkpoint_bytes: u64,
+}
+
+pub(crate) struct OpenSegment {
+    pub buffer: Arc<SegmentBuffer>,
+    pub append_offset_bytes: usize,
+    /// Bytes handed to the backing (always a sector multiple).
+    pub written_offset_bytes: usize,
+}
+
+/// A batch record still growing at the end of the open segment. Its fixed header is
+/// reserved at `record_offset_bytes` and written when it closes, together with the entries
+/// and the header CRC that follow the fragments. Its sequence number is taken when it opens.
+pub(crate) struct OpenBatch {
+    record_offset_bytes: usize,
+    seq: u64,
+    prev_crc: u32,
+    entries: Vec<BatchEntry>,
+    payload_len: usize,
+    payload_crc: u32,
+}
+
+pub(crate) struct SealedSegment {
+    pub buffer: Arc<SegmentBuffer>,
+    pub end_offset_bytes: usize,
+    pub written_offset_bytes: usize,
+}
+
+/// A group that went into the log.
+pub(crate) struct Appended {
+    /// Sequence number of the group's last record.
+    pub last_seq: u64,
+    /// Where the chunks of a checkpoint op went.
+    pub chunks: Vec<ChunkRef>,
+}
+
+/// The outcome of one append attempt.
+pub(crate) enum Attempt {
+    Appended(Appended),
+    /// The log lacks this many bytes for the group (its class's reserve included).
+    Short {
+        shortfall_bytes: u64,
+    },
+}
+
+/// Hands out FIRST and LAST for the records of one group.
+struct GroupFlags {
+    first: bool,
+}
+
+impl GroupFlags {
+    fn next(&mut self, last: bool) -> u8 {
+        let flags = if self.first { FLAG_FIRST } else { 0 } | if last { FLAG_LAST } else { 0 };
+        self.first = false;
+        flags
+    }
+
+    /// A record that is a group of its own; the next record starts a new group.
+    fn alone(&mut self) -> u8 {
+        self.first = true;
+        FLAG_FIRST | FLAG_LAST
+    }
+}
+
+/// How many fragments (given their sizes) fit in `room` bytes as one record whose header
+/// has `entry_bytes` per fragment.
+fn fragments_fitting(room: usize, entry_bytes: usize, sizes: impl Iterator<Item = usize>) -> usize {
+    let mut bytes = RECORD_HEADER_MIN_BYTES;
+    let mut take = 0;
+    for size in sizes {
+        if bytes + entry_bytes + size > room {
+            break;
+        }
+        bytes += entry_bytes + size;
+        take += 1;
+    }
+    take
+}
+
+impl Inner {
+    /// One append attempt: appends the group and publishes its map entries if the log has
+    /// room for it beyond its class's reserve, else says how much it lacks. GC and
+    /// checkpoints call this directly; host requests go through `admit`, which makes room.
+    pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
+        let mut log = self.log.lock();
+        self.check_writable()?;
+        let shortfall_bytes = self.shortfall_bytes(&log, ops, class);
+        if shortfall_bytes > 0 {
+            return Ok(Attempt::Short { shortfall_bytes });
+        }
+        let appended = self.append_locked(&mut log, ops)?;
+        if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
+            self.space_exhausted.store(false, Ordering::Relaxed);
+        }
+        let open = log.appender.open.as_ref();
+        let unwritten = open.map_or(0, |o| o.append_offset_bytes - o.written_offset_bytes);
+        let sealed = log.appender.sealed_unwritten.len();
+        drop(log);
+        let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
+        if sealed >= sealed_max || !self.options.background && sealed > 0 {
+            self.write_out(WriteOut::WholeSectors)?;
+        } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
+            self.kick_writer();
+        }
+        Ok(Attempt::Appended(appended))
+    }
+
+    /// Appends a group whose space was checked, and publishes its map entries.
+    fn append_locked(&self, log: &mut Log, ops: &[Op]) -> Result<Appended> {
+        let map = self.map.read();
+        for (start_lba, count) in ops.iter().filter_map(Op::lba_range) {
+            if start_lba.0 + count > map.block_count() {
+                return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
+            }
+        }
+        if let [Op::Write { start_lba, blocks }] = ops {
+            if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
+                self.append_to_batch(log, &map, *start_lba, blocks)?;
+                return Ok(Appended { last_seq: log.appender.next_seq - 1, chunks: Vec::new() });
+            }
+        }
+        self.close_batch(log);
+        let mut flags = GroupFlags { first: true };
+        let mut chunks = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let last_op = i + 1 == ops.len();
+            match op {
+                Op::Write { start_lba, blocks } => {
+                    for (j, piece) in blocks.chunks(RECORD_BLOCKS_MAX).enumerate() {
+                        let last_piece = last_op && (j + 1) * RECORD_BLOCKS_MAX >= blocks.len();
+                        let piece_lba = start_lba.plus((j * RECORD_BLOCKS_MAX) as u64);
+                        self.append_write_records(log, &map, piece_lba, piece, &mut flags, last_piece)?;
+                    }
+                }
+                Op::Range { kind, start_lba, block_count } => {
+                    self.ensure_room(log, RECORD_HEADER_MIN_BYTES)?;
+                    let body = match kind {
+                        RangeKind::Trim => RecordBody::Trim { start_lba: *start_lba, block_count: *block_count },
+                        RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
+                    };
+                    let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[]);
+                    apply_record(&map, &mut log.segments, &self.geometry, &body, payload_at);
+                }
+                Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
+                Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
+            }
+        }
+        Ok(Appended { last_seq: log.appender.next_seq - 1, chunks })
+    }
+
+    /// Write records for up to `RECORD_BLOCKS_MAX` blocks: as many records as the segment
+    /// ends make it.
+    fn append_write_records(
+        &self,
+        log: &mut Log,
+        map: &Map,
+        start_lba: Lba,
+        blocks: &[Block],
+        flags: &mut GroupFlags,
+        last_piece: bool,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < blocks.len() {
+            let sizes = blocks[done..].iter().map(|b| b.bytes.len());
+            let take = fragments_fitting(self.room(log), WRITE_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment(log)?;
+                continue;
+            }
+            let part = &blocks[done..done + take];
+            let body = RecordBody::Write {
+                start_lba: start_lba.plus(done as u64),
+                fragments: part.iter().map(|b| b.entry).collect(),
+            };
+            let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
+            let record_flags = flags.next(last_piece && done + take == blocks.len());
+            let (payload_at, body) = self.put_record(log, record_flags, body, &payload);
+            apply_record(map, &mut log.segments, &self.geometry, &body, payload_at);
+            let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
+            Counters::add(&self.counters.data_bytes, data_bytes as u64);
+            done += take;
+        }
+        Ok(())
+    }
+
+    /// Relocate records for GC's copies; each record is a group of its own.
+    fn append_relocate_records(
+        &self,
+        log: &mut Log,
+        map: &Map,
+        fragments: &[LiveFragment],
+        flags: &mut GroupFlags,
+    ) -> Result<()> {
+        for piece in fragments.chunks(RECORD_BLOCKS_MAX) {
+            let mut done = 0;
+            while done < piece.len() {
+                let sizes = piece[done..].iter().map(|f| f.block.bytes.len());
+                let take = fragments_fitting(self.room(log), RELOCATE_ENTRY_BYTES, sizes);
+                if take == 0 {
+                    self.open_new_segment(log)?;
+                    continue;
+                }
+                let part = &piece[done..done + take];
+                let body = RecordBody::Relocate { entries: part.iter().map(LiveFragment::relocate_entry).collect() };
+                let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
+                let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload);
+                let applied = apply_record(map, &mut log.segments, &self.geometry, &body, payload_at);
+                Counters::add(&self.counters.gc_bytes_moved, applied.relocated_bytes);
+                done += take;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checkpoint-chunk records holding `bytes`; returns where the chunks went.
+    fn append_checkpoint_records(&self, log: &mut Log, bytes: &[u8], flags: &mut GroupFlags) -> Result<Vec<ChunkRef>> {
+        let mut chunks = Vec::new();
+        let mut done = 0;
+        while done < bytes.len() {
+            let room = self.room(log).saturating_sub(RECORD_HEADER_MIN_BYTES);
+            if room < 512.min(bytes.len() - done) {
+                self.open_new_segment(log)?;
+                continue;
+            }
+            let take = room.min(bytes.len() - done);
+            let part = &bytes[done..done + take];
+            let (payload_at, _) = self.put_record(log, flags.alone(), RecordBody::Checkpoint, &[part]);
+            chunks.push(ChunkRef { offset_bytes: payload_at, length_bytes: take as u32, crc: crc32c::crc32c(part) });
+            done += take;
+        }
+        Ok(chunks)
+    }
+
+    /// Appends host blocks to the open batch record, first closing it (and opening a new
+    /// segment) when they do not fit. All of them go into one record: a request is atomic.
+    fn append_to_batch(&self, log: &mut Log, map: &Map, start_lba: Lba, blocks: &[Block]) -> Result<()> {
+        debug_assert!(blocks.len() <= BATCH_WRITE_BLOCKS_MAX);
+        debug_assert!(start_lba.0 + (blocks.len() as u64) < BATCH_LBA_LIMIT);
+        let payload_bytes: usize = blocks.iter().map(|b| b.bytes.len()).sum();
+        let added = payload_bytes + blocks.len() * BATCH_ENTRY_BYTES;
+        let fits = log
+            .appender
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.entries.len() + blocks.len() <= RECORD_BLOCKS_MAX && self.room(log) >= added);
+        if !fits {
+            self.open_batch(log, added)?;
+        }
+        let appender = &mut log.appender;
+        let open = appender.open.as_mut().expect("an open segment");
+        let batch = appender.batch.as_mut().expect("an open batch");
+        let segment = open.buffer.segment;
+        let payload_at = self.geometry.segment_base(segment) + open.append_offset_bytes as u64;
+        let mut at = open.append_offset_bytes;
+        let mut entries = Vec::with_capacity(blocks.len());
+        {
+            let mut data = open.buffer.data.write();
+            for (i, block) in blocks.iter().enumerate() {
+                data[at..at + block.bytes.len()].copy_from_slice(&block.bytes);
+                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, &block.bytes);
+                entries.push(BatchEntry { lba: start_lba.plus(i as u64), fragment: block.entry });
+                at += block.bytes.len();
+            }
+        }
+        batch.entries.extend_from_slice(&entries);
+        batch.payload_len += payload_bytes;
+        open.append_offset_bytes = at;
+        log.segments.note_append(segment, at as u64, None);
+        log.epochs.bytes_since_checkpoint += payload_bytes as u64;
+        apply_record(map, &mut log.segments, &self.geometry, &RecordBody::Batch { entries }, payload_at);
+        Counters::add(&self.counters.data_bytes, payload_bytes as u64);
+        Ok(())
+    }
+
+    /// Closes the open batch and opens a new one with room for `added` bytes of fragments
+    /// and entries (in a new segment if this one lacks it). The batch takes its sequence
+    /// number now.
+    fn open_batch(&self, log: &mut Log, added: usize) -> Result<()> {
+        self.close_batch(log);
+        if log.appender.open.is_none() || self.room(log) < RECORD_HEADER_MIN_BYTES + added {
+            self.open_new_segment(log)?;
+        }
+        let appender = &mut log.appender;
+        let open = appender.open.as_mut().expect("an open segment");
+        let record_offset_bytes = open.append_offset_bytes;
+        open.append_offset_bytes += RECORD_FIXED_BYTES;
+        let segment = open.buffer.segment;
+        appender.batch = Some(OpenBatch {
+            record_offset_bytes,
+            seq: appender.next_seq,
+            prev_crc: appender.prev_crc,
+            entries: Vec::new(),
+            payload_len: 0,
+            payload_crc: 0,
+        });
+        let end = open.append_offset_bytes as u64;
+        log.segments.note_append(segment, end, Some(appender.next_seq));
+        appender.next_seq += 1;
+        Ok(())
+    }
+
+    /// Closes the open batch record, if any: appends its entries and header CRC after its
+    /// fragments and fills in its fixed header. Until then nothing of it is written out, so
+    /// the header is never rewritten on disk.
+    pub(crate) fn close_batch(&self, log: &mut Log) {
+        let appender = &mut log.appender;
+        let Some(batch) = appender.batch.take() else { return };
+        let header = RecordHeader {
+            flags: FLAG_FIRST | FLAG_LAST,
+            seq: batch.seq,
+            prev_crc: batch.prev_crc,
+            session: appender.session,
+            store_tag: self.geometry.store_tag,
+            payload_len: batch.payload_len as u32,
+            payload_crc: batch.payload_crc,
+            body: RecordBody::Batch { entries: batch.entries },
+        };
+        let mut header_bytes = Vec::with_capacity(header.encoded_len());
+        let crc = header.encode(&mut header_bytes);
+        let (fixed, trailer) = header_bytes.split_at(RECORD_FIXED_BYTES);
+        let open = appender.open.as_mut().expect("a batch lives in the open segment");
+        let record_at = batch.record_offset_bytes;
+        assert_eq!(open.append_offset_bytes, record_at + RECORD_FIXED_BYTES + batch.payload_len);
+        assert!(open.written_offset_bytes <= record_at, "part of an open batch was written out");
+        debug_assert!(open.append_offset_bytes + trailer.len() <= self.geometry.segment_size_bytes as usize);
+        {
+            let mut data = open.buffer.data.write();
+            data[record_at..record_at + RECORD_FIXED_BYTES].copy_from_slice(fixed);
+            data[open.append_offset_bytes..open.append_offset_bytes + trailer.len()].copy_from_slice(trailer);
+        }
+        open.append_offset_bytes += trailer.len();
+        let (segment, end) = (open.buffer.segment, open.append_offset_bytes as u64);
+        appender.prev_crc = crc;
+        log.segments.note_append(segment, end, None);
+        log.epochs.bytes_since_checkpoint += header_bytes.len() as u64;
+        Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
+    }
+
+    /// Writes one record into the open segment (which has room for it). Returns the
+    /// physical byte address of its payload, and its body back.
+    fn put_record(&self, log: &mut Log, flags: u8, body: RecordBody, payload: &[&[u8]]) -> (u64, RecordBody) {
+        let appender = &mut log.appender;
+        debug_assert!(appender.batch.is_none(), "a record appended while a batch is open");
+        let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+        let payload_crc = payload.iter().fold(0u32, |crc, part| crc32c::crc32c_append(crc, part));
+        let header = RecordHeader {
+            flags,
+            seq: appender.next_seq,
+            prev_crc: appender.prev_crc,
+            session: appender.session,
+            store_tag: self.geometry.store_tag,
+            payload_len: payload_len as u32,
+            payload_crc,
+            body,
+        };
+        let mut header_bytes = Vec::with_capacity(header.encoded_len());
+        let crc = header.encode(&mut header_bytes);
+        let total = header_bytes.len() + payload_len;
+        let open = appender.open.as_mut().expect("an open segment");
+        assert!(
+            open.append_offset_bytes + total <= self.geometry.segment_size_bytes as usize,
+            "record past the segment end"
+        );
+        let segment = open.buffer.segment;
+        let record_at = open.append_offset_bytes;
+        {
+            let mut data = open.buffer.data.write();
+            let mut at = record_at;
+            for part in std::iter::once(&header_bytes[..]).chain(payload.iter().copied()) {
+                data[at..at + part.len()].copy_from_slice(part);
+                at += part.len();
+            }
+        }
+        open.append_offset_bytes += total;
+        log.segments.note_append(segment, (record_at + total) as u64, Some(appender.next_seq));
+        appender.prev_crc = crc;
+        appender.next_seq += 1;
+        log.epochs.bytes_since_checkpoint += total as u64;
+        Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
+        let payload_at = self.geometry.segment_base(segment) + (record_at + header_bytes.len()) as u64;
+        (payload_at, header.body)
+    }
+
+    /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
+    fn ensure_room(&self, log: &mut Log, bytes: usize) -> Result<()> {
+        if log.appender.open.is_none() || self.room(log) < bytes {
+            self.open_new_segment(log)?;
+        }
+        Ok(())
+    }
+
+    /// Room left in the open segment (0 if none is open). An open batch's entries and CRC,
+    /// still to be appended, are not room.
+    pub(crate) fn room(&self, log: &Log) -> usize {
+        let appender = &log.appender;
+        let trailer = appender.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + 4);
+        appender
+            .open
+            .as_ref()
+            .map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset_bytes - trailer)
+    }
+
+    /// Seals the open segment (queueing it for write-out) and opens the next free one.
+    fn open_new_segment(&self, log: &mut Log) -> Result<()> {
+        self.close_batch(log);
+        if let Some(open) = log.appender.open.take() {
+            log.segments.seal(open.buffer.segment, open.append_offset_bytes as u64);
+            log.appender.sealed_unwritten.push_back(SealedSegment {
+                buffer: open.buffer,
+                end_offset_bytes: open.append_offset_bytes,
+                written_offset_bytes: open.written_offset_bytes,
+            });
+        }
+        let id: SegmentId =
+            log.segments.open_next().ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
+        let size = self.geometry.segment_size_bytes as usize;
+        let data = match log.appender.buffer_pool.pop() {
+            Some(mut buf) => {
+                buf.fill(0);
+                buf
+            }
+            None => new_buffer(size),
+        };
+        let buffer = Arc::new(SegmentBuffer { segment: id, data: RwLock::new(Rank::SegmentData, data) });
+        // Once per segment: let the worker see whether GC or a checkpoint is due.
+        self.kick_worker();
+        self.buffered.write().push(Arc::clone(&buffer));
+        log.appender.open = Some(OpenSegment { buffer, append_offset_bytes: 0, written_offset_bytes: 0 });
+        Ok(())
+    }
+}

@@ -1,0 +1,364 @@
+//! The store: the public [`Store`] API over the rooms below (see `docs/architecture.md`).
+//!
+//! | module | responsibility |
+//! |---|---|
+//! | `options` | what callers pass in and get back besides data |
+//! | `create` | format, and reading a superblock without opening |
+//! | `state` | `Inner`, the state shared by request and background threads |
+//! | `lock` | the lock order, written down and checked in debug builds |
+//! | `request` | read / write / trim / zero / block status |
+//! | `read` | fetching and verifying blocks |
+//! | `op` | the operations a record group carries |
+//! | `admit` | a host request's wait for space and foreground GC |
+//! | `space` | space classes, reserves, space statistics |
+//! | `log` | one append attempt; records and batches |
+//! | `apply` | the one rule for what a record does to the map |
+//! | `segments` | the segment table and its state transitions |
+//! | `writeout` | write-out and flush |
+//! | `checkpoint` | checkpoints and the reuse rule |
+//! | `gc` | victim choice, live collection, relocation |
+//! | `worker` | the background threads |
+//! | `recovery` | choose checkpoint, rebuild, replay, settle |
+//! | `scan` | reading records back from segment images |
+//! | `check` | verifying the whole store |
+//!
+//! Invariants of the whole (asserted where cheap; `docs/guarantees.md` lists where each is
+//! tested): map order is log order; a request is one record group, all-or-nothing across a
+//! crash; records chain; no sector holding acknowledged data is written twice; a segment is
+//! reused only under the reuse rule; a failed backing write or sync makes the store
+//! read-only until reopened.
+
+mod admit;
+mod apply;
+mod check;
+mod checkpoint;
+mod create;
+mod gc;
+mod lock;
+mod log;
+mod op;
+mod options;
+mod read;
+mod recovery;
+mod request;
+mod scan;
+mod segments;
+mod space;
+mod state;
+#[cfg(test)]
+mod tests;
+mod worker;
+mod writeout;
+
+pub use options::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use lock::{Mutex, Rank, RwLock};
+use log::{Appender, CheckpointEpochs, Log};
+use op::RangeKind;
+use parking_lot::Condvar;
+use request::{Durability, BLOCK_LOCK_STRIPES};
+use segments::SegmentTable;
+use state::{Geometry, Inner, WorkerSignal};
+
+use crate::backing::{self, Access, Backing, BackingOptions, Lock};
+use crate::cache::FragmentCache;
+use crate::codec::Codec;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{SegmentUsage, FORMAT_VERSION};
+use crate::stats::{Counters, Stats};
+use crate::BLOCK_SIZE;
+
+/// An open zdisk store. All request methods take `&self` and may be called from many
+/// threads at once.
+pub struct Store {
+    inner: Arc<Inner>,
+    /// The GC/checkpoint worker and the log writer (empty without `background`).
+    workers: Vec<JoinHandle<()>>,
+    closed: bool,
+}
+
+fn durability(fua: bool) -> Durability {
+    if fua {
+        Durability::Fua
+    } else {
+        Durability::Buffered
+    }
+}
+
+impl Store {
+    /// Formats `path` (created at the physical size if it does not exist).
+    pub fn format(path: &Path, options: &FormatOptions) -> Result<StoreInfo> {
+        create::format(path, options)
+    }
+
+    /// Formats an already opened backing store (its whole size).
+    pub fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> Result<StoreInfo> {
+        create::format_backing(backing, options)
+    }
+
+    /// Reads the superblock without locking or recovering (works while the store is served).
+    pub fn info(path: &Path) -> Result<StoreInfo> {
+        create::info(path)
+    }
+
+    /// Opens and recovers the store at `path` (locked against other processes).
+    pub fn open(path: &Path, options: &OpenOptions) -> Result<Store> {
+        let (access, lock) =
+            if options.read_only { (Access::ReadOnly, Lock::Shared) } else { (Access::ReadWrite, Lock::Exclusive) };
+        let backing = backing::open(path, &BackingOptions { access, direct_io: options.direct_io, lock })?;
+        Store::open_backing(Arc::new(backing), options)
+    }
+
+    /// Opens and recovers a store on any backing (the simulator in tests).
+    pub fn open_backing(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Store> {
+        let chosen = recovery::choose_checkpoint(backing.as_ref())?;
+        let sb = chosen.superblock.clone();
+        let geometry = Geometry {
+            store_tag: create::store_tag(&sb.uuid),
+            segment_size_bytes: sb.segment_size_bytes,
+            segment_count: sb.segment_count(),
+            physical_size_bytes: sb.physical_size_bytes,
+            codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
+        };
+        let logical_size_bytes = recovery::logical_size_bytes(&chosen);
+        let (map, stored_blocks, zero_blocks) =
+            recovery::rebuild_map(chosen.checkpoint.as_ref(), recovery::block_count(logical_size_bytes))?;
+        let usage = match &chosen.checkpoint {
+            Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
+                return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
+            }
+            Some(cp) => cp.segments.clone(),
+            None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
+        };
+        let mut segments = SegmentTable::recovered(usage);
+        segments.stored_blocks = stored_blocks;
+        segments.zero_blocks = zero_blocks;
+        let counters =
+            chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
+        let log = Log {
+            appender: Appender {
+                next_seq: sb.checkpoint_seq + 1,
+                prev_crc: sb.replay_prev_crc,
+                session: create::session_nonce(),
+                open: None,
+                batch: None,
+                sealed_unwritten: VecDeque::new(),
+                buffer_pool: Vec::new(),
+            },
+            segments,
+            epochs: CheckpointEpochs {
+                snapshot_generation: sb.generation,
+                reuse_horizon_seq: 0,
+                bytes_since_checkpoint: 0,
+                checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+            },
+        };
+        let inner = Inner {
+            backing,
+            read_cache: FragmentCache::new(options.read_cache_bytes, geometry.segment_count),
+            geometry,
+            read_only: options.read_only,
+            options: options.clone(),
+            map: RwLock::new(Rank::Map, map),
+            log: Mutex::new(Rank::Log, log),
+            io: Mutex::new(Rank::Io, ()),
+            checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
+            buffered: RwLock::new(Rank::Buffered, Vec::new()),
+            counters,
+            failed: AtomicBool::new(false),
+            space_exhausted: AtomicBool::new(false),
+            logical_size_bytes: AtomicU64::new(logical_size_bytes),
+            durable_seq: AtomicU64::new(0),
+            block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
+            signal: Mutex::new(Rank::Signal, WorkerSignal { stop: false, kick: false, kick_writer: false }),
+            signal_cv: Condvar::new(),
+            writer_cv: Condvar::new(),
+            gc_lock: Mutex::new(Rank::Gc, ()),
+            foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
+            foreground_rounds: AtomicU64::new(0),
+        };
+        {
+            let mut log = inner.log.lock();
+            inner.replay(&mut log, &sb)?;
+            inner.settle_segments(&mut log, &chosen)?;
+            inner.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
+        }
+        if !options.read_only && sb.format_version < FORMAT_VERSION {
+            // Version 1 knows no batch records. Both slots say version 2 before one is
+            // written, so an older zdisk refuses the store instead of ending its replay at
+            // the first batch (which it would take for the end of the log).
+            inner.checkpoint_now()?;
+            inner.checkpoint_now()?;
+        }
+        let inner = Arc::new(inner);
+        let workers = if options.background && !options.read_only { spawn_workers(&inner)? } else { Vec::new() };
+        Ok(Store { inner, workers, closed: false })
+    }
+
+    /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
+    /// new end. Persisted by a checkpoint before it returns.
+    pub fn resize(&self, logical_size_bytes: u64) -> Result<()> {
+        self.inner.check_writable()?;
+        create::validate_logical_size(logical_size_bytes)?;
+        {
+            let _log = self.inner.log.lock();
+            let mut map = self.inner.map.write();
+            let new_blocks = logical_size_bytes / BLOCK_SIZE as u64;
+            let mapped_beyond = (new_blocks..map.block_count())
+                .filter(|&lba| map.get(crate::types::Lba(lba)) != crate::map::PackedEntry::UNMAPPED)
+                .count();
+            if mapped_beyond > 0 {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!(
+                        "cannot shrink to {logical_size_bytes} bytes: {mapped_beyond} blocks beyond the new end hold data (trim them first)"
+                    ),
+                ));
+            }
+            map.resize(new_blocks);
+            self.inner.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
+        }
+        self.inner.checkpoint_now()
+    }
+
+    pub fn info_of(&self) -> StoreInfo {
+        let mut info = create::info_from(&self.inner.checkpoint.lock());
+        info.logical_size_bytes = self.logical_size_bytes();
+        info
+    }
+
+    pub fn logical_size_bytes(&self) -> u64 {
+        self.inner.logical_size_bytes.load(Ordering::Acquire)
+    }
+
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.inner.read(offset, buf)
+    }
+
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.inner.write(offset, data, durability(fua))
+    }
+
+    pub fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.inner.range_request(RangeKind::Trim, offset, length, durability(fua))
+    }
+
+    pub fn write_zeroes(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.inner.range_request(RangeKind::Zero, offset, length, durability(fua))
+    }
+
+    pub fn flush(&self) -> Result<()> {
+        Counters::add(&self.inner.counters.flush_ops, 1);
+        self.inner.flush()
+    }
+
+    /// Allocation status of `[offset, offset+length)`, merged into runs.
+    pub fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>> {
+        self.inner.block_status(offset, length)
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.inner.stats()
+    }
+
+    /// Verifies every record header and block checksum and the space accounting.
+    /// `progress(done, total)` is called now and then.
+    pub fn check(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<CheckReport> {
+        self.inner.check(progress)
+    }
+
+    /// Runs garbage collection until no segment is worth cleaning or `segments_max` are
+    /// cleaned; returns how many were cleaned. (The background thread does this on its own.)
+    pub fn collect_garbage(&self, segments_max: usize) -> Result<usize> {
+        self.inner.check_writable()?;
+        let mut cleaned = 0;
+        while cleaned < segments_max && self.inner.gc_once(gc::GcMode::Background)?.is_some() {
+            cleaned += 1;
+        }
+        self.inner.free_cleaned()?;
+        Ok(cleaned)
+    }
+
+    /// One round of the background work (write-out, GC when space is short, a checkpoint
+    /// when due), run on the calling thread. For tests that run without the background
+    /// thread, so every backing I/O happens at a point they choose.
+    #[doc(hidden)]
+    pub fn maintain(&self) -> Result<()> {
+        self.inner.check_writable()?;
+        self.inner.background_step().map(|_| ())
+    }
+
+    /// Writes a checkpoint now (and frees segments it makes reusable).
+    pub fn checkpoint(&self) -> Result<()> {
+        self.inner.check_writable()?;
+        self.inner.checkpoint_now()
+    }
+
+    /// Drops the store like a power cut would: no flush, no checkpoint; what was not yet
+    /// durable is gone. For crash benchmarks and tests on real files.
+    #[doc(hidden)]
+    pub fn abandon(mut self) {
+        self.closed = true;
+        self.inner.failed.store(true, Ordering::Release);
+        self.stop_workers();
+    }
+
+    /// Flushes and writes a checkpoint, so the next open replays nothing.
+    pub fn close(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn stop_workers(&mut self) {
+        {
+            let mut signal = self.inner.signal.lock();
+            signal.stop = true;
+            self.inner.signal_cv.notify_all();
+        }
+        self.inner.writer_cv.notify_all();
+        for worker in self.workers.drain(..) {
+            let _ = worker.join();
+        }
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        self.stop_workers();
+        if self.inner.read_only || self.inner.failed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.inner.flush()?;
+        self.inner.checkpoint_now()
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::error!("closing the store: {e}");
+        }
+    }
+}
+
+/// Starts the background worker (GC, checkpoints) and the log writer.
+fn spawn_workers(inner: &Arc<Inner>) -> Result<Vec<JoinHandle<()>>> {
+    let worker_inner = Arc::clone(inner);
+    let worker = std::thread::Builder::new()
+        .name("zdisk-worker".into())
+        .spawn(move || worker_inner.worker_loop())
+        .map_err(|e| Error::io("spawn worker", e))?;
+    let writer_inner = Arc::clone(inner);
+    let writer = std::thread::Builder::new()
+        .name("zdisk-writer".into())
+        .spawn(move || writer_inner.writer_loop())
+        .map_err(|e| Error::io("spawn writer", e))?;
+    Ok(vec![worker, writer])
+}

@@ -1,0 +1,122 @@
+//! The operations a record group carries, as the request path and GC hand them to the
+//! log: one enum for all of them, from which the appender builds the records
+//! (`format::RecordBody` is their on-disk description, `apply::MapEffect` what they do to
+//! the map).
+
+use crate::format::{
+    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_HEADER_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
+};
+use crate::map::{Entry, PackedEntry};
+use crate::types::Lba;
+
+/// A request is split into records of at most this many blocks, so headers stay small.
+pub(crate) const RECORD_BLOCKS_MAX: usize = 512;
+/// Host writes of at most this many blocks go into batch records, which carry an LBA per
+/// block; larger ones get write records of their own (a start LBA and 3 bytes per block).
+pub(crate) const BATCH_WRITE_BLOCKS_MAX: usize = 8;
+
+/// A block ready to append: its fragment entry and bytes (CRC prefix + compressed data);
+/// empty bytes for an all-zero block.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub entry: FragmentEntry,
+    pub bytes: Vec<u8>,
+}
+
+/// A live fragment GC found in a victim: where the map points now, and its bytes.
+pub(crate) struct LiveFragment {
+    pub lba: Lba,
+    pub old: PackedEntry,
+    pub block: Block,
+}
+
+impl LiveFragment {
+    /// The relocate entry for this fragment's copy.
+    pub fn relocate_entry(&self) -> RelocateEntry {
+        let Ok(Entry::Stored(old)) = self.old.unpack() else {
+            unreachable!("GC relocates stored fragments only");
+        };
+        RelocateEntry { lba: self.lba, old_offset_bytes: old.offset_bytes, fragment: self.block.entry }
+    }
+}
+
+/// Trim unmaps; zero maps to written zeroes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RangeKind {
+    Trim,
+    Zero,
+}
+
+impl RangeKind {
+    /// The map entry every block of the range gets.
+    pub fn entry(self) -> PackedEntry {
+        match self {
+            RangeKind::Trim => PackedEntry::UNMAPPED,
+            RangeKind::Zero => PackedEntry::ZERO,
+        }
+    }
+}
+
+/// One operation of a record group.
+pub(crate) enum Op {
+    /// Host blocks from `start_lba` on.
+    Write { start_lba: Lba, blocks: Vec<Block> },
+    /// Trim or zero a whole-block range.
+    Range { kind: RangeKind, start_lba: Lba, block_count: u64 },
+    /// GC copies; each record of them is a group of its own.
+    Relocate { fragments: Vec<LiveFragment> },
+    /// A checkpoint image, cut into chunk records (each a group of its own).
+    Checkpoint { bytes: Vec<u8> },
+}
+
+impl Op {
+    /// The LBAs the op touches (for the range check against a resize); none for GC and
+    /// checkpoints.
+    pub fn lba_range(&self) -> Option<(Lba, u64)> {
+        match self {
+            Op::Write { start_lba, blocks } => Some((*start_lba, blocks.len() as u64)),
+            Op::Range { start_lba, block_count, .. } => Some((*start_lba, *block_count)),
+            Op::Relocate { .. } | Op::Checkpoint { .. } => None,
+        }
+    }
+
+    /// Log bytes the op takes, conservatively: payload, entries and a header per record.
+    pub fn log_bytes(&self, segment_capacity_bytes: u64) -> u64 {
+        let header = RECORD_HEADER_MIN_BYTES as u64;
+        match self {
+            Op::Write { blocks, .. } => {
+                let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
+                let entry_bytes =
+                    if blocks.len() <= BATCH_WRITE_BLOCKS_MAX { BATCH_ENTRY_BYTES } else { WRITE_ENTRY_BYTES };
+                payload
+                    + blocks.len() as u64 * entry_bytes as u64
+                    + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * header
+            }
+            Op::Relocate { fragments } => relocation_bytes(fragments),
+            Op::Range { .. } => header,
+            Op::Checkpoint { bytes } => bytes.len() as u64 + (bytes.len() as u64 / segment_capacity_bytes + 1) * header,
+        }
+    }
+}
+
+/// Log bytes the records relocating `fragments` take: the fragments, an entry each, and a
+/// header per record.
+pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
+    if fragments.is_empty() {
+        return 0;
+    }
+    let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
+    payload
+        + fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * RECORD_HEADER_MIN_BYTES as u64
+}
+
+/// Whether a group is only trim and zero records: fixed-size headers, no fragments.
+pub(crate) fn metadata_only(ops: &[Op]) -> bool {
+    ops.iter().all(|op| matches!(op, Op::Range { .. }))
+}
+
+/// Log bytes a group of ops takes, conservatively.
+pub(crate) fn group_bytes(ops: &[Op], segment_capacity_bytes: u64) -> u64 {
+    ops.iter().map(|op| op.log_bytes(segment_capacity_bytes)).sum()
+}

@@ -1,0 +1,91 @@
+//! What a caller passes to the store and gets back besides data: format and open options,
+//! the superblock summary, extents, and the check report.
+
+use crate::codec::Codec;
+
+/// Options for [`super::Store::format`].
+#[derive(Debug, Clone)]
+pub struct FormatOptions {
+    /// Bytes the backing file is created with (ignored for block devices: their size is used).
+    pub physical_size_bytes: u64,
+    /// Logical capacity the client sees; a multiple of 4 KiB.
+    pub logical_size_bytes: u64,
+    pub codec: Codec,
+    /// Segment size; a multiple of 64 KiB. `None` picks a default from the physical size.
+    pub segment_size_bytes: Option<u64>,
+    /// Overwrite something that already looks like a zdisk store (or any data).
+    pub force: bool,
+}
+
+/// Options for [`super::Store::open`].
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    pub read_only: bool,
+    /// O_DIRECT where the backing allows it.
+    pub direct_io: bool,
+    /// Upper bound for the engine's buffers (segments awaiting write-out).
+    pub cache_bytes_max: u64,
+    /// Memory for the read cache of compressed fragments (0: none, the default). It pays
+    /// where reads have locality; under uniform random reads it hits at about its size over
+    /// the stored data and measured no faster (docs/nbd.md).
+    pub read_cache_bytes: u64,
+    /// `space_flag` becomes 1 when free space falls below this fraction of the data area.
+    pub low_space_fraction: f64,
+    /// A checkpoint is written after this many bytes of log; bounds recovery time.
+    pub checkpoint_interval_bytes: u64,
+    /// Run the background threads (write-out, GC, checkpoints). Tests turn them off to make
+    /// every backing I/O happen on the calling thread, deterministically.
+    pub background: bool,
+}
+
+impl Default for OpenOptions {
+    fn default() -> OpenOptions {
+        OpenOptions {
+            read_only: false,
+            direct_io: true,
+            cache_bytes_max: 256 << 20,
+            read_cache_bytes: 0,
+            low_space_fraction: 0.10,
+            checkpoint_interval_bytes: 512 << 20,
+            background: true,
+        }
+    }
+}
+
+/// What the superblock says, readable without opening (and locking) the store.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoreInfo {
+    pub uuid: String,
+    pub format_version: u32,
+    pub logical_size_bytes: u64,
+    pub physical_size_bytes: u64,
+    pub segment_size_bytes: u64,
+    pub codec: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ExtentKind {
+    /// Stored data.
+    Data,
+    /// Written as zeroes: reads as zero, costs no space, but was written.
+    Zero,
+    /// Never written or trimmed: reads as zero.
+    Hole,
+}
+
+/// A run of blocks with one kind, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Extent {
+    pub offset: u64,
+    pub length: u64,
+    pub kind: ExtentKind,
+}
+
+/// The result of [`super::Store::check`].
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CheckReport {
+    pub blocks_checked: u64,
+    pub records_checked: u64,
+    /// One line per problem found; empty when the store is clean.
+    pub problems: Vec<String>,
+}

@@ -1,0 +1,167 @@
+//! Fetching blocks: from the segment buffers while a fragment is not yet on disk, from the
+//! read cache, or from the backing store in coalesced runs; every fragment is decoded and
+//! its CRC checked before a byte of it is returned.
+//!
+//! Invariants: a checksum failure is an error for the request (and counted), never data;
+//! only fragments that proved good enter the read cache; the caller holds the map read
+//! lock the entries came from, so no segment they point into can be freed meanwhile.
+
+use std::ops::Range;
+
+use super::state::{new_buffer, round_up, AlignedBuf, Inner};
+use crate::codec::decompress_block;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::FRAGMENT_CRC_BYTES;
+use crate::map::{Entry, Stored};
+use crate::stats::Counters;
+use crate::types::Lba;
+use crate::BLOCK_SIZE;
+
+/// Whether the read cache may answer and keep what is read (not for `check`, which
+/// verifies the disk).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadCache {
+    Use,
+    Bypass,
+}
+
+/// Backing reads of at most this many bytes carry several fragments.
+const READ_RUN_BYTES_MAX: u64 = 1 << 20;
+
+/// One backing read covering fragments whose sectors touch.
+struct ReadRun {
+    start_bytes: u64,
+    end_bytes: u64,
+    /// Indexes into the sorted list of fragments to read from disk.
+    fragments: Range<usize>,
+}
+
+/// A fragment to read from disk for block `index` of the request.
+struct DiskFragment {
+    index: usize,
+    stored: Stored,
+}
+
+impl Inner {
+    /// Fills `out` (one block per entry) with the blocks' contents, verifying checksums.
+    /// `first_lba` is the LBA of `entries[0]` (for error messages).
+    pub(crate) fn fetch_blocks(
+        &self,
+        entries: &[Entry],
+        out: &mut [u8],
+        first_lba: Lba,
+        cache: ReadCache,
+    ) -> Result<()> {
+        let read_cache = (cache == ReadCache::Use).then_some(&self.read_cache);
+        let mut on_disk: Vec<DiskFragment> = Vec::new();
+        {
+            let buffered = self.buffered.read();
+            for (i, entry) in entries.iter().enumerate() {
+                let Entry::Stored(s) = entry else { continue };
+                let block = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                let lba = first_lba.plus(i as u64);
+                let segment = self.geometry.segment_of(s.offset_bytes);
+                if let Some(buffer) = buffered.iter().find(|b| b.segment == segment) {
+                    let at = (s.offset_bytes - self.geometry.segment_base(segment)) as usize;
+                    self.decode_fragment(*s, &buffer.data.read()[at..at + s.stored_len as usize], block, lba)?;
+                } else if let Some(decoded) = read_cache.and_then(|c| {
+                    c.with_fragment(segment.0, s.offset_bytes, |fragment| {
+                        self.decode_fragment(*s, fragment, block, lba)
+                    })
+                }) {
+                    decoded?;
+                } else {
+                    on_disk.push(DiskFragment { index: i, stored: *s });
+                }
+            }
+        }
+        on_disk.sort_by_key(|f| f.stored.offset_bytes);
+        let runs = self.read_runs(&on_disk);
+        // The runs go to the device together (io_uring where there is one): a request
+        // whose blocks were scattered by random overwrites waits about one device latency,
+        // not one per run. (Parallel `pread`s on helper threads were tried before: at QD32
+        // their wake-ups cost more than the overlap won.)
+        let mut buffers: Vec<AlignedBuf> =
+            runs.iter().map(|run| new_buffer((run.end_bytes - run.start_bytes) as usize)).collect();
+        {
+            let mut reads: Vec<(u64, &mut [u8])> =
+                runs.iter().zip(buffers.iter_mut()).map(|(run, raw)| (run.start_bytes, &mut raw[..])).collect();
+            self.backing.read_many(&mut reads).map_err(|e| {
+                let first = runs.first().map_or(0, |run| run.start_bytes);
+                Error::io(format!("read of {} range(s) from {first}", runs.len()), e)
+            })?;
+        }
+        for (run, raw) in runs.iter().zip(buffers) {
+            for f in &on_disk[run.fragments.clone()] {
+                let at = (f.stored.offset_bytes - run.start_bytes) as usize;
+                let fragment = &raw[at..at + f.stored.stored_len as usize];
+                let block = &mut out[f.index * BLOCK_SIZE..(f.index + 1) * BLOCK_SIZE];
+                self.decode_fragment(f.stored, fragment, block, first_lba.plus(f.index as u64))?;
+                // Only fragments that proved good are cached.
+                if let Some(c) = read_cache {
+                    c.insert(self.geometry.segment_of(f.stored.offset_bytes).0, f.stored.offset_bytes, fragment);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Coalesces fragments (sorted by address) whose sectors touch into runs of at most
+    /// `READ_RUN_BYTES_MAX`, one backing read each. Data written sequentially is one run;
+    /// data scattered by random overwrites is many. Reads use the device's own alignment,
+    /// not the 4 KiB the log is written in.
+    fn read_runs(&self, on_disk: &[DiskFragment]) -> Vec<ReadRun> {
+        let sector = self.backing.read_alignment() as u64;
+        let span =
+            |s: &Stored| (s.offset_bytes / sector * sector, round_up(s.offset_bytes + s.stored_len as u64, sector));
+        let mut runs = Vec::new();
+        let mut run_start = 0;
+        while run_start < on_disk.len() {
+            let (start, mut end) = span(&on_disk[run_start].stored);
+            let mut run_end = run_start + 1;
+            while run_end < on_disk.len() {
+                let (s_start, s_end) = span(&on_disk[run_end].stored);
+                if s_start > end || s_end - start > READ_RUN_BYTES_MAX {
+                    break;
+                }
+                end = end.max(s_end);
+                run_end += 1;
+            }
+            runs.push(ReadRun { start_bytes: start, end_bytes: end, fragments: run_start..run_end });
+            run_start = run_end;
+        }
+        runs
+    }
+
+    /// Decodes one fragment into `block` and checks its CRC; a failure is a `Checksum`
+    /// error (and counted).
+    pub(crate) fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: Lba) -> Result<()> {
+        let checksum_error = |why: &str| {
+            Counters::add(&self.counters.checksum_errors, 1);
+            Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
+        };
+        if fragment.len() < FRAGMENT_CRC_BYTES {
+            return Err(checksum_error("fragment too short"));
+        }
+        let stored_crc = u32::from_le_bytes(fragment[..FRAGMENT_CRC_BYTES].try_into().expect("4 bytes"));
+        if decompress_block(s.codec, &fragment[FRAGMENT_CRC_BYTES..], block).is_err() {
+            return Err(checksum_error("does not decompress"));
+        }
+        if crc32c::crc32c(block) != stored_crc {
+            return Err(checksum_error("CRC32C mismatch"));
+        }
+        Ok(())
+    }
+
+    /// One block's current contents.
+    pub(crate) fn read_block(&self, lba: Lba) -> Result<Vec<u8>> {
+        let mut block = vec![0u8; BLOCK_SIZE];
+        let map = self.map.read();
+        if lba.0 >= map.block_count() {
+            return Err(Error::new(ErrorKind::OutOfRange, "block past the end"));
+        }
+        let entry = map.get(lba).unpack()?;
+        self.fetch_blocks(&[entry], &mut block, lba, ReadCache::Use)?;
+        Ok(block)
+    }
+}

@@ -1,0 +1,234 @@
+//! The segment table: each segment's state and usage, the free set, and the counts of what
+//! the map references.
+//!
+//! A segment's life: Free → Open (appended to) → Sealed → Cleaned (emptied by GC, or all its
+//! data died) → Free (under the reuse rule, `checkpoint.rs`). Every transition is a method
+//! here that checks the state it starts from — in release builds too: a segment reused
+//! while it holds live data is the classic log-structured corruption, and the checks cost
+//! a comparison each. Replay may also restart a segment's use (`restart_in_replay`).
+//!
+//! Invariants: a segment is in the free set exactly when its state is Free; a Free
+//! segment has no live bytes; `live_bytes` is the sum of the stored lengths of the map
+//! entries pointing into the segment.
+
+use std::collections::BTreeSet;
+
+use crate::format::{SegmentState, SegmentUsage};
+use crate::map::{Entry, PackedEntry};
+use crate::types::SegmentId;
+
+pub(crate) struct SegmentTable {
+    usage: Vec<SegmentUsage>,
+    free: BTreeSet<SegmentId>,
+    /// Segments holding the chunks of the retained checkpoints, newest first: GC must not
+    /// touch them.
+    pinned: Vec<Vec<SegmentId>>,
+    /// Segments GC could not fully parse (damaged); never cleaned.
+    unparseable: Vec<SegmentId>,
+    /// Blocks the map holds as stored data.
+    pub stored_blocks: u64,
+    /// Blocks the map holds as written zeroes.
+    pub zero_blocks: u64,
+}
+
+/// Whether a map entry joins or leaves the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change {
+    Add,
+    Remove,
+}
+
+impl SegmentTable {
+    /// The table as a checkpoint left it (every segment Free without one). Open segments
+    /// are sealed: after a restart nothing is appended to them again. The free set is
+    /// built by [`SegmentTable::settle_at_open`].
+    pub fn recovered(mut usage: Vec<SegmentUsage>) -> SegmentTable {
+        for s in usage.iter_mut() {
+            if s.state == SegmentState::Open {
+                s.state = SegmentState::Sealed;
+            }
+        }
+        SegmentTable {
+            usage,
+            free: BTreeSet::new(),
+            pinned: Vec::new(),
+            unparseable: Vec::new(),
+            stored_blocks: 0,
+            zero_blocks: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.usage.len()
+    }
+
+    pub fn get(&self, id: SegmentId) -> &SegmentUsage {
+        &self.usage[id.index()]
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (SegmentId, &SegmentUsage)> + '_ {
+        self.usage.iter().enumerate().map(|(i, s)| (SegmentId(i as u32), s))
+    }
+
+    /// The usage table as a checkpoint records it.
+    pub fn snapshot(&self) -> Vec<SegmentUsage> {
+        self.usage.clone()
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Free → Open: the lowest free segment, with a fresh usage record.
+    pub fn open_next(&mut self) -> Option<SegmentId> {
+        let id = self.free.pop_first()?;
+        let usage = &mut self.usage[id.index()];
+        assert_eq!(usage.state, SegmentState::Free, "segment {id} in the free set is {:?}", usage.state);
+        assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
+        *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
+        Some(id)
+    }
+
+    /// Open → Sealed, with the bytes appended to it.
+    pub fn seal(&mut self, id: SegmentId, end_bytes: u64) {
+        let usage = &mut self.usage[id.index()];
+        assert_eq!(usage.state, SegmentState::Open, "sealing segment {id}");
+        usage.state = SegmentState::Sealed;
+        usage.end_bytes = end_bytes;
+    }
+
+    /// Records an append to segment `id` (its end, and the newest record in it if any).
+    pub fn note_append(&mut self, id: SegmentId, end_bytes: u64, last_seq: Option<u64>) {
+        let usage = &mut self.usage[id.index()];
+        usage.end_bytes = end_bytes;
+        if let Some(seq) = last_seq {
+            usage.last_seq = seq;
+        }
+    }
+
+    /// Sealed → Cleaned: nothing in it is live any more; `cleaned_seq` is the newest record
+    /// appended when it was emptied (it must be durable before the segment is reused).
+    pub fn mark_cleaned(&mut self, id: SegmentId, cleaned_seq: u64) {
+        let usage = &mut self.usage[id.index()];
+        assert_eq!(usage.state, SegmentState::Sealed, "cleaning segment {id}");
+        assert_eq!(usage.live_bytes, 0, "cleaning segment {id} with live data");
+        usage.state = SegmentState::Cleaned;
+        usage.cleaned_seq = cleaned_seq;
+    }
+
+    /// Cleaned → Free. The caller has checked the reuse rule.
+    pub fn release(&mut self, id: SegmentId) {
+        let usage = &mut self.usage[id.index()];
+        assert_eq!(usage.state, SegmentState::Cleaned, "freeing segment {id}");
+        assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
+        *usage = SegmentUsage::FREE;
+        self.free.insert(id);
+    }
+
+    /// A record found at a segment's start during replay begins a new use of it: whatever
+    /// it held before died earlier in the log.
+    pub fn restart_in_replay(&mut self, id: SegmentId) {
+        let usage = &mut self.usage[id.index()];
+        debug_assert_eq!(usage.live_bytes, 0, "replay reuses segment {id} with live data");
+        self.free.remove(&id);
+        *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
+    }
+
+    /// At open, after replay: segments that hold nothing live and lie behind the reuse
+    /// horizon are free — also sealed ones whose data died after the checkpoint (the run
+    /// that crashed may have freed and discarded them already). Returns whether such a
+    /// sealed one was freed: the caller must then sync before writing any free segment,
+    /// so the records that emptied it are on stable media first.
+    pub fn settle_at_open(&mut self, horizon_seq: u64) -> bool {
+        let pinned: Vec<SegmentId> = self.pinned.iter().flatten().copied().collect();
+        let mut freed_sealed = false;
+        for (i, s) in self.usage.iter_mut().enumerate() {
+            let id = SegmentId(i as u32);
+            let empty = matches!(s.state, SegmentState::Cleaned | SegmentState::Sealed) && s.live_bytes == 0;
+            if empty && s.last_seq <= horizon_seq && !pinned.contains(&id) {
+                freed_sealed |= s.state == SegmentState::Sealed;
+                s.state = SegmentState::Free;
+            }
+            if s.state == SegmentState::Free {
+                s.live_bytes = 0;
+                s.end_bytes = 0;
+                self.free.insert(id);
+            }
+        }
+        freed_sealed
+    }
+
+    /// The segments holding the retained checkpoints' chunks, newest first.
+    pub fn set_pinned(&mut self, pinned: Vec<Vec<SegmentId>>) {
+        self.pinned = pinned;
+    }
+
+    /// A new checkpoint is durable: its chunks are pinned, the oldest retained one's not.
+    pub fn pin_newest(&mut self, segments: Vec<SegmentId>) {
+        self.pinned.insert(0, segments);
+        self.pinned.truncate(2);
+    }
+
+    pub fn is_pinned(&self, id: SegmentId) -> bool {
+        self.pinned.iter().any(|p| p.contains(&id))
+    }
+
+    /// Damaged: GC could not find all its live data. It is never cleaned.
+    pub fn mark_unparseable(&mut self, id: SegmentId) {
+        self.unparseable.push(id);
+    }
+
+    /// Whether GC may take segment `id`: sealed, on disk (`unwritten` lists the segments
+    /// still buffered), not holding a retained checkpoint, and fully parseable.
+    pub fn collectable(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
+        self.usage[id.index()].state == SegmentState::Sealed
+            && !unwritten.contains(&id)
+            && !self.is_pinned(id)
+            && !self.unparseable.contains(&id)
+    }
+
+    /// Whether any segment is cleaned and waiting for the reuse rule.
+    pub fn has_cleaned(&self) -> bool {
+        self.usage.iter().any(|s| s.state == SegmentState::Cleaned)
+    }
+
+    pub fn cleaned_count(&self) -> usize {
+        self.usage.iter().filter(|s| s.state == SegmentState::Cleaned).count()
+    }
+
+    /// Accounts for a map entry joining or leaving the map: the live bytes of the segment
+    /// it points into, and the block counts.
+    pub fn account(&mut self, entry: PackedEntry, change: Change, segment_of: impl Fn(u64) -> SegmentId) {
+        match entry.unpack() {
+            Ok(Entry::Stored(s)) => {
+                let usage = &mut self.usage[segment_of(s.offset_bytes).index()];
+                match change {
+                    Change::Add => {
+                        usage.live_bytes += s.stored_len as u64;
+                        self.stored_blocks += 1;
+                    }
+                    Change::Remove => {
+                        debug_assert!(usage.live_bytes >= s.stored_len as u64, "live bytes underflow");
+                        usage.live_bytes = usage.live_bytes.saturating_sub(s.stored_len as u64);
+                        self.stored_blocks -= 1;
+                    }
+                }
+            }
+            Ok(Entry::Zero) => match change {
+                Change::Add => self.zero_blocks += 1,
+                Change::Remove => self.zero_blocks -= 1,
+            },
+            Ok(Entry::Unmapped) | Err(_) => {}
+        }
+    }
+
+    /// Takes free segments out of the free set (and out of GC's reach) until `keep` are
+    /// left: the state a busy store reaches, made directly for white-box tests.
+    #[cfg(test)]
+    pub fn take_free_for_test(&mut self, keep: usize) {
+        while self.free.len() > keep {
+            let id = self.free.pop_last().expect("a free segment");
+            self.usage[id.index()].state = SegmentState::Open;
+        }
+    }
+}

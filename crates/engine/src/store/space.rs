@@ -1,0 +1,204 @@
+//! Space classes and the reserve arithmetic (`docs/space.md`, "Reserves"), and the
+//! statistics that report space.
+//!
+//! Invariant (liveness): every append of a class leaves the reserve of the classes below it
+//! unused, counted in bytes of the log (free segments' capacity and the open segment's
+//! room), so GC — and the checkpoints that free what it cleaned — can always run, and trim
+//! works on a full store.
+
+use std::sync::atomic::Ordering;
+
+use super::log::Log;
+use super::op::{group_bytes, metadata_only, Op};
+use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
+use crate::error::{Error, ErrorKind};
+use crate::format::{SegmentState, RECORD_HEADER_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
+use crate::stats::{Counters, Stats};
+use crate::BLOCK_SIZE;
+
+/// Who is asking for space: host writes may not eat into the reserve kept for GC and
+/// checkpoints; metadata-only requests (trim, zero) may use most of it; GC and checkpoints
+/// all of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SpaceClass {
+    Host,
+    /// A host write that replaces more stored bytes than it adds: it frees space once GC
+    /// runs, so it may use one segment of the reserve that other host writes may not.
+    HostShrinking,
+    HostMetadata,
+    /// A trim or zero on a full store, after GC could not make the metadata reserve.
+    TrimWhileFull,
+    /// GC relocations out of a segment the reuse horizon has not passed: may use the
+    /// reserve but must leave room for the two checkpoints that make it reusable.
+    Gc,
+    /// GC relocations out of a segment behind the horizon: it is reusable after one flush,
+    /// so this may go further, keeping room for one checkpoint.
+    GcSettled,
+    Internal,
+}
+
+impl SpaceClass {
+    /// Classes whose appends never wait for foreground GC: they fail at once when short.
+    pub fn is_internal(self) -> bool {
+        matches!(self, SpaceClass::Internal | SpaceClass::Gc | SpaceClass::GcSettled | SpaceClass::TrimWhileFull)
+    }
+}
+
+impl Inner {
+    /// Room one checkpoint takes in the log, conservatively: its records' bytes, and what
+    /// each segment boundary it crosses may waste.
+    pub(crate) fn checkpoint_room_bytes(&self, log: &Log) -> u64 {
+        let capacity = self.geometry.segment_capacity();
+        let mapped = log.segments.stored_blocks + log.segments.zero_blocks;
+        // A checkpoint is at most 16 bytes per mapped block and 33 per segment before zstd;
+        // until one has been written, assume that. After, the last one's size plus a
+        // quarter, never more than that bound. (Its size changes slowly: with the number of
+        // mapped blocks and how scattered their fragments are. An estimate that proves short
+        // only delays the checkpoints that free young cleaned segments; freeing the others
+        // needs no checkpoint.)
+        let checkpoint_bound = mapped * 16 + self.geometry.segment_count * 33 + 4096;
+        let last = log.epochs.checkpoint_bytes;
+        let estimate = if last == 0 { checkpoint_bound } else { (last + last / 4 + 4096).min(checkpoint_bound) };
+        estimate + (estimate / capacity + 1) * (RECORD_HEADER_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
+    }
+
+    /// The reserve of a class in bytes: what an append of that class must leave unused in
+    /// the log (free segments and the open segment's room) for the classes below it.
+    ///
+    /// Each class leaves the ones below it room to work, down to GC, which leaves room for
+    /// the checkpoints that make its victims reusable. The reserve is in bytes, not whole
+    /// segments, and binds every append, even one that fits the open segment: GC must be
+    /// able to relocate a victim into the last free segment and still have room for those
+    /// checkpoints, or a store at GC's floor, with nothing cleaned, could never move again
+    /// (it did: ENOSPC forever at 50% utilisation). See docs/space.md, "Reserves".
+    pub(crate) fn reserve_bytes(&self, log: &Log, class: SpaceClass) -> u64 {
+        let capacity = self.geometry.segment_capacity();
+        let checkpoint = self.checkpoint_room_bytes(log);
+        match class {
+            SpaceClass::Host => 2 * capacity + 2 * checkpoint,
+            SpaceClass::HostShrinking | SpaceClass::HostMetadata => capacity + 2 * checkpoint,
+            // Trim and zero records are a fixed header each, and every one that unmaps data
+            // makes garbage: they may go below the metadata reserve when GC cannot give it
+            // back (trim must work on a full store), but leave GC a victim's worth of room.
+            SpaceClass::TrimWhileFull => capacity / 8 + 2 * checkpoint,
+            SpaceClass::Gc => 2 * checkpoint,
+            SpaceClass::GcSettled => checkpoint,
+            SpaceClass::Internal => 0,
+        }
+    }
+
+    /// The host reserve in whole segments, for the background worker's targets.
+    pub(crate) fn host_reserve_segments(&self, log: &Log) -> u64 {
+        self.reserve_bytes(log, SpaceClass::Host).div_ceil(self.geometry.segment_capacity())
+    }
+
+    /// Bytes the log can still take: free segments and the open segment's room.
+    pub(crate) fn available_bytes(&self, log: &Log) -> u64 {
+        log.segments.free_count() as u64 * self.geometry.segment_capacity() + self.room(log) as u64
+    }
+
+    /// Bytes of the data area that hold no records: free and cleaned segments and the open
+    /// segment's room.
+    pub(crate) fn unused_bytes(&self, log: &Log) -> u64 {
+        let empty = (log.segments.free_count() + log.segments.cleaned_count()) as u64;
+        empty * self.geometry.segment_size_bytes + self.room(log) as u64
+    }
+
+    /// How many bytes the log lacks for a group of ops of a class (0: it may be appended
+    /// now).
+    pub(crate) fn shortfall_bytes(&self, log: &Log, ops: &[Op], class: SpaceClass) -> u64 {
+        let bytes = group_bytes(ops, self.geometry.segment_capacity());
+        // Fragments do not span segments, so a record carrying them may leave up to a block
+        // unused at the open segment's end (a free segment's capacity already allows for
+        // that); a trim or zero record is a fixed header and fits whenever its bytes do.
+        let end_waste = if metadata_only(ops) { 0 } else { FRAGMENT_END_WASTE_BYTES };
+        let available = self.available_bytes(log).saturating_sub(end_waste);
+        (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
+    }
+
+    /// Remembers that a host request was refused for lack of space (`space_flag` 2) until
+    /// one succeeds again.
+    pub(crate) fn note_no_space(&self, e: &Error) {
+        if e.kind() == ErrorKind::NoSpace {
+            self.space_exhausted.store(true, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn stats(&self) -> Stats {
+        let c = &self.counters;
+        let log = self.log.lock();
+        let segment_size = self.geometry.segment_size_bytes;
+        let mut live = 0u64;
+        let mut garbage = 0u64;
+        let mut reclaimable = 0u64;
+        for (id, s) in log.segments.iter() {
+            live += s.live_bytes;
+            match s.state {
+                SegmentState::Sealed => {
+                    garbage += s.end_bytes.saturating_sub(s.live_bytes);
+                    if !log.segments.is_pinned(id) {
+                        reclaimable += segment_size - s.live_bytes;
+                    }
+                }
+                SegmentState::Open => garbage += s.end_bytes.saturating_sub(s.live_bytes),
+                SegmentState::Cleaned => reclaimable += segment_size,
+                SegmentState::Free => {}
+            }
+        }
+        let open_room = log.appender.open.as_ref().map_or(0, |o| segment_size - o.append_offset_bytes as u64);
+        let reserve = self.reserve_bytes(&log, SpaceClass::Host);
+        let free_bytes = log.segments.free_count() as u64 * segment_size;
+        let free_space = (free_bytes + reclaimable + open_room).saturating_sub(reserve);
+        let physical_size = live + log.epochs.checkpoint_bytes * 2 + 2 * SUPERBLOCK_SLOT_BYTES as u64;
+        let logical_size = (log.segments.stored_blocks + log.segments.zero_blocks) * BLOCK_SIZE as u64;
+        let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 {
+            2
+        } else if (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64 {
+            1
+        } else {
+            0
+        };
+        let host_write_bytes = Counters::get(&c.host_write_bytes);
+        let backing_write_bytes = Counters::get(&c.backing_write_bytes);
+        let (read_cache_hits, read_cache_misses, read_cache_bytes) = self.read_cache.counters();
+        Stats {
+            free_space,
+            physical_size,
+            logical_size,
+            comp_ratio: if logical_size == 0 { 1.0 } else { logical_size as f64 / physical_size as f64 },
+            provisioned_cap: self.logical_size_bytes.load(Ordering::Acquire),
+            space_flag,
+            host_write_bytes,
+            host_read_bytes: Counters::get(&c.host_read_bytes),
+            backing_write_bytes,
+            write_amplification: if host_write_bytes == 0 {
+                0.0
+            } else {
+                backing_write_bytes as f64 / host_write_bytes as f64
+            },
+            garbage_bytes: garbage,
+            padding_bytes: Counters::get(&c.padding_bytes),
+            metadata_bytes: Counters::get(&c.metadata_bytes),
+            data_bytes: Counters::get(&c.data_bytes),
+            checksum_errors: Counters::get(&c.checksum_errors),
+            gc_bytes_moved: Counters::get(&c.gc_bytes_moved),
+            gc_segments_cleaned: Counters::get(&c.gc_segments_cleaned),
+            checkpoints: Counters::get(&c.checkpoints),
+            read_ops: Counters::get(&c.read_ops),
+            write_ops: Counters::get(&c.write_ops),
+            trim_ops: Counters::get(&c.trim_ops),
+            zero_ops: Counters::get(&c.zero_ops),
+            flush_ops: Counters::get(&c.flush_ops),
+            fua_ops: Counters::get(&c.fua_ops),
+            backing_size_bytes: self.geometry.physical_size_bytes,
+            segment_size_bytes: segment_size,
+            segments_total: self.geometry.segment_count,
+            segments_free: log.segments.free_count() as u64,
+            stored_blocks: log.segments.stored_blocks,
+            zero_blocks: log.segments.zero_blocks,
+            read_cache_hits,
+            read_cache_misses,
+            read_cache_bytes,
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! The state an open store shares between request threads and its background threads.
+//!
+//! Invariants:
+//! - Every lock here has a rank; `lock.rs` writes down the order and checks it in debug
+//!   builds.
+//! - Once `failed` is set (a backing write or sync failed) it stays set: nothing is written
+//!   any more, because no later flush could vouch for what the failed one lost.
+//! - `durable_seq` only grows, and every record up to it is on stable media.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use aligned_vec::{AVec, ConstAlign};
+use parking_lot::Condvar;
+
+use super::lock::{Mutex, RwLock};
+use super::log::Log;
+use super::options::OpenOptions;
+use crate::backing::Backing;
+use crate::cache::FragmentCache;
+use crate::codec::Codec;
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::{Superblock, DATA_START_BYTES};
+use crate::map::Map;
+use crate::stats::Counters;
+use crate::types::SegmentId;
+use crate::BLOCK_SIZE;
+
+pub(crate) type AlignedBuf = AVec<u8, ConstAlign<4096>>;
+
+pub(crate) fn new_buffer(size: usize) -> AlignedBuf {
+    let mut buf = AVec::with_capacity(4096, size);
+    buf.resize(size, 0);
+    buf
+}
+
+pub(crate) fn round_up(value: u64, to: u64) -> u64 {
+    value.div_ceil(to) * to
+}
+
+/// A record carrying fragments may leave this much of a segment's end unused: fragments
+/// do not span segments, so one that does not fit starts the next segment. (A block, and
+/// room for a record header's fixed part and a few entries.)
+pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 = BLOCK_SIZE as u64 + 128;
+
+/// The fixed facts of an open store.
+pub(crate) struct Geometry {
+    pub store_tag: u32,
+    pub segment_size_bytes: u64,
+    pub segment_count: u64,
+    pub physical_size_bytes: u64,
+    pub codec: Codec,
+}
+
+impl Geometry {
+    pub fn segment_base(&self, segment: SegmentId) -> u64 {
+        DATA_START_BYTES + segment.0 as u64 * self.segment_size_bytes
+    }
+
+    pub fn segment_of(&self, offset_bytes: u64) -> SegmentId {
+        debug_assert!(offset_bytes >= DATA_START_BYTES);
+        SegmentId(((offset_bytes - DATA_START_BYTES) / self.segment_size_bytes) as u32)
+    }
+
+    /// Bytes a full segment can hold for records, conservatively.
+    pub fn segment_capacity(&self) -> u64 {
+        self.segment_size_bytes - 2 * FRAGMENT_END_WASTE_BYTES
+    }
+
+    /// Bytes of all segments together.
+    pub fn data_area_bytes(&self) -> u64 {
+        self.segment_count * self.segment_size_bytes
+    }
+}
+
+/// A segment's bytes while they may not all be on disk yet.
+pub(crate) struct SegmentBuffer {
+    pub segment: SegmentId,
+    pub data: RwLock<AlignedBuf>,
+}
+
+/// The background threads' wake-up flags.
+pub(crate) struct WorkerSignal {
+    pub stop: bool,
+    /// GC / checkpoint work may be due.
+    pub kick: bool,
+    /// Buffered log bytes are waiting to be written.
+    pub kick_writer: bool,
+}
+
+pub(crate) struct Inner {
+    pub backing: Arc<dyn Backing>,
+    pub geometry: Geometry,
+    pub options: OpenOptions,
+    pub read_only: bool,
+    /// Rank 6.
+    pub map: RwLock<Map>,
+    /// Rank 5.
+    pub log: Mutex<Log>,
+    /// Rank 4: serialises backing writes of log data, so a flush knows every earlier write
+    /// is done.
+    pub io: Mutex<()>,
+    /// Rank 2: serialises checkpoints and holds the superblock of the newest durable one.
+    pub checkpoint: Mutex<Superblock>,
+    /// Rank 7: the segment buffers readers may find data in (the open segment and sealed
+    /// ones not yet written out).
+    pub buffered: RwLock<Vec<Arc<SegmentBuffer>>>,
+    pub read_cache: FragmentCache,
+    pub counters: Counters,
+    pub failed: AtomicBool,
+    /// A host request was refused for lack of space (`space_flag` 2) and none has
+    /// succeeded since.
+    pub space_exhausted: AtomicBool,
+    pub logical_size_bytes: AtomicU64,
+    pub durable_seq: AtomicU64,
+    /// Rank 0: stripes serialising read-modify-write of partial blocks.
+    pub block_locks: Vec<Mutex<()>>,
+    /// Rank 9.
+    pub signal: Mutex<WorkerSignal>,
+    pub signal_cv: Condvar,
+    pub writer_cv: Condvar,
+    /// Rank 3: one GC victim at a time, and never while segments are freed.
+    pub gc_lock: Mutex<()>,
+    /// Rank 1: one foreground GC round at a time; `foreground_rounds` counts finished rounds.
+    pub foreground_gc: Mutex<()>,
+    pub foreground_rounds: AtomicU64,
+}
+
+impl Inner {
+    pub fn check_writable(&self) -> Result<()> {
+        if self.read_only {
+            return Err(Error::new(ErrorKind::ReadOnly, "the store was opened read-only"));
+        }
+        if self.failed.load(Ordering::Acquire) {
+            return Err(Error::new(
+                ErrorKind::ReadOnly,
+                "an earlier backing write or sync failed; the store is read-only until reopened",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Makes the store read-only after a backing write or sync failed; returns the error.
+    pub fn fail(&self, e: Error) -> Error {
+        self.failed.store(true, Ordering::Release);
+        tracing::error!("backing I/O failed, store is now read-only: {e}");
+        e
+    }
+
+    pub fn kick_worker(&self) {
+        let mut signal = self.signal.lock();
+        signal.kick = true;
+        self.signal_cv.notify_one();
+    }
+
+    pub fn kick_writer(&self) {
+        let mut signal = self.signal.lock();
+        signal.kick_writer = true;
+        self.writer_cv.notify_one();
+    }
+
+    /// Segments whose bytes may still be only in memory: GC and freeing leave them be.
+    pub fn unwritten_segments(&self) -> Vec<SegmentId> {
+        self.buffered.read().iter().map(|b| b.segment).collect()
+    }
+}

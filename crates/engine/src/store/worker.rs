@@ -1,0 +1,128 @@
+//! The background threads: the writer (log write-out) and the worker (GC and checkpoints).
+//!
+//! Write-out has its own thread so a long GC pass never holds up the log writes that host
+//! requests wait on under backpressure. Both stop when signalled, and do nothing once the
+//! store has failed (it is read-only until reopened).
+
+use std::time::Duration;
+
+use super::gc::GcMode;
+use super::log::WRITE_OUT_THRESHOLD_BYTES;
+use super::state::{Inner, WorkerSignal};
+use super::writeout::WriteOut;
+use crate::error::Result;
+use crate::SECTOR_SIZE;
+
+#[derive(Debug, Clone, Copy)]
+enum Thread {
+    Writer,
+    Worker,
+}
+
+/// Segments background GC cleans in one round before it frees what it can.
+const GC_ROUND_SEGMENTS: u64 = 4;
+
+impl Inner {
+    /// Waits until kicked (or the timeout passes) and clears the kick; false when the
+    /// thread must stop.
+    fn wait_for_work(&self, thread: Thread) -> bool {
+        let mut signal = self.signal.lock();
+        let (condvar, timeout) = match thread {
+            Thread::Writer => (&self.writer_cv, Duration::from_millis(50)),
+            Thread::Worker => (&self.signal_cv, Duration::from_millis(100)),
+        };
+        let kicked = |s: &WorkerSignal| match thread {
+            Thread::Writer => s.kick_writer,
+            Thread::Worker => s.kick,
+        };
+        if !kicked(&signal) && !signal.stop {
+            signal.wait_for(condvar, timeout);
+        }
+        match thread {
+            Thread::Writer => signal.kick_writer = false,
+            Thread::Worker => signal.kick = false,
+        }
+        !signal.stop
+    }
+
+    pub(crate) fn writer_loop(&self) {
+        while self.wait_for_work(Thread::Writer) {
+            if self.check_writable().is_err() {
+                continue;
+            }
+            let pending = {
+                let log = self.log.lock();
+                let open = log.appender.open.as_ref();
+                !log.appender.sealed_unwritten.is_empty()
+                    || open.is_some_and(|o| o.append_offset_bytes - o.written_offset_bytes >= SECTOR_SIZE)
+            };
+            if pending {
+                if let Err(e) = self.write_out(WriteOut::WholeSectors) {
+                    tracing::warn!("log write-out: {e}");
+                }
+            }
+        }
+    }
+
+    pub(crate) fn worker_loop(&self) {
+        while self.wait_for_work(Thread::Worker) {
+            if self.check_writable().is_err() {
+                continue;
+            }
+            match self.background_step() {
+                Ok(true) => self.kick_worker(),
+                Ok(false) => {}
+                Err(e) => tracing::warn!("background work: {e}"),
+            }
+        }
+    }
+
+    /// One round of background work; returns whether it did any GC or checkpoint work (the
+    /// worker then goes again at once instead of sleeping).
+    pub(crate) fn background_step(&self) -> Result<bool> {
+        let (unwritten, sealed) = {
+            let log = self.log.lock();
+            let open = log.appender.open.as_ref();
+            (open.map_or(0, |o| o.append_offset_bytes - o.written_offset_bytes), log.appender.sealed_unwritten.len())
+        };
+        if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
+            self.write_out(WriteOut::WholeSectors)?;
+        }
+        // GC keeps a small cushion of free segments above the host reserve so host writes
+        // rarely wait for it. Every free segment held back raises the utilisation GC works
+        // at (and so its write amplification), so the cushion stays small: freeing a cleaned
+        // segment usually costs one flush, not a checkpoint.
+        let (free, reserve) = {
+            let log = self.log.lock();
+            (log.segments.free_count() as u64, self.host_reserve_segments(&log))
+        };
+        let target = reserve + self.cushion_segments();
+        let mut busy = false;
+        if free < target {
+            let mut cleaned = 0;
+            while free + cleaned < target && cleaned < GC_ROUND_SEGMENTS && self.gc_once(GcMode::Background)?.is_some()
+            {
+                cleaned += 1;
+                busy = true;
+            }
+            self.free_cleaned()?;
+        }
+        // A checkpoint when one is due, or early when cleaned segments wait only for the
+        // reuse horizon to pass them (it takes two) and space is short.
+        let (free, waiting, since) = {
+            let log = self.log.lock();
+            (log.segments.free_count() as u64, log.segments.has_cleaned(), log.epochs.bytes_since_checkpoint)
+        };
+        let urgent = waiting && free < target;
+        if since >= self.checkpoint_interval_bytes() || urgent {
+            self.checkpoint_now()?;
+            busy = true;
+        }
+        Ok(busy)
+    }
+
+    /// Free segments the background GC keeps above the host reserve.
+    fn cushion_segments(&self) -> u64 {
+        (self.geometry.segment_count / 256).max(2)
+    }
+}

@@ -1,0 +1,140 @@
+//! Write-out: buffered log bytes go to the backing store, and a flush makes them durable.
+//!
+//! Invariants:
+//! - No sector that may hold acknowledged data is written twice: write-out without a flush
+//!   writes whole sectors only; a flush pads the open segment to the next sector and
+//!   appends continue after the padding.
+//! - Backing writes of log data are serialised (the `io` lock), so a sync covers every
+//!   write before it, and `durable_seq` advances only after the sync.
+//! - A sealed segment leaves the buffered list (readers go to disk) only after its bytes
+//!   are written.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use aligned_vec::AVec;
+
+use super::state::{round_up, AlignedBuf, Inner, SegmentBuffer};
+use crate::error::{Error, Result};
+use crate::stats::Counters;
+use crate::SECTOR_SIZE;
+
+/// How far a write-out goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WriteOut {
+    /// Whole sectors only, no sync: the open segment's partial last sector stays buffered.
+    WholeSectors,
+    /// Pad the open segment to a sector, write everything and sync.
+    Flush,
+}
+
+/// One range of a segment buffer to write.
+struct WriteJob {
+    buffer: Arc<SegmentBuffer>,
+    start_bytes: usize,
+    end_bytes: usize,
+    /// The segment is sealed: nobody appends to it, and it is done once written.
+    sealed: bool,
+}
+
+impl Inner {
+    /// Writes buffered log bytes to the backing; with `WriteOut::Flush` also syncs. Returns
+    /// the sequence number covered (made durable, with a flush).
+    pub(crate) fn write_out(&self, mode: WriteOut) -> Result<u64> {
+        let _io = self.io.lock();
+        self.check_writable()?;
+        let (jobs, target_seq) = self.take_write_jobs(mode);
+        let mut scratch: Option<AlignedBuf> = None;
+        for job in &jobs {
+            if job.end_bytes > job.start_bytes {
+                let offset = self.geometry.segment_base(job.buffer.segment) + job.start_bytes as u64;
+                let range = job.start_bytes..job.end_bytes;
+                let written = if job.sealed {
+                    // Nobody appends to a sealed segment: write straight from its buffer.
+                    self.backing.write_at(offset, &job.buffer.data.read()[range])
+                } else {
+                    // The open segment is appended to concurrently: copy the range out so the
+                    // buffer lock is not held across the backing write.
+                    let copy = scratch.get_or_insert_with(|| AVec::new(4096));
+                    copy.clear();
+                    copy.extend_from_slice(&job.buffer.data.read()[range]);
+                    self.backing.write_at(offset, copy)
+                };
+                written.map_err(|e| self.fail(Error::io(format!("write log at {offset}"), e)))?;
+                Counters::add(&self.counters.backing_write_bytes, (job.end_bytes - job.start_bytes) as u64);
+            }
+        }
+        self.retire_written(jobs);
+        if mode == WriteOut::Flush {
+            self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
+            self.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
+        }
+        Ok(target_seq)
+    }
+
+    /// What to write: every sealed segment's unwritten rest, and the open segment's whole
+    /// sectors (all of it, padded, for a flush). Closes the open batch first.
+    fn take_write_jobs(&self, mode: WriteOut) -> (Vec<WriteJob>, u64) {
+        let sector = SECTOR_SIZE;
+        let mut jobs = Vec::new();
+        let mut log = self.log.lock();
+        self.close_batch(&mut log);
+        let target_seq = log.appender.next_seq - 1;
+        while let Some(sealed) = log.appender.sealed_unwritten.pop_front() {
+            let end = round_up(sealed.end_offset_bytes as u64, sector as u64) as usize;
+            Counters::add(&self.counters.padding_bytes, (end - sealed.end_offset_bytes) as u64);
+            let start = sealed.written_offset_bytes.min(end);
+            jobs.push(WriteJob { buffer: sealed.buffer, start_bytes: start, end_bytes: end, sealed: true });
+        }
+        if let Some(open) = log.appender.open.as_mut() {
+            let end = match mode {
+                WriteOut::Flush => {
+                    let padded = round_up(open.append_offset_bytes as u64, sector as u64) as usize;
+                    let padded = padded.min(self.geometry.segment_size_bytes as usize);
+                    Counters::add(&self.counters.padding_bytes, (padded - open.append_offset_bytes) as u64);
+                    open.append_offset_bytes = padded;
+                    padded
+                }
+                WriteOut::WholeSectors => open.append_offset_bytes / sector * sector,
+            };
+            if end > open.written_offset_bytes {
+                let buffer = Arc::clone(&open.buffer);
+                jobs.push(WriteJob { buffer, start_bytes: open.written_offset_bytes, end_bytes: end, sealed: false });
+                open.written_offset_bytes = end;
+            }
+            let (segment, end_bytes) = (open.buffer.segment, open.append_offset_bytes as u64);
+            log.segments.note_append(segment, end_bytes, None);
+        }
+        (jobs, target_seq)
+    }
+
+    /// Sealed segments are on disk now: readers may go there, and the buffers are reused.
+    fn retire_written(&self, jobs: Vec<WriteJob>) {
+        let done: Vec<_> = jobs.iter().filter(|j| j.sealed).map(|j| j.buffer.segment).collect();
+        if done.is_empty() {
+            return;
+        }
+        self.buffered.write().retain(|b| !done.contains(&b.segment));
+        let mut log = self.log.lock();
+        for job in jobs.into_iter().filter(|j| j.sealed) {
+            if let Ok(buffer) = Arc::try_unwrap(job.buffer) {
+                if log.appender.buffer_pool.len() < 4 {
+                    log.appender.buffer_pool.push(buffer.data.into_inner());
+                }
+            }
+        }
+    }
+
+    pub(crate) fn flush(&self) -> Result<()> {
+        self.check_writable()?;
+        self.write_out(WriteOut::Flush).map(|_| ())
+    }
+
+    /// Makes everything up to `seq` durable, joining a flush that already covered it.
+    pub(crate) fn flush_upto(&self, seq: u64) -> Result<()> {
+        if self.durable_seq.load(Ordering::Acquire) >= seq {
+            return Ok(());
+        }
+        self.write_out(WriteOut::Flush).map(|_| ())
+    }
+}
