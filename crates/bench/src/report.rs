@@ -7,8 +7,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
-use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
 use crate::charts;
+use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
 use crate::results::{fmt_int, DataSummary, JobResult, Report};
 
 fn geomean(v: &[f64]) -> Option<f64> {

@@ -130,7 +130,12 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
     let mut state = AttachState { store: store.clone(), uuid: info.uuid.clone(), ..AttachState::default() };
 
     let serve = match runtime::read_json::<ServeState>(&runtime::serve_file(&info.uuid)) {
-        Ok(serve) if runtime::process_alive(serve.pid) && runtime::store_is_locked(&store, zdisk_engine::Lock::Exclusive)? => serve,
+        Ok(serve)
+            if runtime::process_alive(serve.pid)
+                && runtime::store_is_locked(&store, zdisk_engine::Lock::Exclusive)? =>
+        {
+            serve
+        }
         _ => {
             if runtime::store_is_locked(&store, zdisk_engine::Lock::Exclusive)? {
                 bail!("{} is open in another process that is not a `zdisk serve`; cannot attach", store.display());

@@ -186,6 +186,7 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
     println!("  {}", row.join("  ").trim_end());
     println!();
     let flag = match stats.space_flag {
+        _ if stats.damaged => "damaged: read-only, see `zdisk check`",
         0 => "normal",
         1 => "low",
         _ => "full: writes needing space get ENOSPC",
@@ -199,6 +200,15 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
     println!("  free_space       {:>12}  backing bytes available for new data", human_bytes(stats.free_space));
     println!("  comp_ratio       {:>12.2}  logical_size / physical_size", stats.comp_ratio);
     println!("  space_flag       {:>12}  {flag}", stats.space_flag);
+    if stats.damaged_records > 0 {
+        println!();
+        println!(
+            "DAMAGE: recovery found {} damaged record(s){}; `zdisk check {}` lists them",
+            stats.damaged_records,
+            if stats.damaged { " and lost records: the store is read-only, older blocks read as EIO" } else { "" },
+            store.display()
+        );
+    }
     println!();
     println!(
         "write amplification {:.3} (backing {} written / host {} written)",
@@ -231,7 +241,9 @@ pub fn stat(args: &StatArgs) -> Result<()> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckArgs {
     pub store: PathBuf,
-    /// Print the report as JSON (`clean`, `blocks_checked`, `records_checked`, `problems`).
+    /// Print the report as JSON (`clean`, `blocks_checked`, `records_checked`, `problems`,
+    /// `damage`: each problem with its byte offset on the backing store and the LBA ranges
+    /// it affects, `notes`: what a crash leaves that costs nothing).
     #[arg(long)]
     pub json: bool,
 }
@@ -279,6 +291,8 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
             "blocks_checked": report.blocks_checked,
             "records_checked": report.records_checked,
             "problems": report.problems,
+            "damage": report.damage,
+            "notes": report.notes,
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
@@ -289,12 +303,17 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
             report.records_checked,
             started.elapsed().as_secs_f64()
         );
+        for note in &report.notes {
+            println!("  note: {note}");
+        }
         if clean {
             println!("clean");
         } else {
             println!("{} problem(s):", report.problems.len());
-            for problem in &report.problems {
-                println!("  {problem}");
+            for d in &report.damage {
+                let lbas: Vec<String> = d.lbas.iter().map(|(lba, n)| format!("{lba}+{n}")).collect();
+                let lbas = if lbas.is_empty() { String::new() } else { format!(" [blocks {}]", lbas.join(", ")) };
+                println!("  at byte {}: {}{lbas}", d.offset_bytes, d.what);
             }
         }
     }

@@ -60,6 +60,12 @@ pub struct ServeArgs {
     /// area (0.0–1.0; default 0.10). It becomes 2 when a write is refused for lack of space.
     #[arg(long, value_name = "FRACTION", value_parser = parse_fraction)]
     pub low_space: Option<f64>,
+    /// Serve for writing a store whose recovery lost records to damage (both copies of what
+    /// they wrote were destroyed). Without it such a store is served read-only and every
+    /// block not provably newer than the loss reads as EIO; with it, the blocks the lost
+    /// records wrote read their older contents. Run `zdisk check` first: it names the loss.
+    #[arg(long)]
+    pub accept_data_loss: bool,
     /// Write nbdkit's pid here once it is ready to serve.
     #[arg(long, value_name = "PATH")]
     pub pid_file: Option<PathBuf>,
@@ -161,6 +167,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     if let Some(cache) = args.cache {
         command.arg(format!("cache={}", cache.0));
     }
+    if args.accept_data_loss {
+        command.arg("accept_data_loss=true");
+    }
     if let Some(fraction) = args.low_space {
         command.arg(format!("low_space={fraction}"));
     }
@@ -236,7 +245,10 @@ impl Drop for Nbdkit {
 /// Starts nbdkit and waits until it serves (or fails).
 pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
     Store::info(&args.store).with_context(|| format!("{} is not a servable zdisk store", args.store.display()))?;
-    if runtime::store_is_locked(&args.store, if args.readonly { zdisk_engine::Lock::Shared } else { zdisk_engine::Lock::Exclusive })? {
+    if runtime::store_is_locked(
+        &args.store,
+        if args.readonly { zdisk_engine::Lock::Shared } else { zdisk_engine::Lock::Exclusive },
+    )? {
         bail!(
             "{} is already open in another process (being served?): refusing to serve it twice \
              (`zdisk stat {}` shows who)",

@@ -23,14 +23,14 @@ mod map;
 #[cfg(any(test, feature = "sim"))]
 pub mod sim;
 mod stats;
-mod store;
+pub(crate) mod store;
 mod types;
 
 pub use backing::{is_locked, Backing, FileBacking, Lock};
 pub use codec::{Codec, CodecTag};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::Stats;
-pub use store::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
+pub use store::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
 pub use types::{Lba, SegmentId};
 
 /// The logical block: the unit of compression and of the map.
@@ -47,7 +47,8 @@ pub mod fuzzing {
         crate::format::Superblock::decode(bytes).is_ok()
     }
     pub fn decode_record_header(bytes: &[u8]) -> bool {
-        crate::format::RecordHeader::decode(bytes).is_ok()
+        let v3 = crate::format::Head::decode(bytes).is_ok() | crate::format::decode_tail(bytes).is_ok();
+        v3 | crate::format::v2::decode(bytes).is_ok()
     }
     pub fn decode_checkpoint(bytes: &[u8]) -> bool {
         crate::format::Checkpoint::decode(bytes, 1 << 30).is_ok()

@@ -4,17 +4,21 @@
 //! Packing (see docs/format.md, "Map entry"):
 //! - `0` — unmapped (never written or trimmed): reads as zeroes, a hole.
 //! - `1` — written as zeroes: reads as zeroes, costs no space.
-//! - stored — bits 0..2 = 2, bits 2..5 codec tag, bits 5..18 stored length (including the
-//!   4-byte CRC prefix), bits 18..64 physical byte offset of the fragment.
+//! - `4` — lost: the metadata that said where the block is was damaged beyond repair;
+//!   reads fail with EIO until the block is written again.
+//! - stored — bits 0..2 = 2 (a version 2 fragment: 4-byte guard prefix) or 3 (version 3:
+//!   12 bytes of protection information), bits 2..5 codec tag, bits 5..18 stored length
+//!   (prefix included), bits 18..64 physical byte offset of the fragment.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::FragmentEntry;
+use crate::format::{FragmentEntry, FragmentFormat};
 use crate::types::Lba;
 
-const KIND_STORED: u64 = 2;
+const KIND_STORED_V2: u64 = 2;
+const KIND_STORED_V3: u64 = 3;
 const LEN_BITS: u32 = 13;
 const OFFSET_SHIFT: u32 = 18;
 pub const OFFSET_MAX: u64 = (1 << (64 - OFFSET_SHIFT)) - 1;
@@ -26,19 +30,25 @@ pub struct PackedEntry(pub u64);
 impl PackedEntry {
     pub const UNMAPPED: PackedEntry = PackedEntry(0);
     pub const ZERO: PackedEntry = PackedEntry(1);
+    pub const LOST: PackedEntry = PackedEntry(4);
 
     pub fn stored(s: Stored) -> PackedEntry {
         debug_assert!(s.offset_bytes <= OFFSET_MAX);
         debug_assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
-        PackedEntry(KIND_STORED | (s.codec as u64) << 2 | (s.stored_len as u64) << 5 | s.offset_bytes << OFFSET_SHIFT)
+        let kind = match s.format {
+            FragmentFormat::V2 => KIND_STORED_V2,
+            FragmentFormat::V3 => KIND_STORED_V3,
+        };
+        PackedEntry(kind | (s.codec as u64) << 2 | (s.stored_len as u64) << 5 | s.offset_bytes << OFFSET_SHIFT)
     }
 
-    /// The entry of a fragment stored at `offset_bytes` (an all-zero block has none).
-    pub fn of_fragment(offset_bytes: u64, fragment: FragmentEntry) -> PackedEntry {
-        if fragment.stored_len == 0 {
+    /// The entry of a fragment of `format` stored at `offset_bytes` (ZERO for an all-zero
+    /// block, which the map never points at).
+    pub fn of_fragment(offset_bytes: u64, fragment: FragmentEntry, format: FragmentFormat) -> PackedEntry {
+        if fragment.is_zero_block(format) {
             PackedEntry::ZERO
         } else {
-            PackedEntry::stored(Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec })
+            PackedEntry::stored(Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec, format })
         }
     }
 
@@ -53,20 +63,24 @@ pub struct Stored {
     pub offset_bytes: u64,
     pub stored_len: u16,
     pub codec: CodecTag,
+    pub format: FragmentFormat,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Entry {
     Unmapped,
     Zero,
+    /// Its metadata was damaged: reads fail until it is written again.
+    Lost,
     Stored(Stored),
 }
 
 pub fn unpack(raw: u64) -> Result<Entry> {
     match raw & 3 {
         0 if raw == PackedEntry::UNMAPPED.0 => Ok(Entry::Unmapped),
+        0 if raw == PackedEntry::LOST.0 => Ok(Entry::Lost),
         1 if raw == PackedEntry::ZERO.0 => Ok(Entry::Zero),
-        2 => {
+        kind @ (KIND_STORED_V2 | KIND_STORED_V3) => {
             let stored_len = ((raw >> 5) & ((1 << LEN_BITS) - 1)) as u16;
             if stored_len == 0 {
                 return Err(Error::new(ErrorKind::Corrupt, "map entry with zero length"));
@@ -75,6 +89,7 @@ pub fn unpack(raw: u64) -> Result<Entry> {
                 offset_bytes: raw >> OFFSET_SHIFT,
                 stored_len,
                 codec: CodecTag::from_u8(((raw >> 2) & 7) as u8)?,
+                format: if kind == KIND_STORED_V2 { FragmentFormat::V2 } else { FragmentFormat::V3 },
             }))
         }
         _ => Err(Error::new(ErrorKind::Corrupt, format!("bad map entry {raw:#x}"))),
@@ -133,8 +148,11 @@ mod tests {
 
     #[test]
     fn stored_entries_round_trip() {
-        let s = Stored { offset_bytes: OFFSET_MAX, stored_len: 4100, codec: CodecTag::Deflate };
-        assert_eq!(PackedEntry::stored(s).unpack().unwrap(), Entry::Stored(s));
+        for format in [FragmentFormat::V2, FragmentFormat::V3] {
+            let s = Stored { offset_bytes: OFFSET_MAX, stored_len: 4108, codec: CodecTag::Deflate, format };
+            assert_eq!(PackedEntry::stored(s).unpack().unwrap(), Entry::Stored(s));
+        }
+        assert_eq!(PackedEntry::LOST.unpack().unwrap(), Entry::Lost);
         assert_eq!(PackedEntry::UNMAPPED.unpack().unwrap(), Entry::Unmapped);
         assert_eq!(PackedEntry::ZERO.unpack().unwrap(), Entry::Zero);
         assert!(unpack(3).is_err());

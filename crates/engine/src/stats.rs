@@ -64,6 +64,13 @@ pub struct Stats {
     /// Memory the read cache holds (compressed fragments plus bookkeeping).
     #[serde(default)]
     pub read_cache_bytes: u64,
+    /// Records recovery found damaged (applied from a surviving copy, or lost).
+    #[serde(default)]
+    pub damaged_records: u64,
+    /// Recovery lost records: the store is read-only and blocks not provably newer than
+    /// the loss read as EIO (`zdisk check` lists the damage).
+    #[serde(default)]
+    pub damaged: bool,
 }
 
 /// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.

@@ -46,6 +46,7 @@ struct Config {
     cache_bytes: u64,
     read_cache_bytes: u64,
     low_space_fraction: f64,
+    accept_data_loss: bool,
     run_dir: PathBuf,
 }
 
@@ -60,6 +61,7 @@ impl Default for Config {
             cache_bytes: defaults.cache_bytes_max,
             read_cache_bytes: defaults.read_cache_bytes,
             low_space_fraction: defaults.low_space_fraction,
+            accept_data_loss: false,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
         }
     }
@@ -143,6 +145,7 @@ impl Server for Handle {
              direct=true|false     O_DIRECT on the backing store (default true)\n\
              cache=SIZE            engine buffer memory bound (default 256M)\n\
              read_cache=SIZE       read cache of compressed fragments (default 0: off)\n\
+             accept_data_loss=BOOL serve for writing a store whose recovery lost records\n\
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)",
         )
@@ -184,6 +187,7 @@ impl Server for Handle {
                 }
                 config.low_space_fraction = fraction;
             }
+            "accept_data_loss" => config.accept_data_loss = nbdkit::parse_bool(value)?,
             "rundir" => config.run_dir = PathBuf::from(value),
             _ => return Err(einval(format!("unknown parameter {key:?} (see nbdkit zdisk --help)"))),
         }
@@ -226,6 +230,7 @@ impl Server for Handle {
             cache_bytes_max: config.cache_bytes,
             read_cache_bytes: config.read_cache_bytes,
             low_space_fraction: config.low_space_fraction,
+            accept_data_loss: config.accept_data_loss,
             ..OpenOptions::default()
         };
         let store = Store::open(&path, &options)

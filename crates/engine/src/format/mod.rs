@@ -7,29 +7,33 @@
 //! targets in `fuzz/` and the property tests below feed it garbage).
 
 mod checkpoint;
+mod fragment;
 mod record;
 mod superblock;
+pub mod v2 {
+    //! Version 2 records: read, never written.
+    pub use super::record_v2::*;
+}
+mod record_v2;
 
 pub use checkpoint::{Checkpoint, SegmentState, SegmentUsage, COUNTER_ORDER};
+pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 pub use record::{
-    locate_record, BatchEntry, FragmentEntry, RecordBody, RecordHeader, RelocateEntry, BATCH_ENTRY_BYTES,
-    BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, RECORD_FIXED_BYTES, RECORD_HEADER_MIN_BYTES, RELOCATE_ENTRY_BYTES,
-    WRITE_ENTRY_BYTES,
+    decode_tail, relocate_entries_from_damaged_tail, BatchEntry, Head, RecordBody, RecordHeader, RecordKind,
+    RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAGIC,
+    RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 pub use superblock::{ChunkRef, Superblock, CHUNK_REFS_MAX, SUPERBLOCK_SLOT_BYTES};
 
-use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
 
-/// 2: write-batch records (kind 6). Version 1 stores are read and upgraded when opened
-/// for writing.
-pub const FORMAT_VERSION: u32 = 2;
+/// 3: records with a head and a tail, fragments with protection information, durable
+/// stamps. Versions 1 and 2 are read, and upgraded when opened for writing
+/// (`docs/format.md`, "Version history").
+pub const FORMAT_VERSION: u32 = 3;
 
 /// Segments start here (the superblock area is padded to 1 MiB for alignment).
 pub const DATA_START_BYTES: u64 = 1 << 20;
-
-/// Each stored fragment starts with the CRC32C of its uncompressed block.
-pub const FRAGMENT_CRC_BYTES: usize = 4;
 
 /// The largest logical size a store may have: 2^46 bytes (64 TiB).
 pub const LOGICAL_SIZE_MAX_BYTES: u64 = 1 << 46;
@@ -55,11 +59,6 @@ impl Writer<'_> {
     pub fn u48(&mut self, v: u64) {
         debug_assert!(v < 1 << 48);
         self.buf.extend_from_slice(&v.to_le_bytes()[..6]);
-    }
-    /// A fragment entry in two bytes: stored length (13 bits), codec tag (3 bits).
-    pub fn fragment(&mut self, f: FragmentEntry) {
-        debug_assert!(f.stored_len < 1 << 13 && (f.codec as u8) < 8);
-        self.u16(f.stored_len | (f.codec as u16) << 13);
     }
 }
 
@@ -99,10 +98,6 @@ impl<'a> Reader<'a> {
         v[..6].copy_from_slice(self.bytes(6)?);
         Ok(u64::from_le_bytes(v))
     }
-    pub fn fragment(&mut self) -> Result<FragmentEntry> {
-        let packed = self.u16()?;
-        Ok(FragmentEntry { stored_len: packed & 0x1fff, codec: CodecTag::from_u8((packed >> 13) as u8)? })
-    }
     /// A list of `count` entries of `entry_bytes` each, which must be exactly what is left.
     pub fn entries<T>(
         &mut self,
@@ -128,7 +123,7 @@ pub(crate) fn corrupt(what: impl Into<String>) -> Error {
 }
 
 /// Reads a little-endian `u32` at `at` (the caller has checked the length).
-pub(crate) fn u32_at(buf: &[u8], at: usize) -> u32 {
+pub fn u32_at(buf: &[u8], at: usize) -> u32 {
     u32::from_le_bytes(buf[at..at + 4].try_into().expect("4 bytes"))
 }
 

@@ -1,80 +1,85 @@
-//! Log records: a header (fixed part, entries, CRC) and a payload of fragments
-//! (`docs/format.md`, "Records"; the offsets below are that table's).
+//! Log records, version 3 (`docs/format.md`, "Records"; the offsets below are that table's).
 //!
-//! Invariants: a decoded header's CRC matched; its entry count agrees with its length; the
-//! fragment lengths its entries give add up to its payload length.
+//! A record is a 64-byte head, its payload, and a tail: the record's entries, a byte-for-byte
+//! copy of the head, and a CRC over both. Each of head and tail is enough to know what the
+//! record did and where it ends, and the payload's fragments carry their own protection
+//! information (`fragment.rs`), a third description of a data record. One damaged copy
+//! never loses what a record wrote.
+//!
+//! The head's CRC is the record's chain value: the next record carries it as `prev_crc`.
+//!
+//! Invariants of a decoded record: its head (or the tail's copy of it) passed its CRC; the
+//! tail's entry count agrees with the head; the fragment lengths the entries give add up to
+//! the payload length.
 
-use std::borrow::Cow;
-
+use super::fragment::{FragmentEntry, FragmentFormat};
 use super::{corrupt, u32_at, u64_at, Reader, Writer};
-use crate::codec::CodecTag;
 use crate::error::Result;
 use crate::types::Lba;
 
-pub const RECORD_MAGIC: u32 = 0x4345_525A; // "ZREC"
+/// "ZRC3": the magic of a version 3 record head.
+pub const RECORD_MAGIC: u32 = 0x3343_525A;
 
 const MAGIC_OFFSET: usize = 0;
 const KIND_OFFSET: usize = MAGIC_OFFSET + 4;
 const FLAGS_OFFSET: usize = KIND_OFFSET + 1;
 const RESERVED_OFFSET: usize = FLAGS_OFFSET + 1;
 const SEQ_OFFSET: usize = RESERVED_OFFSET + 2;
-const PREV_CRC_OFFSET: usize = SEQ_OFFSET + 8;
+const DURABLE_SEQ_OFFSET: usize = SEQ_OFFSET + 8;
+const START_LBA_OFFSET: usize = DURABLE_SEQ_OFFSET + 8;
+const COUNT_OFFSET: usize = START_LBA_OFFSET + 8;
+const PREV_CRC_OFFSET: usize = COUNT_OFFSET + 8;
 const SESSION_OFFSET: usize = PREV_CRC_OFFSET + 4;
 const STORE_TAG_OFFSET: usize = SESSION_OFFSET + 4;
-const HEADER_LEN_OFFSET: usize = STORE_TAG_OFFSET + 4;
-const PAYLOAD_LEN_OFFSET: usize = HEADER_LEN_OFFSET + 4;
+const PAYLOAD_LEN_OFFSET: usize = STORE_TAG_OFFSET + 4;
 const PAYLOAD_CRC_OFFSET: usize = PAYLOAD_LEN_OFFSET + 4;
-const START_LBA_OFFSET: usize = PAYLOAD_CRC_OFFSET + 4;
-const COUNT_OFFSET: usize = START_LBA_OFFSET + 8;
-/// Fixed part of a record header; entries follow, then the header CRC.
-pub const RECORD_FIXED_BYTES: usize = COUNT_OFFSET + 8;
-const RECORD_CRC_BYTES: usize = 4;
-/// The smallest header: the fixed part and the CRC (trim, zero, checkpoint-chunk records).
-pub const RECORD_HEADER_MIN_BYTES: usize = RECORD_FIXED_BYTES + RECORD_CRC_BYTES;
-/// The largest header length a record may claim (`peek_len` refuses more).
-const RECORD_HEADER_MAX_BYTES: usize = RECORD_HEADER_MIN_BYTES + (1 << 24);
+const HEAD_CRC_OFFSET: usize = PAYLOAD_CRC_OFFSET + 4;
+/// The head: fixed fields and their CRC.
+pub const HEAD_BYTES: usize = HEAD_CRC_OFFSET + 4;
+/// The tail after its entries: the head's copy and the tail CRC.
+pub const TAIL_FIXED_BYTES: usize = HEAD_BYTES + 4;
+/// A record without payload or entries (trim, zero, marker).
+pub const RECORD_MIN_BYTES: usize = HEAD_BYTES + TAIL_FIXED_BYTES;
 
-const _: () = assert!(RECORD_FIXED_BYTES == 56, "docs/format.md: the fixed header is 56 bytes");
+const _: () = assert!(HEAD_BYTES == 64, "docs/format.md: the head is 64 bytes");
 
-/// Per block of a write record: stored length u16, codec u8.
-pub const WRITE_ENTRY_BYTES: usize = 3;
-/// A relocate entry: LBA (48 bits), old byte address (48 bits), fragment (16 bits).
-pub const RELOCATE_ENTRY_BYTES: usize = 14;
-const RELOCATE_V1_ENTRY_BYTES: usize = 19;
-/// A batch entry: LBA (48 bits), then stored length (13 bits) and codec tag (3 bits).
+/// Per block of a write record: fragment u16.
+pub const WRITE_ENTRY_BYTES: usize = 2;
+/// A batch entry: LBA u48, fragment u16.
 pub const BATCH_ENTRY_BYTES: usize = 8;
-/// LBAs a batch entry can hold (2^48 blocks: 1 EiB).
+/// A relocate entry: LBA u48, old byte address u48 (bit 47: the old copy was a version 2
+/// fragment), fragment u16. A relocation's tail holds its entries twice, each copy with its
+/// own CRC: the old addresses are nowhere else, and replay must not lose a relocation (it
+/// may be what let its victim segment be reused).
+pub const RELOCATE_ENTRY_BYTES: usize = 14;
+/// Set in a relocate entry's old address: the copy converted a version 2 fragment.
+const OLD_WAS_V2_BIT: u64 = 1 << 47;
+/// LBAs an entry can hold (2^48 blocks: 1 EiB).
 pub const BATCH_LBA_LIMIT: u64 = 1 << 48;
 
 pub const FLAG_FIRST: u8 = 1;
 pub const FLAG_LAST: u8 = 2;
 
-/// What a record says.
+/// What a record says. Kinds 1–7 are version 2's (`record_v2.rs`); 8 on are version 3's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum RecordKind {
-    /// Blocks `start_lba..start_lba+count`, one entry each (stored length, codec).
     Write = 1,
-    /// Unmap `start_lba..start_lba+count`.
     Trim = 2,
-    /// Map `start_lba..start_lba+count` to zero.
     Zero = 3,
-    /// Version 1 GC copies (19-byte entries: lba, old map entry, stored length, codec); read
-    /// from version 1 stores, never written.
+    /// Version 1 GC copies; read from version 1 stores, never written.
     RelocateV1 = 4,
-    /// A piece of a checkpoint; replay skips it.
     Checkpoint = 5,
-    /// Small host writes gathered while buffered: entries (lba, stored length, codec), one
-    /// per block, in any LBA order. Its entries and header CRC follow the payload (see
-    /// `docs/format.md`), so the record can grow in memory until it is closed.
     Batch = 6,
-    /// GC copies: entries (lba, old address, fragment), applied only where the map still
-    /// holds the old entry.
     Relocate = 7,
+    /// Carries only its head: everything up to `durable_seq` was durable when it was
+    /// written, which proves the records before it were not torn (written when the store
+    /// goes idle after a flush).
+    Marker = 8,
 }
 
 impl RecordKind {
-    fn from_u8(v: u8) -> Result<RecordKind> {
+    pub fn from_u8(v: u8) -> Result<RecordKind> {
         Ok(match v {
             1 => RecordKind::Write,
             2 => RecordKind::Trim,
@@ -83,30 +88,69 @@ impl RecordKind {
             5 => RecordKind::Checkpoint,
             6 => RecordKind::Batch,
             7 => RecordKind::Relocate,
+            8 => RecordKind::Marker,
             _ => return Err(corrupt(format!("unknown record kind {v}"))),
         })
+    }
+
+    /// Entry bytes per entry in a version 3 tail.
+    fn entry_bytes(self) -> usize {
+        match self {
+            RecordKind::Write => WRITE_ENTRY_BYTES,
+            RecordKind::Batch => BATCH_ENTRY_BYTES,
+            RecordKind::Relocate => RELOCATE_ENTRY_BYTES,
+            _ => 0,
+        }
+    }
+
+    /// Bytes of a version 3 tail's entries area for `count` entries (a relocation's two
+    /// copies each carry a CRC).
+    fn entries_area_bytes(self, count: usize) -> Option<usize> {
+        let one = count.checked_mul(self.entry_bytes())?;
+        Some(if self == RecordKind::Relocate { 2 * (one + 4) } else { one })
     }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FragmentEntry {
-    /// Fragment bytes on disk including the CRC prefix; 0 for an all-zero block.
-    pub stored_len: u16,
-    pub codec: CodecTag,
+pub enum RecordVersion {
+    V2,
+    V3,
 }
 
-impl FragmentEntry {
-    /// The entry of an all-zero block: no bytes stored.
-    pub const ZERO_BLOCK: FragmentEntry = FragmentEntry { stored_len: 0, codec: CodecTag::Raw };
+impl RecordVersion {
+    /// The format of the fragments in such a record's payload.
+    pub fn fragment_format(self) -> FragmentFormat {
+        match self {
+            RecordVersion::V2 => FragmentFormat::V2,
+            RecordVersion::V3 => FragmentFormat::V3,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RelocateEntry {
     pub lba: Lba,
-    /// Where the fragment was: the map entry to replace is this address with the same
-    /// stored length and codec.
+    /// Where the fragment was: the map entry to replace is this address with the old
+    /// fragment's length and codec (the same, or 8 bytes shorter for a converted version 2
+    /// fragment).
     pub old_offset_bytes: u64,
+    pub old_format: FragmentFormat,
     pub fragment: FragmentEntry,
+}
+
+impl RelocateEntry {
+    /// The fragment entry the old copy had, for a copy of format `new_format` (the
+    /// record's). A version 2 fragment converted to version 3 grew by 8 bytes of PI.
+    pub fn old_fragment(&self, new_format: FragmentFormat) -> FragmentEntry {
+        match (self.old_format, new_format) {
+            (old, new) if old == new => self.fragment,
+            _ => FragmentEntry {
+                stored_len: self.fragment.stored_len
+                    - (super::fragment::PI_BYTES - super::fragment::V2_PREFIX_BYTES) as u16,
+                ..self.fragment
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,6 +167,7 @@ pub enum RecordBody {
     Relocate { entries: Vec<RelocateEntry> },
     Checkpoint,
     Batch { entries: Vec<BatchEntry> },
+    Marker,
 }
 
 impl RecordBody {
@@ -135,11 +180,13 @@ impl RecordBody {
             }
             RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
             RecordBody::Batch { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint => Vec::new(),
+            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint | RecordBody::Marker => {
+                Vec::new()
+            }
         }
     }
 
-    fn kind(&self) -> RecordKind {
+    pub fn kind(&self) -> RecordKind {
         match self {
             RecordBody::Write { .. } => RecordKind::Write,
             RecordBody::Trim { .. } => RecordKind::Trim,
@@ -147,37 +194,65 @@ impl RecordBody {
             RecordBody::Relocate { .. } => RecordKind::Relocate,
             RecordBody::Checkpoint => RecordKind::Checkpoint,
             RecordBody::Batch { .. } => RecordKind::Batch,
+            RecordBody::Marker => RecordKind::Marker,
         }
     }
 
-    /// Entry bytes this body adds to the header.
-    fn entry_bytes(&self) -> usize {
+    /// The head's start LBA and count fields.
+    fn lba_and_count(&self) -> (Lba, u64) {
         match self {
-            RecordBody::Write { fragments, .. } => fragments.len() * WRITE_ENTRY_BYTES,
-            RecordBody::Relocate { entries } => entries.len() * RELOCATE_ENTRY_BYTES,
-            RecordBody::Batch { entries } => entries.len() * BATCH_ENTRY_BYTES,
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint => 0,
-        }
-    }
-
-    /// The fixed header's start LBA and count fields.
-    fn lba_and_count(&self) -> (u64, u64) {
-        match self {
-            RecordBody::Write { start_lba, fragments } => (start_lba.0, fragments.len() as u64),
+            RecordBody::Write { start_lba, fragments } => (*start_lba, fragments.len() as u64),
             RecordBody::Trim { start_lba, block_count } | RecordBody::Zero { start_lba, block_count } => {
-                (start_lba.0, *block_count)
+                (*start_lba, *block_count)
             }
-            RecordBody::Relocate { entries } => (0, entries.len() as u64),
-            RecordBody::Batch { entries } => (0, entries.len() as u64),
-            RecordBody::Checkpoint => (0, 0),
+            RecordBody::Relocate { entries } => (Lba(0), entries.len() as u64),
+            RecordBody::Batch { entries } => (Lba(0), entries.len() as u64),
+            RecordBody::Checkpoint | RecordBody::Marker => (Lba(0), 0),
+        }
+    }
+
+    /// Sum of the fragments' stored lengths (the payload length of a data record).
+    pub fn fragment_bytes(&self) -> u64 {
+        self.fragments().iter().map(|(_, f)| f.stored_len as u64).sum()
+    }
+
+    fn encode_entries(&self, w: &mut Writer<'_>) {
+        match self {
+            RecordBody::Write { fragments, .. } => fragments.iter().for_each(|f| w.u16(f.packed())),
+            RecordBody::Batch { entries } => entries.iter().for_each(|e| {
+                w.u48(e.lba.0);
+                w.u16(e.fragment.packed());
+            }),
+            RecordBody::Relocate { entries } => {
+                let mut one = Vec::with_capacity(entries.len() * RELOCATE_ENTRY_BYTES + 4);
+                let mut copy = Writer { buf: &mut one };
+                for e in entries {
+                    debug_assert!(e.old_offset_bytes < OLD_WAS_V2_BIT);
+                    let flag = if e.old_format == FragmentFormat::V2 { OLD_WAS_V2_BIT } else { 0 };
+                    copy.u48(e.lba.0);
+                    copy.u48(e.old_offset_bytes | flag);
+                    copy.u16(e.fragment.packed());
+                }
+                let crc = crc32c::crc32c(&one);
+                one.extend_from_slice(&crc.to_le_bytes());
+                w.buf.extend_from_slice(&one);
+                w.buf.extend_from_slice(&one);
+            }
+            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint | RecordBody::Marker => {}
         }
     }
 }
 
+/// A record's header: what its head (version 3) or header (version 2) says, with the body
+/// its entries make.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RecordHeader {
+    pub version: RecordVersion,
     pub flags: u8,
     pub seq: u64,
+    /// Everything up to this sequence number was durable when the record was appended
+    /// (version 3; 0 in version 2 records).
+    pub durable_seq: u64,
     pub prev_crc: u32,
     /// Random per open of the store: a stale record left by an earlier run never chains.
     pub session: u32,
@@ -187,356 +262,345 @@ pub struct RecordHeader {
     pub body: RecordBody,
 }
 
+/// A version 3 head as decoded, before its entries are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    pub kind: RecordKind,
+    pub flags: u8,
+    pub seq: u64,
+    pub durable_seq: u64,
+    pub start_lba: Lba,
+    pub count: u64,
+    pub prev_crc: u32,
+    pub session: u32,
+    pub store_tag: u32,
+    pub payload_len: u32,
+    pub payload_crc: u32,
+    /// The head's CRC: the record's chain value.
+    pub crc: u32,
+}
+
+impl Head {
+    /// Decodes a head (or a tail's copy of one) and checks its CRC.
+    pub fn decode(bytes: &[u8]) -> Result<Head> {
+        if bytes.len() < HEAD_BYTES || u32_at(bytes, MAGIC_OFFSET) != RECORD_MAGIC {
+            return Err(corrupt("no record head"));
+        }
+        let crc = u32_at(bytes, HEAD_CRC_OFFSET);
+        if crc32c::crc32c(&bytes[..HEAD_CRC_OFFSET]) != crc {
+            return Err(corrupt("record head checksum mismatch"));
+        }
+        if bytes[RESERVED_OFFSET..SEQ_OFFSET] != [0, 0] {
+            return Err(corrupt("record head reserved bytes"));
+        }
+        let kind = RecordKind::from_u8(bytes[KIND_OFFSET])?;
+        if kind.entry_bytes() == 0
+            && !matches!(kind, RecordKind::Trim | RecordKind::Zero)
+            && u64_at(bytes, COUNT_OFFSET) != 0
+        {
+            return Err(corrupt("record head counts entries its kind has not"));
+        }
+        Ok(Head {
+            kind,
+            flags: bytes[FLAGS_OFFSET],
+            seq: u64_at(bytes, SEQ_OFFSET),
+            durable_seq: u64_at(bytes, DURABLE_SEQ_OFFSET),
+            start_lba: Lba(u64_at(bytes, START_LBA_OFFSET)),
+            count: u64_at(bytes, COUNT_OFFSET),
+            prev_crc: u32_at(bytes, PREV_CRC_OFFSET),
+            session: u32_at(bytes, SESSION_OFFSET),
+            store_tag: u32_at(bytes, STORE_TAG_OFFSET),
+            payload_len: u32_at(bytes, PAYLOAD_LEN_OFFSET),
+            payload_crc: u32_at(bytes, PAYLOAD_CRC_OFFSET),
+            crc,
+        })
+    }
+
+    /// Bytes of the tail this head announces; None if the count cannot be a record's.
+    pub fn tail_len(&self) -> Option<usize> {
+        let entries = self.kind.entries_area_bytes(usize::try_from(self.count).ok()?)?;
+        (entries <= 1 << 24).then_some(entries + TAIL_FIXED_BYTES)
+    }
+
+    /// Bytes of the whole record this head announces.
+    pub fn record_len(&self) -> Option<usize> {
+        HEAD_BYTES.checked_add(self.payload_len as usize)?.checked_add(self.tail_len()?)
+    }
+
+    /// The record's body from the entries of its tail (`entry_bytes` exactly).
+    pub fn body(&self, entry_bytes: &[u8]) -> Result<RecordBody> {
+        let mut r = Reader::new(entry_bytes, "record tail entries");
+        let count = self.count;
+        let body = match self.kind {
+            RecordKind::Write => RecordBody::Write {
+                start_lba: self.start_lba,
+                fragments: r
+                    .entries(count, WRITE_ENTRY_BYTES, "write record entries", |r| FragmentEntry::unpack(r.u16()?))?,
+            },
+            RecordKind::Batch => RecordBody::Batch {
+                entries: r.entries(count, BATCH_ENTRY_BYTES, "batch record entries", |r| {
+                    Ok(BatchEntry { lba: Lba(r.u48()?), fragment: FragmentEntry::unpack(r.u16()?)? })
+                })?,
+            },
+            RecordKind::Relocate => RecordBody::Relocate { entries: first_relocate_copy(entry_bytes, count)? },
+            RecordKind::Trim => RecordBody::Trim { start_lba: self.start_lba, block_count: count },
+            RecordKind::Zero => RecordBody::Zero { start_lba: self.start_lba, block_count: count },
+            RecordKind::Checkpoint => RecordBody::Checkpoint,
+            RecordKind::Marker => RecordBody::Marker,
+            RecordKind::RelocateV1 => return Err(corrupt("a version 1 record kind in a version 3 record")),
+        };
+        if self.kind != RecordKind::Relocate && r.remaining() != 0 {
+            return Err(corrupt("record tail has bytes its entries do not use"));
+        }
+        let fragment_bytes = body.fragment_bytes();
+        if !body.fragments().is_empty() && fragment_bytes != self.payload_len as u64 {
+            return Err(corrupt("record payload length disagrees with its entries"));
+        }
+        Ok(body)
+    }
+
+    /// The header of the record this head and `body` make.
+    pub fn header(&self, body: RecordBody) -> RecordHeader {
+        RecordHeader {
+            version: RecordVersion::V3,
+            flags: self.flags,
+            seq: self.seq,
+            durable_seq: self.durable_seq,
+            prev_crc: self.prev_crc,
+            session: self.session,
+            store_tag: self.store_tag,
+            payload_len: self.payload_len,
+            payload_crc: self.payload_crc,
+            body,
+        }
+    }
+}
+
+/// A version 3 record's head and tail, encoded.
+pub struct EncodedRecord {
+    pub head: [u8; HEAD_BYTES],
+    pub tail: Vec<u8>,
+    /// The chain value: the head's CRC.
+    pub crc: u32,
+}
+
 impl RecordHeader {
     pub fn kind(&self) -> RecordKind {
         self.body.kind()
     }
 
-    pub fn encoded_len(&self) -> usize {
-        RECORD_HEADER_MIN_BYTES + self.body.entry_bytes()
+    pub fn tail_len(&self) -> usize {
+        let (_, count) = self.body.lba_and_count();
+        self.kind().entries_area_bytes(count as usize).expect("a record's entries fit") + TAIL_FIXED_BYTES
     }
 
-    /// Encodes into `out` and returns the header CRC (the next record's `prev_crc`).
-    pub fn encode(&self, out: &mut Vec<u8>) -> u32 {
-        let start = out.len();
-        let header_len = self.encoded_len();
-        let mut w = Writer { buf: out };
+    /// Encodes head and tail in version 3.
+    pub fn encode(&self) -> EncodedRecord {
+        debug_assert_eq!(self.version, RecordVersion::V3);
+        let (start_lba, count) = self.body.lba_and_count();
+        let mut head = Vec::with_capacity(HEAD_BYTES);
+        let mut w = Writer { buf: &mut head };
         w.u32(RECORD_MAGIC);
         w.u8(self.kind() as u8);
         w.u8(self.flags);
         w.u16(0);
         w.u64(self.seq);
+        w.u64(self.durable_seq);
+        w.u64(start_lba.0);
+        w.u64(count);
         w.u32(self.prev_crc);
         w.u32(self.session);
         w.u32(self.store_tag);
-        w.u32(header_len as u32);
         w.u32(self.payload_len);
         w.u32(self.payload_crc);
-        let (lba, count) = self.body.lba_and_count();
-        w.u64(lba);
-        w.u32(count as u32);
-        w.u32((count >> 32) as u32);
-        debug_assert_eq!(w.buf.len() - start, RECORD_FIXED_BYTES);
-        match &self.body {
-            RecordBody::Write { fragments, .. } => {
-                for f in fragments {
-                    w.u16(f.stored_len);
-                    w.u8(f.codec as u8);
-                }
-            }
-            RecordBody::Relocate { entries } => {
-                for e in entries {
-                    w.u48(e.lba.0);
-                    w.u48(e.old_offset_bytes);
-                    w.fragment(e.fragment);
-                }
-            }
-            RecordBody::Batch { entries } => {
-                for e in entries {
-                    w.u48(e.lba.0);
-                    w.fragment(e.fragment);
-                }
-            }
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint => {}
-        }
-        let crc = crc32c::crc32c(&w.buf[start..]);
-        w.u32(crc);
-        debug_assert_eq!(out.len() - start, header_len);
-        crc
-    }
-
-    /// The header length claimed by the bytes at the start of `buf`, if it looks like a
-    /// record at all (so the caller knows how much to read before `decode`).
-    pub fn peek_len(buf: &[u8]) -> Option<usize> {
-        if buf.len() < RECORD_FIXED_BYTES || u32_at(buf, MAGIC_OFFSET) != RECORD_MAGIC {
-            return None;
-        }
-        let len = u32_at(buf, HEADER_LEN_OFFSET) as usize;
-        (RECORD_HEADER_MIN_BYTES..=RECORD_HEADER_MAX_BYTES).contains(&len).then_some(len)
-    }
-
-    /// Sequence number and store tag of what looks like a record header at the start of
-    /// `buf`, without checking its CRC (a batch's CRC lies past its payload). Only for
-    /// finding candidates; a record is trusted only after `locate_record` and `decode`.
-    pub fn peek_identity(buf: &[u8]) -> Option<(u64, u32)> {
-        RecordHeader::peek_len(buf)?;
-        RecordKind::from_u8(buf[KIND_OFFSET]).ok()?;
-        Some((u64_at(buf, SEQ_OFFSET), u32_at(buf, STORE_TAG_OFFSET)))
-    }
-
-    /// Decodes a header; returns it and its CRC. `buf` must hold at least the header.
-    pub fn decode(buf: &[u8]) -> Result<(RecordHeader, u32)> {
-        let header_len = RecordHeader::peek_len(buf).ok_or_else(|| corrupt("no record header"))?;
-        if buf.len() < header_len {
-            return Err(corrupt("record header is truncated"));
-        }
-        let crc_at = header_len - RECORD_CRC_BYTES;
-        let crc = crc32c::crc32c(&buf[..crc_at]);
-        if crc != u32_at(buf, crc_at) {
-            return Err(corrupt("record header checksum mismatch"));
-        }
-        let mut r = Reader::new(&buf[..crc_at], "record header");
-        r.u32()?;
-        let kind = RecordKind::from_u8(r.u8()?)?;
-        let flags = r.u8()?;
-        r.u16()?;
-        let seq = r.u64()?;
-        let prev_crc = r.u32()?;
-        let session = r.u32()?;
-        let store_tag = r.u32()?;
-        r.u32()?;
-        let payload_len = r.u32()?;
-        let payload_crc = r.u32()?;
-        let lba = Lba(r.u64()?);
-        let count = r.u32()? as u64 | (r.u32()? as u64) << 32;
-        let body = decode_body(kind, lba, count, &mut r)?;
-        let fragment_sum: u64 = match &body {
-            RecordBody::Write { .. } | RecordBody::Relocate { .. } | RecordBody::Batch { .. } => {
-                body.fragments().iter().map(|(_, f)| f.stored_len as u64).sum()
-            }
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint => payload_len as u64,
-        };
-        if fragment_sum != payload_len as u64 {
-            return Err(corrupt("record payload length disagrees with its entries"));
-        }
-        let header = RecordHeader { flags, seq, prev_crc, session, store_tag, payload_len, payload_crc, body };
-        Ok((header, crc))
+        debug_assert_eq!(head.len(), HEAD_CRC_OFFSET);
+        let crc = crc32c::crc32c(&head);
+        head.extend_from_slice(&crc.to_le_bytes());
+        let mut tail = Vec::with_capacity(self.tail_len());
+        self.body.encode_entries(&mut Writer { buf: &mut tail });
+        tail.extend_from_slice(&head);
+        let tail_crc = crc32c::crc32c(&tail);
+        tail.extend_from_slice(&tail_crc.to_le_bytes());
+        debug_assert_eq!(tail.len(), self.tail_len());
+        EncodedRecord { head: head.try_into().expect("64 bytes"), tail, crc }
     }
 }
 
-/// The entries of a record of `kind`, which must be exactly what `r` has left.
-fn decode_body(kind: RecordKind, lba: Lba, count: u64, r: &mut Reader<'_>) -> Result<RecordBody> {
-    Ok(match kind {
-        RecordKind::Write => {
-            let fragments = r.entries(count, WRITE_ENTRY_BYTES, "write record entry count", |r| {
-                let stored_len = r.u16()?;
-                let codec = CodecTag::from_u8(r.u8()?)?;
-                Ok(FragmentEntry { stored_len, codec })
-            })?;
-            RecordBody::Write { start_lba: lba, fragments }
-        }
-        RecordKind::Relocate => {
-            let entries = r.entries(count, RELOCATE_ENTRY_BYTES, "relocate record entry count", |r| {
-                Ok(RelocateEntry { lba: Lba(r.u48()?), old_offset_bytes: r.u48()?, fragment: r.fragment()? })
-            })?;
-            RecordBody::Relocate { entries }
-        }
-        RecordKind::RelocateV1 => {
-            let entries = r.entries(count, RELOCATE_V1_ENTRY_BYTES, "relocate record entry count", |r| {
-                let lba = Lba(r.u64()?);
-                let old = crate::map::unpack(r.u64()?)?;
-                let stored_len = r.u16()?;
-                let codec = CodecTag::from_u8(r.u8()?)?;
-                let crate::map::Entry::Stored(old) = old else {
-                    return Err(corrupt("relocate entry of a block that was not stored"));
-                };
-                Ok(RelocateEntry {
-                    lba,
-                    old_offset_bytes: old.offset_bytes,
-                    fragment: FragmentEntry { stored_len, codec },
-                })
-            })?;
-            RecordBody::Relocate { entries }
-        }
-        RecordKind::Batch => {
-            let entries = r.entries(count, BATCH_ENTRY_BYTES, "batch record entry count", |r| {
-                Ok(BatchEntry { lba: Lba(r.u48()?), fragment: r.fragment()? })
-            })?;
-            RecordBody::Batch { entries }
-        }
-        RecordKind::Trim | RecordKind::Zero | RecordKind::Checkpoint => {
-            if r.remaining() != 0 {
-                return Err(corrupt("record has entries it should not"));
-            }
-            match kind {
-                RecordKind::Trim => RecordBody::Trim { start_lba: lba, block_count: count },
-                RecordKind::Zero => RecordBody::Zero { start_lba: lba, block_count: count },
-                _ => RecordBody::Checkpoint,
-            }
-        }
-    })
-}
-
-/// A record found in a segment image by [`locate_record`]: its header bytes gathered into
-/// one run for [`RecordHeader::decode`] (a batch keeps its entries and header CRC after the
-/// payload), and where its payload starts and the record ends, as offsets into the image.
-pub struct LocatedRecord<'a> {
-    pub header: Cow<'a, [u8]>,
-    pub payload_at: usize,
-    pub end: usize,
-}
-
-/// Locates the record that starts at `at` in a segment image. None when the bytes there
-/// cannot be a record or it would run past the image. Nothing is verified yet.
-pub fn locate_record(image: &[u8], at: usize) -> Option<LocatedRecord<'_>> {
-    let head = image.get(at..)?;
-    let header_len = RecordHeader::peek_len(head)?;
-    let payload_len = u32_at(head, PAYLOAD_LEN_OFFSET) as usize;
-    if head[KIND_OFFSET] == RecordKind::Batch as u8 {
-        let payload_at = at + RECORD_FIXED_BYTES;
-        let trailer_at = payload_at.checked_add(payload_len)?;
-        let end = trailer_at.checked_add(header_len - RECORD_FIXED_BYTES)?;
-        if end > image.len() {
-            return None;
-        }
-        let mut header = Vec::with_capacity(header_len);
-        header.extend_from_slice(&image[at..payload_at]);
-        header.extend_from_slice(&image[trailer_at..end]);
-        Some(LocatedRecord { header: Cow::Owned(header), payload_at, end })
-    } else {
-        let payload_at = at + header_len;
-        let end = payload_at.checked_add(payload_len)?;
-        if end > image.len() {
-            return None;
-        }
-        Some(LocatedRecord { header: Cow::Borrowed(&image[at..payload_at]), payload_at, end })
+/// The entries of one checksummed copy of a relocation's entries.
+fn relocate_copy(bytes: &[u8], count: u64) -> Result<Vec<RelocateEntry>> {
+    let len = usize::try_from(count)
+        .ok()
+        .and_then(|n| n.checked_mul(RELOCATE_ENTRY_BYTES))
+        .ok_or_else(|| corrupt("relocate count"))?;
+    if bytes.len() < len + 4 || crc32c::crc32c(&bytes[..len]) != u32_at(bytes, len) {
+        return Err(corrupt("relocate entries copy fails its CRC"));
     }
+    Reader::new(&bytes[..len], "relocate record entries").entries(
+        count,
+        RELOCATE_ENTRY_BYTES,
+        "relocate record entries",
+        |r| {
+            let lba = Lba(r.u48()?);
+            let old = r.u48()?;
+            let fragment = FragmentEntry::unpack(r.u16()?)?;
+            let old_format = if old & OLD_WAS_V2_BIT != 0 { FragmentFormat::V2 } else { FragmentFormat::V3 };
+            Ok(RelocateEntry { lba, old_offset_bytes: old & !OLD_WAS_V2_BIT, old_format, fragment })
+        },
+    )
+}
+
+/// The first copy of a relocation's entries (the area holds two, `count` entries each).
+fn first_relocate_copy(area: &[u8], count: u64) -> Result<Vec<RelocateEntry>> {
+    let expected = RecordKind::Relocate.entries_area_bytes(count as usize).ok_or_else(|| corrupt("relocate count"))?;
+    if area.len() != expected {
+        return Err(corrupt("relocate tail length"));
+    }
+    relocate_copy(area, count)
+}
+
+/// A relocation's entries from a tail that fails its CRC: either copy that passes its own.
+pub fn relocate_entries_from_damaged_tail(head: &Head, tail: &[u8]) -> Option<Vec<RelocateEntry>> {
+    let half = RecordKind::Relocate.entries_area_bytes(usize::try_from(head.count).ok()?)? / 2;
+    let area = tail.get(..2 * half)?;
+    relocate_copy(&area[..half], head.count).or_else(|_| relocate_copy(&area[half..], head.count)).ok()
+}
+
+/// A tail found at `tail` (its whole bytes): its head copy, and the body its entries make.
+pub fn decode_tail(tail: &[u8]) -> Result<(Head, RecordBody)> {
+    if tail.len() < TAIL_FIXED_BYTES {
+        return Err(corrupt("record tail is truncated"));
+    }
+    let crc_at = tail.len() - 4;
+    if crc32c::crc32c(&tail[..crc_at]) != u32_at(tail, crc_at) {
+        return Err(corrupt("record tail checksum mismatch"));
+    }
+    let copy_at = crc_at - HEAD_BYTES;
+    let head = Head::decode(&tail[copy_at..crc_at])?;
+    if head.tail_len() != Some(tail.len()) {
+        return Err(corrupt("record tail length disagrees with its head"));
+    }
+    let body = head.body(&tail[..copy_at])?;
+    Ok((head, body))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::CodecTag;
     use proptest::prelude::*;
 
-    #[test]
-    fn record_header_round_trips() {
-        let header = RecordHeader {
+    fn sample(body: RecordBody) -> RecordHeader {
+        let payload_len = body.fragment_bytes() as u32;
+        RecordHeader {
+            version: RecordVersion::V3,
             flags: FLAG_FIRST | FLAG_LAST,
             seq: 9,
-            prev_crc: 1,
-            session: 2,
-            store_tag: 3,
-            payload_len: 10,
-            payload_crc: 4,
-            body: RecordBody::Write {
-                start_lba: Lba(5),
-                fragments: vec![
-                    FragmentEntry { stored_len: 10, codec: CodecTag::Lz4 },
-                    FragmentEntry { stored_len: 0, codec: CodecTag::Raw },
-                ],
-            },
-        };
-        let mut buf = Vec::new();
-        let crc = header.encode(&mut buf);
-        assert_eq!(buf.len(), header.encoded_len());
-        assert_eq!(RecordHeader::decode(&buf).unwrap(), (header, crc));
-    }
-
-    #[test]
-    fn batch_and_relocate_records_round_trip_and_batches_keep_their_entries_after_the_payload() {
-        let fragment = |stored_len, codec| FragmentEntry { stored_len, codec };
-        let batch = RecordHeader {
-            flags: FLAG_FIRST | FLAG_LAST,
-            seq: 9,
+            durable_seq: 7,
             prev_crc: 3,
             session: 4,
             store_tag: 5,
-            payload_len: 4100 + 20,
-            payload_crc: 0,
-            body: RecordBody::Batch {
+            payload_len,
+            payload_crc: 6,
+            body,
+        }
+    }
+
+    fn bodies() -> Vec<RecordBody> {
+        let f = |stored_len, codec| FragmentEntry { stored_len, codec };
+        vec![
+            RecordBody::Write { start_lba: Lba(5), fragments: vec![f(4108, CodecTag::Raw), f(0, CodecTag::Raw)] },
+            RecordBody::Batch {
                 entries: vec![
-                    BatchEntry { lba: Lba((1 << 48) - 1), fragment: fragment(4100, CodecTag::Raw) },
-                    BatchEntry { lba: Lba(7), fragment: fragment(0, CodecTag::Raw) },
-                    BatchEntry { lba: Lba(3), fragment: fragment(20, CodecTag::Deflate) },
+                    BatchEntry { lba: Lba((1 << 48) - 1), fragment: f(4108, CodecTag::Raw) },
+                    BatchEntry { lba: Lba(7), fragment: f(30, CodecTag::Deflate) },
                 ],
             },
-        };
-        let relocate = RecordHeader {
-            body: RecordBody::Relocate {
-                entries: vec![RelocateEntry {
-                    lba: Lba(12),
-                    old_offset_bytes: crate::map::OFFSET_MAX,
-                    fragment: fragment(2000, CodecTag::Zstd),
-                }],
+            RecordBody::Relocate {
+                entries: vec![
+                    RelocateEntry {
+                        lba: Lba(12),
+                        old_offset_bytes: crate::map::OFFSET_MAX,
+                        old_format: FragmentFormat::V2,
+                        fragment: f(2000, CodecTag::Zstd),
+                    },
+                    RelocateEntry {
+                        lba: Lba(13),
+                        old_offset_bytes: 1 << 20,
+                        old_format: FragmentFormat::V3,
+                        fragment: f(20, CodecTag::Lz4),
+                    },
+                ],
             },
-            payload_len: 2000,
-            ..batch.clone()
-        };
-        for header in [batch, relocate] {
-            let mut contiguous = Vec::new();
-            let crc = header.encode(&mut contiguous);
-            assert_eq!(RecordHeader::decode(&contiguous).unwrap(), (header.clone(), crc));
-            // As laid out in a segment: a batch's entries and CRC follow its payload.
-            let payload = vec![0xa5u8; header.payload_len as usize];
-            let mut image = vec![0u8; 100];
-            let split = if header.kind() == RecordKind::Batch { RECORD_FIXED_BYTES } else { contiguous.len() };
-            image.extend_from_slice(&contiguous[..split]);
-            image.extend_from_slice(&payload);
-            image.extend_from_slice(&contiguous[split..]);
-            let LocatedRecord { header: gathered, payload_at, end } = locate_record(&image, 100).unwrap();
-            assert_eq!(&*gathered, &contiguous[..]);
-            assert_eq!(&image[payload_at..payload_at + payload.len()], &payload[..]);
-            assert_eq!(end, image.len());
-            assert!(locate_record(&image[..image.len() - 1], 100).is_none(), "a cut record is not located");
+            RecordBody::Trim { start_lba: Lba(3), block_count: 1 << 40 },
+            RecordBody::Zero { start_lba: Lba(0), block_count: 1 },
+            RecordBody::Checkpoint,
+            RecordBody::Marker,
+        ]
+    }
+
+    #[test]
+    fn heads_and_tails_round_trip_and_agree() {
+        for body in bodies() {
+            let header = sample(body);
+            let encoded = header.encode();
+            let head = Head::decode(&encoded.head).unwrap();
+            assert_eq!(head.crc, encoded.crc);
+            assert_eq!(head.tail_len(), Some(encoded.tail.len()));
+            let (copy, body) = decode_tail(&encoded.tail).unwrap();
+            assert_eq!(copy, head, "the tail holds the head's copy");
+            assert_eq!(head.header(body), header);
         }
     }
 
     #[test]
-    fn version_1_relocate_records_still_decode() {
-        let old = crate::map::PackedEntry::stored(crate::map::Stored {
-            offset_bytes: 5 << 20,
-            stored_len: 2000,
-            codec: CodecTag::Lz4,
-        });
-        let mut buf = Vec::new();
-        let mut w = Writer { buf: &mut buf };
-        w.u32(RECORD_MAGIC);
-        w.u8(RecordKind::RelocateV1 as u8);
-        w.u8(FLAG_FIRST | FLAG_LAST);
-        w.u16(0);
-        w.u64(9); // seq
-        w.u32(1); // prev crc
-        w.u32(2); // session
-        w.u32(3); // store tag
-        w.u32((RECORD_FIXED_BYTES + RELOCATE_V1_ENTRY_BYTES + 4) as u32);
-        w.u32(2000); // payload length
-        w.u32(0); // payload crc
-        w.u64(0);
-        w.u64(1); // one entry
-        w.u64(77); // lba
-        w.u64(old.0);
-        w.u16(2000);
-        w.u8(CodecTag::Lz4 as u8);
-        let crc = crc32c::crc32c(&buf);
-        buf.extend_from_slice(&crc.to_le_bytes());
-        let (header, _) = RecordHeader::decode(&buf).unwrap();
-        assert_eq!(
-            header.body,
-            RecordBody::Relocate {
-                entries: vec![RelocateEntry {
-                    lba: Lba(77),
-                    old_offset_bytes: 5 << 20,
-                    fragment: FragmentEntry { stored_len: 2000, codec: CodecTag::Lz4 }
-                }]
-            }
-        );
+    fn a_relocated_version_2_fragment_was_eight_bytes_shorter() {
+        let RecordBody::Relocate { entries } = &bodies()[2] else { unreachable!() };
+        assert_eq!(entries[0].old_fragment(FragmentFormat::V3).stored_len, 1992);
+        assert_eq!(entries[1].old_fragment(FragmentFormat::V3), entries[1].fragment);
+    }
+
+    #[test]
+    fn a_relocation_keeps_its_entries_when_one_copy_is_damaged() {
+        let header = sample(bodies()[2].clone());
+        let encoded = header.encode();
+        let head = Head::decode(&encoded.head).unwrap();
+        for at in [3, 14 * 2 + 4 + 3] {
+            let mut tail = encoded.tail.clone();
+            tail[at] ^= 0x10;
+            assert!(decode_tail(&tail).is_err());
+            let entries = relocate_entries_from_damaged_tail(&head, &tail).expect("the other copy");
+            assert_eq!(RecordBody::Relocate { entries }, header.body);
+        }
+        let mut both = encoded.tail.clone();
+        both[3] ^= 1;
+        both[14 * 2 + 4 + 3] ^= 1;
+        assert!(relocate_entries_from_damaged_tail(&head, &both).is_none());
     }
 
     proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+        #![proptest_config(ProptestConfig::with_cases(2000))]
 
-
-
-    #[test]
-    fn record_decoder_never_panics(mut bytes in proptest::collection::vec(any::<u8>(), 0..400), fix_magic: bool) {
-        if fix_magic && bytes.len() >= 4 {
-            bytes[..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        #[test]
+        fn decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..400), fix_magic: bool) {
+            let mut bytes = bytes;
+            if fix_magic && bytes.len() >= 4 {
+                bytes[..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+            }
+            let _ = Head::decode(&bytes);
+            let _ = decode_tail(&bytes);
         }
-        let _ = RecordHeader::decode(&bytes);
-    }
 
-    #[test]
-    fn record_decoder_rejects_mutations(index in 0usize..57, bit in 0u8..8) {
-        let header = RecordHeader {
-            flags: FLAG_LAST, seq: 1, prev_crc: 0, session: 0, store_tag: 0, payload_len: 7, payload_crc: 0,
-            body: RecordBody::Write { start_lba: Lba(1), fragments: vec![FragmentEntry { stored_len: 7, codec: CodecTag::Zstd }, FragmentEntry { stored_len: 0, codec: CodecTag::Raw }, FragmentEntry { stored_len: 0, codec: CodecTag::Raw }] },
-        };
-        let mut buf = Vec::new();
-        header.encode(&mut buf);
-        let index = index % buf.len();
-        buf[index] ^= 1 << bit;
-        prop_assert!(RecordHeader::decode(&buf).is_err());
-    }
-
+        #[test]
+        fn any_flipped_bit_of_a_head_or_tail_is_caught(which in 0usize..7, index in 0usize..400, bit in 0u8..8) {
+            let encoded = sample(bodies()[which].clone()).encode();
+            let mut head = encoded.head;
+            let i = index % head.len();
+            head[i] ^= 1 << bit;
+            prop_assert!(Head::decode(&head).is_err());
+            let mut tail = encoded.tail.clone();
+            let i = index % tail.len();
+            tail[i] ^= 1 << bit;
+            prop_assert!(decode_tail(&tail).is_err());
         }
+    }
 }

@@ -23,6 +23,14 @@ const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
 const FOREGROUND_GC_VICTIMS_MAX: usize = 16;
 const EXHAUSTED: &str = "physical space is exhausted";
 
+/// How a host request's group went.
+pub(crate) enum Admitted {
+    Appended(Appended),
+    /// A block the group read-modify-writes changed since it was read: nothing was
+    /// appended; the request must be redone.
+    Conflict,
+}
+
 /// What a foreground GC round tells the waiting writer.
 enum RoundOutcome {
     /// Try the append again.
@@ -34,13 +42,14 @@ impl Inner {
     /// Appends a host request's group, making room with foreground GC when it lacks it.
     /// A trim or zero that GC could not make room for may still go below the metadata
     /// reserve (`SpaceClass::TrimWhileFull`).
-    pub(crate) fn admit(&self, ops: &[Op], mut class: SpaceClass) -> Result<Appended> {
+    pub(crate) fn admit(&self, ops: &[Op], mut class: SpaceClass) -> Result<Admitted> {
         debug_assert!(!class.is_internal(), "only host requests wait for space");
         let mut rounds = 0;
         let mut stalled_rounds = 0;
         loop {
             let shortfall_bytes = match self.try_append(ops, class)? {
-                Attempt::Appended(appended) => return Ok(appended),
+                Attempt::Appended(appended) => return Ok(Admitted::Appended(appended)),
+                Attempt::Conflict => return Ok(Admitted::Conflict),
                 Attempt::Short { shortfall_bytes } => shortfall_bytes,
             };
             if class.is_internal() {

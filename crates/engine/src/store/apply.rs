@@ -15,9 +15,23 @@
 use super::op::RangeKind;
 use super::segments::{Change, SegmentTable};
 use super::state::Geometry;
-use crate::format::RecordBody;
+use crate::format::{FragmentFormat, RecordBody};
 use crate::map::{Map, PackedEntry};
 use crate::types::Lba;
+
+/// The LBAs whose map entry a record sets (not relocations: a copy does not make a block
+/// newer). Replay after a lost record uses them to know which blocks are provably newer.
+pub(crate) fn lbas_set(body: &RecordBody) -> Vec<(Lba, u64)> {
+    match body {
+        RecordBody::Write { .. } | RecordBody::Batch { .. } => {
+            body.fragments().iter().map(|(lba, _)| (*lba, 1)).collect()
+        }
+        RecordBody::Trim { start_lba, block_count } | RecordBody::Zero { start_lba, block_count } => {
+            vec![(*start_lba, *block_count)]
+        }
+        RecordBody::Relocate { .. } | RecordBody::Checkpoint | RecordBody::Marker => Vec::new(),
+    }
+}
 
 /// What applying a record changed beyond the map.
 #[derive(Debug, Default, Clone, Copy)]
@@ -26,12 +40,14 @@ pub(crate) struct Applied {
     pub relocated_bytes: u64,
 }
 
-/// Applies `body`, whose payload starts at byte address `payload_offset_bytes`, to the map.
+/// Applies `body`, whose payload (fragments of `format`) starts at byte address
+/// `payload_offset_bytes`, to the map.
 pub(crate) fn apply_record(
     map: &Map,
     segments: &mut SegmentTable,
     geometry: &Geometry,
     body: &RecordBody,
+    format: FragmentFormat,
     payload_offset_bytes: u64,
 ) -> Applied {
     let mut applied = Applied::default();
@@ -45,7 +61,7 @@ pub(crate) fn apply_record(
         RecordBody::Write { .. } | RecordBody::Batch { .. } => {
             let mut at = payload_offset_bytes;
             for (lba, fragment) in body.fragments() {
-                let new = PackedEntry::of_fragment(at, fragment);
+                let new = PackedEntry::of_fragment(at, fragment, format);
                 at += fragment.stored_len as u64;
                 if lba.0 < block_count {
                     publish(lba, new, segments);
@@ -62,12 +78,17 @@ pub(crate) fn apply_record(
         RecordBody::Relocate { entries } => {
             let mut at = payload_offset_bytes;
             for e in entries {
-                let new = PackedEntry::of_fragment(at, e.fragment);
+                let new = PackedEntry::of_fragment(at, e.fragment, format);
                 at += e.fragment.stored_len as u64;
-                if e.lba.0 >= block_count || e.old_offset_bytes > crate::map::OFFSET_MAX || e.fragment.stored_len == 0 {
+                let old_fragment = e.old_fragment(format);
+                if e.lba.0 >= block_count
+                    || e.old_offset_bytes > crate::map::OFFSET_MAX
+                    || e.fragment.is_zero_block(format)
+                    || old_fragment.is_zero_block(e.old_format)
+                {
                     continue;
                 }
-                let old = PackedEntry::of_fragment(e.old_offset_bytes, e.fragment);
+                let old = PackedEntry::of_fragment(e.old_offset_bytes, old_fragment, e.old_format);
                 if map.compare_swap(e.lba, old, new) {
                     segments.account(old, Change::Remove, |o| geometry.segment_of(o));
                     segments.account(new, Change::Add, |o| geometry.segment_of(o));
@@ -75,7 +96,7 @@ pub(crate) fn apply_record(
                 }
             }
         }
-        RecordBody::Checkpoint => {}
+        RecordBody::Checkpoint | RecordBody::Marker => {}
     }
     applied
 }

@@ -41,6 +41,7 @@ impl Inner {
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
             Attempt::Appended(appended) => appended,
             Attempt::Short { .. } => return Err(Error::new(ErrorKind::NoSpace, "no room for a checkpoint")),
+            Attempt::Conflict => unreachable!("checkpoints carry no expectations"),
         };
         if appended.chunks.len() > CHUNK_REFS_MAX {
             return Err(Error::new(ErrorKind::NoSpace, "checkpoint too large for the superblock"));

@@ -10,14 +10,16 @@
 //!   victim that gives back less than it takes would eat the reserves trims and checkpoints
 //!   need.
 
+use super::log::Attempt;
 use super::op::{relocation_bytes, Block, LiveFragment, Op};
 use super::scan::parse_segment;
 use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
 use crate::error::{Error, ErrorKind, Result};
+use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 use crate::map::PackedEntry;
 use crate::stats::Counters;
-use crate::types::SegmentId;
+use crate::types::{Lba, SegmentId};
 use crate::SECTOR_SIZE;
 
 /// Who runs GC: in the background only segments worth it are taken; in the foreground a
@@ -126,14 +128,21 @@ impl Inner {
         self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {segment}"), e))?;
         let mut live = Vec::new();
         let map = self.map.read();
-        for record in parse_segment(&image, base, self.geometry.store_tag) {
+        let (records, _) = parse_segment(&image, base, self.geometry.store_tag);
+        for record in records {
+            let format = record.header.version.fragment_format();
             let mut at = record.payload_offset_bytes;
             for (lba, fragment) in record.header.body.fragments() {
-                let here = PackedEntry::of_fragment(at, fragment);
-                if fragment.stored_len > 0 && lba.0 < map.block_count() && map.get(lba) == here {
+                let here = PackedEntry::of_fragment(at, fragment, format);
+                let stored = !fragment.is_zero_block(format);
+                if stored && lba.0 < map.block_count() && map.get(lba) == here {
                     let from = (at - base) as usize;
-                    let bytes = image[from..from + fragment.stored_len as usize].to_vec();
-                    live.push(LiveFragment { lba, old: here, block: Block { entry: fragment, bytes } });
+                    let bytes = &image[from..from + fragment.stored_len as usize];
+                    let block = match format {
+                        FragmentFormat::V3 => Block { entry: fragment, bytes: bytes.to_vec() },
+                        FragmentFormat::V2 => convert_v2_fragment(bytes, lba, fragment),
+                    };
+                    live.push(LiveFragment { lba, old: here, block });
                 }
                 at += fragment.stored_len as u64;
             }
@@ -144,8 +153,22 @@ impl Inner {
     /// Appends the relocation of `live` (GC's single append attempt: no foreground GC).
     fn relocate(&self, live: Vec<LiveFragment>, class: SpaceClass) -> Result<()> {
         match self.try_append(&[Op::Relocate { fragments: live }], class)? {
-            super::log::Attempt::Appended(_) => Ok(()),
-            super::log::Attempt::Short { .. } => Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted")),
+            Attempt::Appended(_) => Ok(()),
+            Attempt::Short { .. } => Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted")),
+            Attempt::Conflict => unreachable!("relocations carry no expectations"),
         }
     }
+}
+
+/// A version 2 fragment (guard, compressed bytes) as a version 3 one: the same guard and
+/// compressed bytes, with the LBA and length added to its protection information. No
+/// decompression: the guard is the CRC of the uncompressed block in both formats.
+fn convert_v2_fragment(bytes: &[u8], lba: Lba, fragment: FragmentEntry) -> Block {
+    let compressed = &bytes[V2_PREFIX_BYTES..];
+    let entry = FragmentEntry { stored_len: (PI_BYTES + compressed.len()) as u16, codec: fragment.codec };
+    let guard = crate::format::u32_at(bytes, 0);
+    let mut out = Vec::with_capacity(entry.stored_len as usize);
+    out.extend_from_slice(&Protection { guard, lba, entry }.encode());
+    out.extend_from_slice(compressed);
+    Block { entry, bytes: out }
 }

@@ -6,8 +6,10 @@
 //! - A group is FIRST..LAST; relocations and checkpoint chunks are groups of one record.
 //! - Records chain: each carries the previous header's CRC and the session nonce.
 //! - A batch record open at the end of the log is the last record: nothing else is appended
-//!   until it is closed, and none of its bytes are written out before (so its fixed header,
-//!   filled in at close, never rewrites a written sector).
+//!   until it is closed, and none of its bytes are written out before (so its head, filled
+//!   in at close, never rewrites a written sector).
+//! - Every record carries the durable sequence number as of its append: proof, for replay,
+//!   that the records before it were not torn.
 //! - Fragments never span segments; a record that does not fit seals the segment.
 
 use std::collections::VecDeque;
@@ -23,8 +25,8 @@ use super::state::{new_buffer, AlignedBuf, Inner, SegmentBuffer};
 use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    BatchEntry, ChunkRef, RecordBody, RecordHeader, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST,
-    RECORD_FIXED_BYTES, RECORD_HEADER_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
+    BatchEntry, ChunkRef, FragmentFormat, RecordBody, RecordHeader, RecordVersion, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT,
+    FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::Map;
 use crate::stats::Counters;
@@ -72,9 +74,9 @@ pub(crate) struct OpenSegment {
     pub written_offset_bytes: usize,
 }
 
-/// A batch record still growing at the end of the open segment. Its fixed header is
-/// reserved at `record_offset_bytes` and written when it closes, together with the entries
-/// and the header CRC that follow the fragments. Its sequence number is taken when it opens.
+/// A batch record still growing at the end of the open segment. Its head is reserved at
+/// `record_offset_bytes` and written when it closes, together with the tail that follows
+/// the fragments. Its sequence number is taken when it opens.
 pub(crate) struct OpenBatch {
     record_offset_bytes: usize,
     seq: u64,
@@ -105,6 +107,8 @@ pub(crate) enum Attempt {
     Short {
         shortfall_bytes: u64,
     },
+    /// A block the group read-modify-writes changed since it was read: redo the request.
+    Conflict,
 }
 
 /// Hands out FIRST and LAST for the records of one group.
@@ -129,7 +133,7 @@ impl GroupFlags {
 /// How many fragments (given their sizes) fit in `room` bytes as one record whose header
 /// has `entry_bytes` per fragment.
 fn fragments_fitting(room: usize, entry_bytes: usize, sizes: impl Iterator<Item = usize>) -> usize {
-    let mut bytes = RECORD_HEADER_MIN_BYTES;
+    let mut bytes = RECORD_MIN_BYTES;
     let mut take = 0;
     for size in sizes {
         if bytes + entry_bytes + size > room {
@@ -148,6 +152,9 @@ impl Inner {
     pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
         let mut log = self.log.lock();
         self.check_writable()?;
+        if !self.expectations_hold(ops) {
+            return Ok(Attempt::Conflict);
+        }
         let shortfall_bytes = self.shortfall_bytes(&log, ops, class);
         if shortfall_bytes > 0 {
             return Ok(Attempt::Short { shortfall_bytes });
@@ -169,6 +176,18 @@ impl Inner {
         Ok(Attempt::Appended(appended))
     }
 
+    /// Whether every block the group read-modify-writes still holds the map entry it was
+    /// read with. (Checked under the log lock, so no other group can publish in between.)
+    fn expectations_hold(&self, ops: &[Op]) -> bool {
+        let map = self.map.read();
+        ops.iter().all(|op| match op {
+            Op::Write { expected, .. } => {
+                expected.iter().all(|&(lba, entry)| lba.0 < map.block_count() && map.get(lba) == entry)
+            }
+            _ => true,
+        })
+    }
+
     /// Appends a group whose space was checked, and publishes its map entries.
     fn append_locked(&self, log: &mut Log, ops: &[Op]) -> Result<Appended> {
         let map = self.map.read();
@@ -177,7 +196,7 @@ impl Inner {
                 return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
             }
         }
-        if let [Op::Write { start_lba, blocks }] = ops {
+        if let [Op::Write { start_lba, blocks, .. }] = ops {
             if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
                 self.append_to_batch(log, &map, *start_lba, blocks)?;
                 return Ok(Appended { last_seq: log.appender.next_seq - 1, chunks: Vec::new() });
@@ -189,7 +208,7 @@ impl Inner {
         for (i, op) in ops.iter().enumerate() {
             let last_op = i + 1 == ops.len();
             match op {
-                Op::Write { start_lba, blocks } => {
+                Op::Write { start_lba, blocks, .. } => {
                     for (j, piece) in blocks.chunks(RECORD_BLOCKS_MAX).enumerate() {
                         let last_piece = last_op && (j + 1) * RECORD_BLOCKS_MAX >= blocks.len();
                         let piece_lba = start_lba.plus((j * RECORD_BLOCKS_MAX) as u64);
@@ -197,13 +216,13 @@ impl Inner {
                     }
                 }
                 Op::Range { kind, start_lba, block_count } => {
-                    self.ensure_room(log, RECORD_HEADER_MIN_BYTES)?;
+                    self.ensure_room(log, RECORD_MIN_BYTES)?;
                     let body = match kind {
                         RangeKind::Trim => RecordBody::Trim { start_lba: *start_lba, block_count: *block_count },
                         RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
                     };
                     let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[]);
-                    apply_record(&map, &mut log.segments, &self.geometry, &body, payload_at);
+                    apply_record(&map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
                 }
                 Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
                 Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
@@ -239,7 +258,7 @@ impl Inner {
             let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
             let record_flags = flags.next(last_piece && done + take == blocks.len());
             let (payload_at, body) = self.put_record(log, record_flags, body, &payload);
-            apply_record(map, &mut log.segments, &self.geometry, &body, payload_at);
+            apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
             let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
             Counters::add(&self.counters.data_bytes, data_bytes as u64);
             done += take;
@@ -259,7 +278,9 @@ impl Inner {
             let mut done = 0;
             while done < piece.len() {
                 let sizes = piece[done..].iter().map(|f| f.block.bytes.len());
-                let take = fragments_fitting(self.room(log), RELOCATE_ENTRY_BYTES, sizes);
+                // Two copies of the entries, each with a CRC.
+                let room = self.room(log).saturating_sub(8);
+                let take = fragments_fitting(room, 2 * RELOCATE_ENTRY_BYTES, sizes);
                 if take == 0 {
                     self.open_new_segment(log)?;
                     continue;
@@ -268,7 +289,8 @@ impl Inner {
                 let body = RecordBody::Relocate { entries: part.iter().map(LiveFragment::relocate_entry).collect() };
                 let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
                 let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload);
-                let applied = apply_record(map, &mut log.segments, &self.geometry, &body, payload_at);
+                let applied =
+                    apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
                 Counters::add(&self.counters.gc_bytes_moved, applied.relocated_bytes);
                 done += take;
             }
@@ -281,7 +303,7 @@ impl Inner {
         let mut chunks = Vec::new();
         let mut done = 0;
         while done < bytes.len() {
-            let room = self.room(log).saturating_sub(RECORD_HEADER_MIN_BYTES);
+            let room = self.room(log).saturating_sub(RECORD_MIN_BYTES);
             if room < 512.min(bytes.len() - done) {
                 self.open_new_segment(log)?;
                 continue;
@@ -331,7 +353,8 @@ impl Inner {
         open.append_offset_bytes = at;
         log.segments.note_append(segment, at as u64, None);
         log.epochs.bytes_since_checkpoint += payload_bytes as u64;
-        apply_record(map, &mut log.segments, &self.geometry, &RecordBody::Batch { entries }, payload_at);
+        let body = RecordBody::Batch { entries };
+        apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
         Counters::add(&self.counters.data_bytes, payload_bytes as u64);
         Ok(())
     }
@@ -341,13 +364,13 @@ impl Inner {
     /// number now.
     fn open_batch(&self, log: &mut Log, added: usize) -> Result<()> {
         self.close_batch(log);
-        if log.appender.open.is_none() || self.room(log) < RECORD_HEADER_MIN_BYTES + added {
+        if log.appender.open.is_none() || self.room(log) < RECORD_MIN_BYTES + added {
             self.open_new_segment(log)?;
         }
         let appender = &mut log.appender;
         let open = appender.open.as_mut().expect("an open segment");
         let record_offset_bytes = open.append_offset_bytes;
-        open.append_offset_bytes += RECORD_FIXED_BYTES;
+        open.append_offset_bytes += HEAD_BYTES;
         let segment = open.buffer.segment;
         appender.batch = Some(OpenBatch {
             record_offset_bytes,
@@ -363,15 +386,17 @@ impl Inner {
         Ok(())
     }
 
-    /// Closes the open batch record, if any: appends its entries and header CRC after its
-    /// fragments and fills in its fixed header. Until then nothing of it is written out, so
-    /// the header is never rewritten on disk.
+    /// Closes the open batch record, if any: appends its tail after its fragments and fills
+    /// in its head. Until then nothing of it is written out, so the head is never
+    /// rewritten on disk.
     pub(crate) fn close_batch(&self, log: &mut Log) {
         let appender = &mut log.appender;
         let Some(batch) = appender.batch.take() else { return };
         let header = RecordHeader {
+            version: RecordVersion::V3,
             flags: FLAG_FIRST | FLAG_LAST,
             seq: batch.seq,
+            durable_seq: self.durable_seq.load(Ordering::Acquire),
             prev_crc: batch.prev_crc,
             session: appender.session,
             store_tag: self.geometry.store_tag,
@@ -379,25 +404,24 @@ impl Inner {
             payload_crc: batch.payload_crc,
             body: RecordBody::Batch { entries: batch.entries },
         };
-        let mut header_bytes = Vec::with_capacity(header.encoded_len());
-        let crc = header.encode(&mut header_bytes);
-        let (fixed, trailer) = header_bytes.split_at(RECORD_FIXED_BYTES);
+        let encoded = header.encode();
         let open = appender.open.as_mut().expect("a batch lives in the open segment");
         let record_at = batch.record_offset_bytes;
-        assert_eq!(open.append_offset_bytes, record_at + RECORD_FIXED_BYTES + batch.payload_len);
+        assert_eq!(open.append_offset_bytes, record_at + HEAD_BYTES + batch.payload_len);
         assert!(open.written_offset_bytes <= record_at, "part of an open batch was written out");
-        debug_assert!(open.append_offset_bytes + trailer.len() <= self.geometry.segment_size_bytes as usize);
+        let tail_at = open.append_offset_bytes;
+        debug_assert!(tail_at + encoded.tail.len() <= self.geometry.segment_size_bytes as usize);
         {
             let mut data = open.buffer.data.write();
-            data[record_at..record_at + RECORD_FIXED_BYTES].copy_from_slice(fixed);
-            data[open.append_offset_bytes..open.append_offset_bytes + trailer.len()].copy_from_slice(trailer);
+            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
+            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
         }
-        open.append_offset_bytes += trailer.len();
+        open.append_offset_bytes += encoded.tail.len();
         let (segment, end) = (open.buffer.segment, open.append_offset_bytes as u64);
-        appender.prev_crc = crc;
+        appender.prev_crc = encoded.crc;
         log.segments.note_append(segment, end, None);
-        log.epochs.bytes_since_checkpoint += header_bytes.len() as u64;
-        Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
+        log.epochs.bytes_since_checkpoint += encoded.tail.len() as u64;
+        Counters::add(&self.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
     }
 
     /// Writes one record into the open segment (which has room for it). Returns the
@@ -408,8 +432,10 @@ impl Inner {
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
         let payload_crc = payload.iter().fold(0u32, |crc, part| crc32c::crc32c_append(crc, part));
         let header = RecordHeader {
+            version: RecordVersion::V3,
             flags,
             seq: appender.next_seq,
+            durable_seq: self.durable_seq.load(Ordering::Acquire),
             prev_crc: appender.prev_crc,
             session: appender.session,
             store_tag: self.geometry.store_tag,
@@ -417,9 +443,8 @@ impl Inner {
             payload_crc,
             body,
         };
-        let mut header_bytes = Vec::with_capacity(header.encoded_len());
-        let crc = header.encode(&mut header_bytes);
-        let total = header_bytes.len() + payload_len;
+        let encoded = header.encode();
+        let total = HEAD_BYTES + payload_len + encoded.tail.len();
         let open = appender.open.as_mut().expect("an open segment");
         assert!(
             open.append_offset_bytes + total <= self.geometry.segment_size_bytes as usize,
@@ -430,19 +455,35 @@ impl Inner {
         {
             let mut data = open.buffer.data.write();
             let mut at = record_at;
-            for part in std::iter::once(&header_bytes[..]).chain(payload.iter().copied()) {
+            let tail = std::iter::once(&encoded.tail[..]);
+            for part in std::iter::once(&encoded.head[..]).chain(payload.iter().copied()).chain(tail) {
                 data[at..at + part.len()].copy_from_slice(part);
                 at += part.len();
             }
         }
         open.append_offset_bytes += total;
         log.segments.note_append(segment, (record_at + total) as u64, Some(appender.next_seq));
-        appender.prev_crc = crc;
+        appender.prev_crc = encoded.crc;
         appender.next_seq += 1;
         log.epochs.bytes_since_checkpoint += total as u64;
-        Counters::add(&self.counters.metadata_bytes, header_bytes.len() as u64);
-        let payload_at = self.geometry.segment_base(segment) + (record_at + header_bytes.len()) as u64;
+        Counters::add(&self.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
+        let payload_at = self.geometry.segment_base(segment) + (record_at + HEAD_BYTES) as u64;
         (payload_at, header.body)
+    }
+
+    /// Appends a marker record: only a head and tail, whose durable sequence number proves
+    /// to a later recovery that the records before it were durable (written when the store
+    /// goes idle after a flush; `worker.rs`). Returns its sequence number.
+    pub(crate) fn append_marker(&self) -> Result<u64> {
+        let mut log = self.log.lock();
+        self.check_writable()?;
+        self.close_batch(&mut log);
+        if self.available_bytes(&log) < RECORD_MIN_BYTES as u64 {
+            return Err(Error::new(ErrorKind::NoSpace, "no room for a marker"));
+        }
+        self.ensure_room(&mut log, RECORD_MIN_BYTES)?;
+        self.put_record(&mut log, FLAG_FIRST | FLAG_LAST, RecordBody::Marker, &[]);
+        Ok(log.appender.next_seq - 1)
     }
 
     /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
@@ -457,7 +498,7 @@ impl Inner {
     /// still to be appended, are not room.
     pub(crate) fn room(&self, log: &Log) -> usize {
         let appender = &log.appender;
-        let trailer = appender.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + 4);
+        let trailer = appender.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + TAIL_FIXED_BYTES);
         appender
             .open
             .as_ref()

@@ -38,8 +38,9 @@ mod lock;
 mod log;
 mod op;
 mod options;
-mod read;
+pub(crate) mod read;
 mod recovery;
+mod replay;
 mod request;
 mod scan;
 mod segments;
@@ -50,7 +51,7 @@ mod tests;
 mod worker;
 mod writeout;
 
-pub use options::{CheckReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
+pub use options::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -182,22 +183,31 @@ impl Store {
             gc_lock: Mutex::new(Rank::Gc, ()),
             foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
             foreground_rounds: AtomicU64::new(0),
+            recovery: std::sync::OnceLock::new(),
         };
         {
             let mut log = inner.log.lock();
-            inner.replay(&mut log, &sb)?;
+            let findings = inner.replay(&mut log, &sb);
+            inner.recovery.set(findings).expect("recovery runs once");
             inner.settle_segments(&mut log, &chosen)?;
             inner.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
         }
-        if !options.read_only && sb.format_version < FORMAT_VERSION {
-            // Version 1 knows no batch records. Both slots say version 2 before one is
-            // written, so an older zdisk refuses the store instead of ending its replay at
-            // the first batch (which it would take for the end of the log).
+        let writable = !options.read_only && inner.degraded().is_none();
+        if writable && sb.generation > 0 && chosen.older.is_none() {
+            // One retained checkpoint only (a crash tore the other slot's write, or the
+            // newest was damaged): write one now, so damage to either has a fallback again.
+            inner.checkpoint_now()?;
+        }
+        if writable && sb.format_version < FORMAT_VERSION {
+            // Older versions do not know this version's records. Both slots say the new
+            // version before one is written, so an older zdisk refuses the store instead of
+            // ending its replay at the first record it cannot read (which it would take for
+            // the end of the log).
             inner.checkpoint_now()?;
             inner.checkpoint_now()?;
         }
         let inner = Arc::new(inner);
-        let workers = if options.background && !options.read_only { spawn_workers(&inner)? } else { Vec::new() };
+        let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
         Ok(Store { inner, workers, closed: false })
     }
 
@@ -294,6 +304,16 @@ impl Store {
         self.inner.background_step().map(|_| ())
     }
 
+    /// Appends and flushes a marker record, as the writer thread does once the store is
+    /// idle after a flush: it proves to a later recovery that everything before it was
+    /// durable. For tests without the background threads.
+    #[doc(hidden)]
+    pub fn mark_durable(&self) -> Result<()> {
+        self.inner.flush()?;
+        self.inner.append_marker()?;
+        self.inner.flush()
+    }
+
     /// Writes a checkpoint now (and frees segments it makes reusable).
     pub fn checkpoint(&self) -> Result<()> {
         self.inner.check_writable()?;
@@ -332,7 +352,7 @@ impl Store {
         }
         self.closed = true;
         self.stop_workers();
-        if self.inner.read_only || self.inner.failed.load(Ordering::Acquire) {
+        if self.inner.read_only || self.inner.failed.load(Ordering::Acquire) || self.inner.degraded().is_some() {
             return Ok(());
         }
         self.inner.flush()?;
@@ -346,6 +366,50 @@ impl Drop for Store {
             tracing::error!("closing the store: {e}");
         }
     }
+}
+
+/// A record as `sim::inspect` shows it to tests.
+#[cfg(any(test, feature = "sim"))]
+pub(crate) struct ScannedRecord {
+    pub seq: u64,
+    pub kind: u8,
+    pub offset_bytes: u64,
+    pub payload_offset_bytes: u64,
+    pub payload_len: u32,
+    pub end_bytes: u64,
+    pub fragments: Vec<(u64, std::ops::Range<u64>)>,
+}
+
+/// The records of one segment image (for `sim::inspect`).
+#[cfg(any(test, feature = "sim"))]
+pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<ScannedRecord> {
+    let (records, _) = scan::parse_segment(image, base, store_tag);
+    records
+        .into_iter()
+        .map(|r| {
+            let mut at = r.payload_offset_bytes;
+            let fragments = r
+                .header
+                .body
+                .fragments()
+                .into_iter()
+                .map(|(lba, f)| {
+                    let range = at..at + f.stored_len as u64;
+                    at = range.end;
+                    (lba.0, range)
+                })
+                .collect();
+            ScannedRecord {
+                seq: r.header.seq,
+                kind: r.header.kind() as u8,
+                offset_bytes: r.offset_bytes,
+                payload_offset_bytes: r.payload_offset_bytes,
+                payload_len: r.header.payload_len,
+                end_bytes: r.end_bytes,
+                fragments,
+            }
+        })
+        .collect()
 }
 
 /// Starts the background worker (GC, checkpoints) and the log writer.

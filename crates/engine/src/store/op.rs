@@ -4,7 +4,7 @@
 //! the map).
 
 use crate::format::{
-    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_HEADER_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
+    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::{Entry, PackedEntry};
 use crate::types::Lba;
@@ -12,18 +12,19 @@ use crate::types::Lba;
 /// A request is split into records of at most this many blocks, so headers stay small.
 pub(crate) const RECORD_BLOCKS_MAX: usize = 512;
 /// Host writes of at most this many blocks go into batch records, which carry an LBA per
-/// block; larger ones get write records of their own (a start LBA and 3 bytes per block).
+/// block; larger ones get write records of their own (a start LBA, and 2 bytes per block).
 pub(crate) const BATCH_WRITE_BLOCKS_MAX: usize = 8;
 
-/// A block ready to append: its fragment entry and bytes (CRC prefix + compressed data);
-/// empty bytes for an all-zero block.
+/// A block ready to append: its fragment entry and bytes (protection information and
+/// compressed data; the protection information alone for an all-zero block).
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
     pub entry: FragmentEntry,
     pub bytes: Vec<u8>,
 }
 
-/// A live fragment GC found in a victim: where the map points now, and its bytes.
+/// A live fragment GC found in a victim: where the map points now, and its bytes (a
+/// version 3 fragment; a version 2 one is converted as it is read).
 pub(crate) struct LiveFragment {
     pub lba: Lba,
     pub old: PackedEntry,
@@ -36,7 +37,12 @@ impl LiveFragment {
         let Ok(Entry::Stored(old)) = self.old.unpack() else {
             unreachable!("GC relocates stored fragments only");
         };
-        RelocateEntry { lba: self.lba, old_offset_bytes: old.offset_bytes, fragment: self.block.entry }
+        RelocateEntry {
+            lba: self.lba,
+            old_offset_bytes: old.offset_bytes,
+            old_format: old.format,
+            fragment: self.block.entry,
+        }
     }
 }
 
@@ -59,8 +65,10 @@ impl RangeKind {
 
 /// One operation of a record group.
 pub(crate) enum Op {
-    /// Host blocks from `start_lba` on.
-    Write { start_lba: Lba, blocks: Vec<Block> },
+    /// Host blocks from `start_lba` on. `expected` lists the blocks read-modify-written for
+    /// it and the map entry each had when read: the group is appended only if the map still
+    /// holds those (else a concurrent request changed one, and this one is redone).
+    Write { start_lba: Lba, blocks: Vec<Block>, expected: Vec<(Lba, PackedEntry)> },
     /// Trim or zero a whole-block range.
     Range { kind: RangeKind, start_lba: Lba, block_count: u64 },
     /// GC copies; each record of them is a group of its own.
@@ -74,7 +82,7 @@ impl Op {
     /// checkpoints.
     pub fn lba_range(&self) -> Option<(Lba, u64)> {
         match self {
-            Op::Write { start_lba, blocks } => Some((*start_lba, blocks.len() as u64)),
+            Op::Write { start_lba, blocks, .. } => Some((*start_lba, blocks.len() as u64)),
             Op::Range { start_lba, block_count, .. } => Some((*start_lba, *block_count)),
             Op::Relocate { .. } | Op::Checkpoint { .. } => None,
         }
@@ -82,7 +90,7 @@ impl Op {
 
     /// Log bytes the op takes, conservatively: payload, entries and a header per record.
     pub fn log_bytes(&self, segment_capacity_bytes: u64) -> u64 {
-        let header = RECORD_HEADER_MIN_BYTES as u64;
+        let header = RECORD_MIN_BYTES as u64;
         match self {
             Op::Write { blocks, .. } => {
                 let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
@@ -106,9 +114,10 @@ pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
         return 0;
     }
     let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
+    // Entries twice (each copy with a CRC) per record: see `format::RELOCATE_ENTRY_BYTES`.
     payload
-        + fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * RECORD_HEADER_MIN_BYTES as u64
+        + 2 * fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + 8) as u64
 }
 
 /// Whether a group is only trim and zero records: fixed-size headers, no fragments.

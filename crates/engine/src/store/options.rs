@@ -36,6 +36,11 @@ pub struct OpenOptions {
     /// Run the background threads (write-out, GC, checkpoints). Tests turn them off to make
     /// every backing I/O happen on the calling thread, deterministically.
     pub background: bool,
+    /// Open a store whose recovery lost records (none of the copies of their description
+    /// survived) for writing anyway, accepting that the blocks they wrote may read their
+    /// older contents. Without it such a store opens read-only and reads every block not
+    /// provably newer than the loss as EIO.
+    pub accept_data_loss: bool,
 }
 
 impl Default for OpenOptions {
@@ -48,6 +53,7 @@ impl Default for OpenOptions {
             low_space_fraction: 0.10,
             checkpoint_interval_bytes: 512 << 20,
             background: true,
+            accept_data_loss: false,
         }
     }
 }
@@ -88,4 +94,20 @@ pub struct CheckReport {
     pub records_checked: u64,
     /// One line per problem found; empty when the store is clean.
     pub problems: Vec<String>,
+    /// The problems again, with where they are and which blocks they touch.
+    pub damage: Vec<DamageReport>,
+    /// What a crash leaves and costs nothing: the last record before a crash written in
+    /// part, its content complete (one copy of its description and its payload survive).
+    pub notes: Vec<String>,
+}
+
+/// One problem `check` found, located.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DamageReport {
+    /// Byte offset on the backing store where the damage is.
+    pub offset_bytes: u64,
+    /// What is damaged and what it means.
+    pub what: String,
+    /// The LBA ranges (first block, block count) affected, where known.
+    pub lbas: Vec<(u64, u64)>,
 }

@@ -11,8 +11,8 @@ use std::ops::Range;
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
 use crate::codec::decompress_block;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::FRAGMENT_CRC_BYTES;
-use crate::map::{Entry, Stored};
+use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
+use crate::map::{Entry, PackedEntry, Stored};
 use crate::stats::Counters;
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
@@ -57,6 +57,11 @@ impl Inner {
         {
             let buffered = self.buffered.read();
             for (i, entry) in entries.iter().enumerate() {
+                if *entry == Entry::Lost {
+                    Counters::add(&self.counters.checksum_errors, 1);
+                    let lba = first_lba.plus(i as u64);
+                    return Err(Error::new(ErrorKind::Checksum, format!("block {lba}: lost with damaged metadata")));
+                }
                 let Entry::Stored(s) = entry else { continue };
                 let block = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
                 let lba = first_lba.plus(i as u64);
@@ -133,35 +138,63 @@ impl Inner {
         runs
     }
 
-    /// Decodes one fragment into `block` and checks its CRC; a failure is a `Checksum`
-    /// error (and counted).
+    /// Decodes one fragment into `block` and checks it (see [`verify_fragment`]); a failure
+    /// is a `Checksum` error, and counted.
     pub(crate) fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: Lba) -> Result<()> {
-        let checksum_error = |why: &str| {
+        verify_fragment(s, fragment, lba, block).map_err(|why| {
             Counters::add(&self.counters.checksum_errors, 1);
             Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
-        };
-        if fragment.len() < FRAGMENT_CRC_BYTES {
-            return Err(checksum_error("fragment too short"));
-        }
-        let stored_crc = u32::from_le_bytes(fragment[..FRAGMENT_CRC_BYTES].try_into().expect("4 bytes"));
-        if decompress_block(s.codec, &fragment[FRAGMENT_CRC_BYTES..], block).is_err() {
-            return Err(checksum_error("does not decompress"));
-        }
-        if crc32c::crc32c(block) != stored_crc {
-            return Err(checksum_error("CRC32C mismatch"));
-        }
-        Ok(())
+        })
     }
 
-    /// One block's current contents.
-    pub(crate) fn read_block(&self, lba: Lba) -> Result<Vec<u8>> {
+    /// One block's current contents, and the map entry they came from.
+    pub(crate) fn read_block(&self, lba: Lba) -> Result<(Vec<u8>, PackedEntry)> {
         let mut block = vec![0u8; BLOCK_SIZE];
         let map = self.map.read();
         if lba.0 >= map.block_count() {
             return Err(Error::new(ErrorKind::OutOfRange, "block past the end"));
         }
-        let entry = map.get(lba).unpack()?;
-        self.fetch_blocks(&[entry], &mut block, lba, ReadCache::Use)?;
-        Ok(block)
+        let packed = map.get(lba);
+        self.fetch_blocks(&[packed.unpack()?], &mut block, lba, ReadCache::Use)?;
+        Ok((block, packed))
     }
+}
+
+/// Decodes one fragment into `block` and checks its guard (the CRC32C of the block) and,
+/// for a version 3 fragment, that its protection information names this LBA, this length
+/// and this codec — so a misdirected map entry or write is caught too.
+pub(crate) fn verify_fragment(
+    s: Stored,
+    fragment: &[u8],
+    lba: Lba,
+    block: &mut [u8],
+) -> std::result::Result<(), String> {
+    let prefix = s.format.prefix_bytes();
+    if fragment.len() < prefix || fragment.len() != s.stored_len as usize {
+        return Err("fragment too short".into());
+    }
+    let guard = match s.format {
+        FragmentFormat::V2 => crate::format::u32_at(fragment, 0),
+        FragmentFormat::V3 => {
+            let pi = Protection::decode(&fragment[..PI_BYTES]).map_err(|_| "bad protection information".to_string())?;
+            if pi.lba != lba {
+                return Err(format!("the fragment is block {}'s", pi.lba));
+            }
+            if pi.entry != (FragmentEntry { stored_len: s.stored_len, codec: s.codec }) {
+                return Err("the fragment's length or codec disagrees with the map".into());
+            }
+            pi.guard
+        }
+    };
+    if s.format == FragmentFormat::V3
+        && (FragmentEntry { stored_len: s.stored_len, codec: s.codec }).is_zero_block(s.format)
+    {
+        block.fill(0); // an all-zero block's fragment is its protection information alone
+    } else if decompress_block(s.codec, &fragment[prefix..], block).is_err() {
+        return Err("does not decompress".into());
+    }
+    if crc32c::crc32c(block) != guard {
+        return Err("CRC32C mismatch".into());
+    }
+    Ok(())
 }

@@ -1,26 +1,20 @@
 //! Opening a store: choose the checkpoint, rebuild the map and segment table from it, replay
 //! the records after it, and settle which segments are free — each its own step.
 //!
-//! Invariants:
-//! - Replay follows exactly one history: the next record must carry the expected sequence
-//!   number and chain to the previous header's CRC; the first miss ends the log.
-//! - A record group is applied only when its LAST record is found; a FIRST record discards
-//!   an unfinished group (left by a crash). Records are applied with the same rule the
-//!   appender used (`apply.rs`).
-//! - Recovery reads only the records after the checkpoint plus one sector per segment.
+//! Step 3, replay, has a room of its own (`replay.rs`).
+//!
+//! Invariant: recovery reads only the records after the checkpoint, plus one sector per
+//! segment (and, only when a record is damaged, the segments that could hold what follows
+//! it).
 
-use std::collections::HashMap;
-
-use super::apply::apply_record;
 use super::log::Log;
-use super::scan::{FoundRecord, SegmentCache};
 use super::state::Inner;
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{Checkpoint, RecordHeader, Superblock, FLAG_FIRST, FLAG_LAST, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{Checkpoint, Superblock, SUPERBLOCK_SLOT_BYTES};
 use crate::map::{Entry, Map, PackedEntry};
-use crate::types::{Lba, SegmentId};
-use crate::{BLOCK_SIZE, SECTOR_SIZE};
+use crate::types::Lba;
+use crate::BLOCK_SIZE;
 
 use super::checkpoint::{chunk_segments, load_checkpoint};
 
@@ -104,7 +98,7 @@ pub(crate) fn rebuild_map(checkpoint: Option<&Checkpoint>, block_count: u64) -> 
         match entry.unpack()? {
             Entry::Stored(_) => stored += 1,
             Entry::Zero => zero += 1,
-            Entry::Unmapped => {}
+            Entry::Unmapped | Entry::Lost => {}
         }
         map.swap(Lba(lba), entry);
     }
@@ -112,96 +106,6 @@ pub(crate) fn rebuild_map(checkpoint: Option<&Checkpoint>, block_count: u64) -> 
 }
 
 impl Inner {
-    /// Step 3: replays every complete record group after the checkpoint, in order.
-    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock) -> Result<()> {
-        let index = self.index_segment_starts(log.segments.len(), sb.checkpoint_seq);
-        let mut cache = SegmentCache::default();
-        let map = self.map.read();
-        let mut offset = sb.replay_offset_bytes;
-        let mut seq = sb.checkpoint_seq + 1;
-        let mut prev_crc = sb.replay_prev_crc;
-        let mut group: Vec<FoundRecord> = Vec::new();
-        while let Some(record) = self.next_record(&mut cache, &index, offset, seq, prev_crc) {
-            let segment = self.geometry.segment_of(record.offset_bytes);
-            let base = self.geometry.segment_base(segment);
-            // A record at a segment's start begins a new use of it. Whatever it held before
-            // is dead by now: the records that emptied it precede this one.
-            if record.offset_bytes == base {
-                log.segments.restart_in_replay(segment);
-            }
-            let end = (record.end_bytes - base).max(log.segments.get(segment).end_bytes);
-            log.segments.note_append(segment, end, Some(record.header.seq));
-            seq += 1;
-            prev_crc = record.crc;
-            offset = record.end_bytes;
-            if record.header.flags & FLAG_FIRST != 0 {
-                group.clear();
-            }
-            let last = record.header.flags & FLAG_LAST != 0;
-            group.push(record);
-            if last {
-                for record in group.drain(..) {
-                    apply_record(
-                        &map,
-                        &mut log.segments,
-                        &self.geometry,
-                        &record.header.body,
-                        record.payload_offset_bytes,
-                    );
-                }
-            }
-        }
-        drop(map);
-        log.appender.next_seq = seq;
-        log.appender.prev_crc = prev_crc;
-        Ok(())
-    }
-
-    /// Which segment starts with which sequence number after the checkpoint. Any segment
-    /// but the one open at the checkpoint may have been reused after it: free and cleaned
-    /// ones, and sealed ones whose data died after it (the reuse rule frees a segment once
-    /// the horizon has passed its records and their overwrites are durable, without waiting
-    /// for a checkpoint). Several segments may start with the same sequence number: stale
-    /// ones left by a run that crashed, and the one that continues the chain. Keep them
-    /// all, as candidates (a batch's CRC lies past its payload): `next_record` verifies
-    /// whichever one replay follows.
-    fn index_segment_starts(&self, segment_count: usize, checkpoint_seq: u64) -> HashMap<u64, Vec<SegmentId>> {
-        let mut index: HashMap<u64, Vec<SegmentId>> = HashMap::new();
-        let mut head = vec![0u8; SECTOR_SIZE];
-        for id in (0..segment_count as u32).map(SegmentId) {
-            if self.backing.read_at(self.geometry.segment_base(id), &mut head).is_err() {
-                continue;
-            }
-            if let Some((seq, store_tag)) = RecordHeader::peek_identity(&head) {
-                if seq > checkpoint_seq && store_tag == self.geometry.store_tag {
-                    index.entry(seq).or_default().push(id);
-                }
-            }
-        }
-        index
-    }
-
-    /// The record expected next in the chain: at `offset`, at the next sector boundary
-    /// (after a flush's padding), or at the start of a segment indexed with its sequence
-    /// number.
-    fn next_record(
-        &self,
-        cache: &mut SegmentCache,
-        index: &HashMap<u64, Vec<SegmentId>>,
-        offset: u64,
-        seq: u64,
-        prev_crc: u32,
-    ) -> Option<FoundRecord> {
-        let expected = |r: &FoundRecord| r.header.seq == seq && r.header.prev_crc == prev_crc;
-        cache.record_near(self, offset, expected).or_else(|| {
-            index
-                .get(&seq)
-                .into_iter()
-                .flatten()
-                .find_map(|&id| cache.record_near(self, self.geometry.segment_base(id), expected))
-        })
-    }
-
     /// Step 4: which segments are pinned by the retained checkpoints, the reuse horizon,
     /// and which segments are free.
     pub(crate) fn settle_segments(&self, log: &mut Log, chosen: &Chosen) -> Result<()> {

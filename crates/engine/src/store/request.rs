@@ -4,21 +4,24 @@
 //! Invariants:
 //! - Every range is validated against the logical size before anything happens.
 //! - A request is one record group: all of it survives a crash, or none of it.
-//! - Partial edge blocks are read-modify-written under a stripe lock held until the new
-//!   version is published, so two read-modify-writes of one block never lose each other's
-//!   bytes.
+//! - Partial edge blocks (of writes and of write-zeroes) are read-modify-written under a
+//!   stripe lock held until the new version is published, so two read-modify-writes of one
+//!   block never lose each other's bytes; and the group is appended only if every such block
+//!   still holds the map entry it was read with, so a whole-block write that lands in
+//!   between is not lost either (the request is redone on top of it).
 
 use std::sync::atomic::Ordering;
 
+use super::admit::Admitted;
 use super::lock::MutexGuard;
+use super::log::Appended;
 use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
-use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{FragmentEntry, FRAGMENT_CRC_BYTES};
+use crate::format::{FragmentEntry, Protection, PI_BYTES};
 use crate::map::Entry;
 use crate::stats::Counters;
 use crate::types::Lba;
@@ -26,6 +29,9 @@ use crate::BLOCK_SIZE;
 
 /// Stripes of the partial-block locks.
 pub(crate) const BLOCK_LOCK_STRIPES: usize = 1024;
+/// A partial-block request is redone at most this many times when concurrent writes keep
+/// changing its blocks between its read and its append.
+const CONFLICT_RETRIES_MAX: usize = 1000;
 
 /// When a request must be durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,6 +63,18 @@ impl Inner {
         let first_lba = Lba::of_byte(offset);
         let last_lba = Lba::of_byte(offset + buf.len() as u64 - 1);
         let block_count = (last_lba.0 - first_lba.0 + 1) as usize;
+        if let Some(degraded) = self.degraded() {
+            if let Some(lba) = (first_lba.0..=last_lba.0).map(Lba).find(|&lba| !degraded.is_newer(lba)) {
+                Counters::add(&self.counters.checksum_errors, 1);
+                return Err(Error::new(
+                    ErrorKind::Checksum,
+                    format!(
+                        "block {lba} may be older than what records lost to damage (from {} on) wrote; `zdisk check` lists the damage",
+                        degraded.first_lost_seq
+                    ),
+                ));
+            }
+        }
         let map = self.map.read();
         if last_lba.0 >= map.block_count() {
             return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
@@ -72,18 +90,23 @@ impl Inner {
         Ok(())
     }
 
-    /// Compresses one block: the CRC32C of the block, then the codec's output (or the block
-    /// raw when compression does not pay). An all-zero block stores nothing.
-    pub(crate) fn compress(&self, block: &[u8], scratch: &mut Vec<u8>) -> Block {
-        if block.iter().all(|&b| b == 0) {
-            return Block { entry: FragmentEntry::ZERO_BLOCK, bytes: Vec::new() };
-        }
-        let codec = self.geometry.codec.compress_block(block, scratch);
-        let mut bytes = Vec::with_capacity(FRAGMENT_CRC_BYTES + scratch.len());
-        bytes.extend_from_slice(&crc32c::crc32c(block).to_le_bytes());
+    /// Compresses block `lba`: its protection information (guard, LBA, length and codec),
+    /// then the codec's output (or the block raw when compression does not pay). An
+    /// all-zero block stores its protection information alone.
+    pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
+        let guard = crc32c::crc32c(block);
+        let entry = if block.iter().all(|&b| b == 0) {
+            scratch.clear();
+            FragmentEntry::ZERO_BLOCK
+        } else {
+            let codec = self.geometry.codec.compress_block(block, scratch);
+            FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec }
+        };
+        let mut bytes = Vec::with_capacity(entry.stored_len as usize);
+        bytes.extend_from_slice(&Protection { guard, lba, entry }.encode());
         bytes.extend_from_slice(scratch);
-        debug_assert!(codec != CodecTag::Raw || scratch.len() == BLOCK_SIZE);
-        Block { entry: FragmentEntry { stored_len: bytes.len() as u16, codec }, bytes }
+        debug_assert_eq!(bytes.len(), entry.stored_len as usize);
+        Block { entry, bytes }
     }
 
     /// Locks the stripes of the given partial blocks, in stripe order.
@@ -112,32 +135,49 @@ impl Inner {
         if tail_end != 0 && last_lba != first_lba {
             edge_lbas.push(last_lba);
         }
-        let guards = self.lock_edges(&edge_lbas);
         let mut scratch = Vec::with_capacity(BLOCK_SIZE * 2);
-        let mut blocks = Vec::with_capacity((last_lba.0 - first_lba.0 + 1) as usize);
-        let mut data_at = 0usize;
-        for lba in (first_lba.0..=last_lba.0).map(Lba) {
-            let in_block = if lba == first_lba { head } else { 0 };
-            let take = (BLOCK_SIZE - in_block).min(data.len() - data_at);
-            if take == BLOCK_SIZE {
-                blocks.push(self.compress(&data[data_at..data_at + BLOCK_SIZE], &mut scratch));
-            } else {
-                let mut block = self.read_block(lba)?;
-                block[in_block..in_block + take].copy_from_slice(&data[data_at..data_at + take]);
-                blocks.push(self.compress(&block, &mut scratch));
+        let appended = self.redo_on_conflict(|| {
+            let guards = self.lock_edges(&edge_lbas);
+            let mut blocks = Vec::with_capacity((last_lba.0 - first_lba.0 + 1) as usize);
+            let mut expected = Vec::new();
+            let mut data_at = 0usize;
+            for lba in (first_lba.0..=last_lba.0).map(Lba) {
+                let in_block = if lba == first_lba { head } else { 0 };
+                let take = (BLOCK_SIZE - in_block).min(data.len() - data_at);
+                if take == BLOCK_SIZE {
+                    blocks.push(self.compress(&data[data_at..data_at + BLOCK_SIZE], lba, &mut scratch));
+                } else {
+                    let (mut block, entry) = self.read_block(lba)?;
+                    block[in_block..in_block + take].copy_from_slice(&data[data_at..data_at + take]);
+                    blocks.push(self.compress(&block, lba, &mut scratch));
+                    expected.push((lba, entry));
+                }
+                data_at += take;
             }
-            data_at += take;
-        }
-        debug_assert_eq!(data_at, data.len());
-        let class = self.write_class(first_lba, last_lba, &blocks);
-        let appended =
-            self.admit(&[Op::Write { start_lba: first_lba, blocks }], class).inspect_err(|e| self.note_no_space(e))?;
+            debug_assert_eq!(data_at, data.len());
+            let class = self.write_class(first_lba, last_lba, &blocks);
+            let op = Op::Write { start_lba: first_lba, blocks, expected };
+            let admitted = self.admit(&[op], class).inspect_err(|e| self.note_no_space(e));
+            drop(guards);
+            admitted
+        })?;
         Counters::add(&self.counters.host_write_bytes, data.len() as u64);
-        drop(guards);
         if durability == Durability::Fua {
             Counters::add(&self.counters.fua_ops, 1);
         }
         self.make_durable(Some(appended.last_seq), durability)
+    }
+
+    /// Runs `attempt` (which builds a request's ops and admits them) until it is appended:
+    /// a conflict means a block it read-modify-wrote changed in between, so it is redone
+    /// on top of the new contents.
+    fn redo_on_conflict(&self, mut attempt: impl FnMut() -> Result<Admitted>) -> Result<Appended> {
+        for _ in 0..CONFLICT_RETRIES_MAX {
+            if let Admitted::Appended(appended) = attempt()? {
+                return Ok(appended);
+            }
+        }
+        Err(Error::new(ErrorKind::Io, "a partial-block request kept conflicting with concurrent writes"))
     }
 
     /// A write that replaces more stored bytes than it adds frees space once GC runs: it
@@ -180,54 +220,62 @@ impl Inner {
         let block = BLOCK_SIZE as u64;
         let full_start = round_up(offset, block);
         let full_end = (offset + length) / block * block;
-        let mut ops = Vec::new();
-        match kind {
-            RangeKind::Zero => self.zero_ops(offset, length, &mut ops)?,
+        let last_seq = match kind {
+            RangeKind::Zero => Some(self.redo_on_conflict(|| self.zero_range(offset, length))?.last_seq),
             // Trim is advisory for partial blocks: only whole blocks are unmapped.
-            RangeKind::Trim if full_end > full_start => ops.push(Op::Range {
-                kind: RangeKind::Trim,
-                start_lba: Lba::of_byte(full_start),
-                block_count: (full_end - full_start) / block,
-            }),
-            RangeKind::Trim => {}
-        }
-        let last_seq = if ops.is_empty() {
-            None
-        } else {
-            Some(self.admit(&ops, SpaceClass::HostMetadata).inspect_err(|e| self.note_no_space(e))?.last_seq)
+            RangeKind::Trim if full_end > full_start => {
+                let (start_lba, block_count) = (Lba::of_byte(full_start), (full_end - full_start) / block);
+                let trim = || self.admit_metadata(&[Op::Range { kind: RangeKind::Trim, start_lba, block_count }]);
+                Some(self.redo_on_conflict(trim)?.last_seq)
+            }
+            RangeKind::Trim => None,
         };
         self.make_durable(last_seq, durability)
     }
 
-    /// The ops of a write-zeroes: whole blocks become a zero range; partial edges are real
-    /// writes of zero bytes, in the same group so the request stays atomic.
-    fn zero_ops(&self, offset: u64, length: u64, ops: &mut Vec<Op>) -> Result<()> {
+    fn admit_metadata(&self, ops: &[Op]) -> Result<Admitted> {
+        self.admit(ops, SpaceClass::HostMetadata).inspect_err(|e| self.note_no_space(e))
+    }
+
+    /// One attempt at a write-zeroes: whole blocks become a zero range; partial edges are
+    /// real writes of zero bytes (read-modify-written under their stripe locks, with the
+    /// entries read as expectations), in the same group so the request stays atomic.
+    fn zero_range(&self, offset: u64, length: u64) -> Result<Admitted> {
         let block = BLOCK_SIZE as u64;
         let full_start = round_up(offset, block);
         let full_end = (offset + length) / block * block;
-        let mut scratch = Vec::new();
-        let mut zeroed_edge = |lba: Lba, range: std::ops::Range<usize>, ops: &mut Vec<Op>| -> Result<()> {
-            let mut bytes = self.read_block(lba)?;
-            bytes[range].fill(0);
-            ops.push(Op::Write { start_lba: lba, blocks: vec![self.compress(&bytes, &mut scratch)] });
-            Ok(())
-        };
+        let mut edges: Vec<(Lba, std::ops::Range<usize>)> = Vec::new();
         if full_start > full_end {
             // Inside one block.
             let at = (offset % block) as usize;
-            return zeroed_edge(Lba::of_byte(offset), at..at + length as usize, ops);
+            edges.push((Lba::of_byte(offset), at..at + length as usize));
+        } else {
+            if offset < full_start {
+                edges.push((Lba::of_byte(offset), (offset % block) as usize..BLOCK_SIZE));
+            }
+            if offset + length > full_end {
+                edges.push((Lba::of_byte(full_end), 0..((offset + length) % block) as usize));
+            }
         }
-        if offset < full_start {
-            zeroed_edge(Lba::of_byte(offset), (offset % block) as usize..BLOCK_SIZE, ops)?;
+        let edge_lbas: Vec<Lba> = edges.iter().map(|(lba, _)| *lba).collect();
+        let guards = self.lock_edges(&edge_lbas);
+        let mut ops = Vec::new();
+        let mut scratch = Vec::new();
+        for (lba, range) in edges {
+            let (mut bytes, entry) = self.read_block(lba)?;
+            bytes[range].fill(0);
+            let blocks = vec![self.compress(&bytes, lba, &mut scratch)];
+            ops.push(Op::Write { start_lba: lba, blocks, expected: vec![(lba, entry)] });
         }
         if full_end > full_start {
             let block_count = (full_end - full_start) / block;
             ops.push(Op::Range { kind: RangeKind::Zero, start_lba: Lba::of_byte(full_start), block_count });
         }
-        if offset + length > full_end {
-            zeroed_edge(Lba::of_byte(full_end), 0..((offset + length) % block) as usize, ops)?;
-        }
-        Ok(())
+        // (The whole-block part goes in the middle of the group: order within a group
+        // does not matter, every record of it is applied or none.)
+        let admitted = self.admit_metadata(&ops);
+        drop(guards);
+        admitted
     }
 
     /// With FUA, makes the request durable before it returns: up to its last record, or
@@ -256,7 +304,7 @@ impl Inner {
             let kind = match map.get(Lba(lba)).unpack()? {
                 Entry::Unmapped => ExtentKind::Hole,
                 Entry::Zero => ExtentKind::Zero,
-                Entry::Stored(_) => ExtentKind::Data,
+                Entry::Stored(_) | Entry::Lost => ExtentKind::Data,
             };
             let start = (lba * block).max(offset);
             let end = ((lba + 1) * block).min(offset + length);

@@ -1,32 +1,216 @@
 //! Reading records back from segment images: what replay, GC and check share.
 //!
-//! Invariant: a record is returned only after its header CRC, store tag and payload CRC
-//! all verified; within one segment image, records follow each other with increasing
-//! sequence numbers (a stale record from an earlier use of the segment breaks that).
+//! A version 3 record is found from its head, or — when the head is damaged — from the
+//! copy of the head in its tail; its entries come from the tail, or — when the tail is
+//! damaged — from walking its payload's fragments by their protection information. A
+//! record found through a copy, or whose payload fails its CRC, is returned with its
+//! damage noted: whether to apply it is the caller's decision (replay applies it only once
+//! a later record proves it was durable; `recovery.rs`).
+//!
+//! Invariants: a record is returned only if its head, or its tail's copy of the head,
+//! passed its CRC and carries the store's tag; within one segment image, `parse_segment`
+//! returns records with increasing sequence numbers (a stale record from an earlier use of
+//! the segment breaks that).
 
 use super::state::{round_up, Inner};
-use crate::format::{locate_record, RecordHeader, RECORD_HEADER_MIN_BYTES};
+use crate::codec::decompress_block;
+use crate::format::v2;
+use crate::format::{
+    decode_tail, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection, RecordBody,
+    RecordHeader, RecordKind, DATA_START_BYTES, HEAD_BYTES, PI_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES,
+};
 use crate::types::SegmentId;
-use crate::SECTOR_SIZE;
+use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
-/// A verified record found in the log.
+/// What failed its checksum in a record that was still found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Damage {
+    /// The head; the record was found through its tail's copy.
+    pub head: bool,
+    /// The tail; the entries came from the payload's protection information (or, for a
+    /// relocation, were given up: losing one only leaves data where it was).
+    pub tail: bool,
+    /// The payload's CRC: some fragment is damaged (its own guard will say which).
+    pub payload: bool,
+}
+
+impl Damage {
+    pub fn any(self) -> bool {
+        self.head || self.tail || self.payload
+    }
+}
+
+/// A record found in the log.
 pub(crate) struct FoundRecord {
     pub header: RecordHeader,
+    /// The chain value: the next record's `prev_crc`.
     pub crc: u32,
     pub offset_bytes: u64,
     pub payload_offset_bytes: u64,
     pub end_bytes: u64,
+    pub damage: Damage,
 }
 
-/// Parses and fully verifies (header and payload CRC) the record at `offset` in a segment
-/// image that starts at physical `base`.
+/// What a segment image holds at an offset.
+pub(crate) enum Probe {
+    /// A record starts here.
+    Found,
+    /// No record starts here, but a valid version 3 head does at `next_bytes` (an absolute
+    /// address) further on in the image: the bytes between are damaged or stale.
+    Damaged {
+        next_bytes: u64,
+    },
+    Nothing,
+}
+
+/// Parses the record at `offset` in a segment image that starts at physical `base`, using
+/// whatever copy of its description survives.
 pub(crate) fn parse_record_at(image: &[u8], base: u64, offset: u64, store_tag: u32) -> Option<FoundRecord> {
-    let at = (offset.checked_sub(base)?) as usize;
-    if at + RECORD_HEADER_MIN_BYTES > image.len() {
+    let at = usize::try_from(offset.checked_sub(base)?).ok()?;
+    let head = image.get(at..at + HEAD_BYTES.min(image.len().saturating_sub(at)))?;
+    if head.len() >= 4 && head[..4] == v2::RECORD_MAGIC_V2.to_le_bytes() {
+        return parse_v2_at(image, base, at, store_tag);
+    }
+    match Head::decode(head) {
+        Ok(head) if head.store_tag == store_tag => from_head(image, base, at, head, Damage::default()),
+        Ok(_) => None,
+        Err(_) => from_tail_copy(image, base, at, store_tag),
+    }
+}
+
+/// A version 3 record whose head (or its copy) is known.
+fn from_head(image: &[u8], base: u64, at: usize, head: Head, mut damage: Damage) -> Option<FoundRecord> {
+    let end = at.checked_add(head.record_len()?)?;
+    if end > image.len() {
         return None;
     }
-    let located = locate_record(image, at)?;
-    let (header, crc) = RecordHeader::decode(&located.header).ok()?;
+    let payload_at = at + HEAD_BYTES;
+    let payload = &image[payload_at..payload_at + head.payload_len as usize];
+    let tail_at = payload_at + payload.len();
+    let body = match decode_tail(&image[tail_at..end]) {
+        Ok((copy, body)) if copy == head => body,
+        _ => {
+            damage.tail = true;
+            body_without_tail(&head, payload, &image[tail_at..end])?
+        }
+    };
+    damage.payload = crc32c::crc32c(payload) != head.payload_crc;
+    Some(FoundRecord {
+        header: head.header(body),
+        crc: head.crc,
+        offset_bytes: base + at as u64,
+        payload_offset_bytes: base + payload_at as u64,
+        end_bytes: base + end as u64,
+        damage,
+    })
+}
+
+/// A record's body when its tail fails its CRC: from the head for records without entries,
+/// from the payload's protection information for data records, from the surviving copy of
+/// a relocation's entries. None when nothing says what it did (the record is lost).
+fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8]) -> Option<RecordBody> {
+    match head.kind {
+        RecordKind::Write | RecordKind::Batch => {
+            let walked = walk_fragments(payload)?;
+            if walked.len() as u64 != head.count {
+                return None;
+            }
+            Some(match head.kind {
+                RecordKind::Write => {
+                    let consecutive = walked.iter().enumerate().all(|(i, e)| e.lba == head.start_lba.plus(i as u64));
+                    if !consecutive {
+                        return None;
+                    }
+                    RecordBody::Write {
+                        start_lba: head.start_lba,
+                        fragments: walked.iter().map(|e| e.fragment).collect(),
+                    }
+                }
+                _ => RecordBody::Batch { entries: walked },
+            })
+        }
+        RecordKind::Relocate => {
+            let entries = relocate_entries_from_damaged_tail(head, tail)?;
+            let body = RecordBody::Relocate { entries };
+            (body.fragment_bytes() == head.payload_len as u64).then_some(body)
+        }
+        _ => head.body(&[]).ok(),
+    }
+}
+
+/// The fragments of a version 3 payload, from their protection information: each must
+/// decode and match its guard, and together they must fill the payload exactly. (An
+/// all-zero block's fragment is its protection information alone.)
+pub(crate) fn walk_fragments(payload: &[u8]) -> Option<Vec<BatchEntry>> {
+    let mut entries = Vec::new();
+    let mut at = 0;
+    let mut block = vec![0u8; BLOCK_SIZE];
+    while at < payload.len() {
+        let pi = Protection::decode(payload.get(at..at + PI_BYTES)?).ok()?;
+        let fragment = payload.get(at..at + pi.entry.stored_len as usize)?;
+        if pi.entry.is_zero_block(FragmentFormat::V3) {
+            block.fill(0);
+        } else {
+            decompress_block(pi.entry.codec, &fragment[PI_BYTES..], &mut block).ok()?;
+        }
+        if crc32c::crc32c(&block) != pi.guard {
+            return None;
+        }
+        entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
+        at += fragment.len();
+    }
+    Some(entries)
+}
+
+/// A record whose head is damaged: look for its tail — the first valid head-shaped thing
+/// after it is either the tail's copy of its head (if it describes a record starting at
+/// `at`) or the next record's head (then this one is lost).
+fn from_tail_copy(image: &[u8], base: u64, at: usize, store_tag: u32) -> Option<FoundRecord> {
+    let (q, copy) = next_valid_head(image, at + 1, store_tag)?;
+    let tail_len = copy.tail_len()?;
+    let start = (q + HEAD_BYTES + 4).checked_sub(tail_len)?.checked_sub(copy.payload_len as usize + HEAD_BYTES)?;
+    if start != at {
+        return None;
+    }
+    from_head(image, base, at, copy, Damage { head: true, ..Damage::default() })
+}
+
+/// The first offset at or after `from` holding a valid version 3 head (or a tail's copy of
+/// one) of this store.
+fn next_valid_head(image: &[u8], from: usize, store_tag: u32) -> Option<(usize, Head)> {
+    let magic = RECORD_MAGIC.to_le_bytes();
+    let mut at = from;
+    while at + HEAD_BYTES <= image.len() {
+        let found = image[at..image.len() - HEAD_BYTES + 4].windows(4).position(|w| w == magic)?;
+        at += found;
+        if let Ok(head) = Head::decode(&image[at..at + HEAD_BYTES]) {
+            if head.store_tag == store_tag {
+                return Some((at, head));
+            }
+        }
+        at += 1;
+    }
+    None
+}
+
+/// Probes `offset`: the record there, or where the next valid head after damage is.
+pub(crate) fn probe(image: &[u8], base: u64, offset: u64, store_tag: u32) -> Probe {
+    if parse_record_at(image, base, offset, store_tag).is_some() {
+        return Probe::Found;
+    }
+    let Some(at) = offset.checked_sub(base).map(|a| a as usize) else { return Probe::Nothing };
+    match next_valid_head(image, at + 1, store_tag) {
+        Some((q, _)) => Probe::Damaged { next_bytes: base + q as u64 },
+        None => Probe::Nothing,
+    }
+}
+
+fn parse_v2_at(image: &[u8], base: u64, at: usize, store_tag: u32) -> Option<FoundRecord> {
+    if at + v2::HEADER_MIN_BYTES_V2 > image.len() {
+        return None;
+    }
+    let located = v2::locate_record(image, at)?;
+    let (header, crc) = v2::decode(&located.header).ok()?;
     if header.store_tag != store_tag {
         return None;
     }
@@ -38,9 +222,10 @@ pub(crate) fn parse_record_at(image: &[u8], base: u64, offset: u64, store_tag: u
     Some(FoundRecord {
         header,
         crc,
-        offset_bytes: offset,
+        offset_bytes: base + at as u64,
         payload_offset_bytes: base + located.payload_at as u64,
         end_bytes: base + located.end as u64,
+        damage: Damage::default(),
     })
 }
 
@@ -60,20 +245,37 @@ fn parse_record_near(
     })
 }
 
-/// Every valid record of a segment image in order, following padding to sector boundaries.
-pub(crate) fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> Vec<FoundRecord> {
+/// Every record of a segment image in order, following padding to sector boundaries and
+/// skipping damage to the next valid head (so GC and check see what lies beyond it).
+/// Returns the records and the byte ranges (absolute) where nothing could be parsed.
+pub(crate) fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> (Vec<FoundRecord>, Vec<(u64, u64)>) {
     let mut records: Vec<FoundRecord> = Vec::new();
+    let mut damaged = Vec::new();
     let mut offset = base;
-    while let Some(r) = parse_record_near(image, base, offset, store_tag, |_| true) {
-        // Records of one incarnation have increasing sequence numbers; a stale record from
-        // before the segment was reused would break that.
-        if records.last().is_some_and(|p| r.header.seq != p.header.seq + 1) {
+    loop {
+        if let Some(r) = parse_record_near(image, base, offset, store_tag, |_| true) {
+            // Records of one incarnation have increasing sequence numbers; a stale record
+            // from before the segment was reused would break that.
+            if records.last().is_some_and(|p| r.header.seq <= p.header.seq) {
+                break;
+            }
+            offset = r.end_bytes;
+            records.push(r);
+            continue;
+        }
+        // Damage, or the end: go on only if a later head continues the sequence.
+        let Some(at) = offset.checked_sub(base).map(|a| a as usize) else { break };
+        let Some((q, head)) = next_valid_head(image, at + 1, store_tag) else { break };
+        if records.last().is_some_and(|p| head.seq <= p.header.seq) {
             break;
         }
-        offset = r.end_bytes;
-        records.push(r);
+        let next = base + q as u64;
+        if next - offset >= RECORD_MIN_BYTES as u64 {
+            damaged.push((offset, next));
+        }
+        offset = next;
     }
-    records
+    (records, damaged)
 }
 
 /// Whole-segment images read during replay, one at a time.
@@ -94,6 +296,20 @@ impl SegmentCache {
         Some(&self.image)
     }
 
+    /// The image of the segment holding `offset` and its base, if `offset` is in the
+    /// data area.
+    pub fn image_at(&mut self, inner: &Inner, offset: u64) -> Option<(&[u8], u64)> {
+        if offset < DATA_START_BYTES {
+            return None;
+        }
+        let segment = inner.geometry.segment_of(offset);
+        if segment.0 as u64 >= inner.geometry.segment_count {
+            return None;
+        }
+        let base = inner.geometry.segment_base(segment);
+        Some((self.get(inner, segment)?, base))
+    }
+
     /// The record at `offset` or the next sector boundary after it that `accept` takes,
     /// read through the cache.
     pub fn record_near(
@@ -102,15 +318,8 @@ impl SegmentCache {
         offset: u64,
         accept: impl Fn(&FoundRecord) -> bool,
     ) -> Option<FoundRecord> {
-        if offset < crate::format::DATA_START_BYTES {
-            return None;
-        }
-        let segment = inner.geometry.segment_of(offset);
-        if segment.0 as u64 >= inner.geometry.segment_count {
-            return None;
-        }
-        let base = inner.geometry.segment_base(segment);
-        let image = self.get(inner, segment)?;
-        parse_record_near(image, base, offset, inner.geometry.store_tag, accept)
+        let store_tag = inner.geometry.store_tag;
+        let (image, base) = self.image_at(inner, offset)?;
+        parse_record_near(image, base, offset, store_tag, accept)
     }
 }

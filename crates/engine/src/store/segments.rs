@@ -218,7 +218,7 @@ impl SegmentTable {
                 Change::Add => self.zero_blocks += 1,
                 Change::Remove => self.zero_blocks -= 1,
             },
-            Ok(Entry::Unmapped) | Err(_) => {}
+            Ok(Entry::Unmapped | Entry::Lost) | Err(_) => {}
         }
     }
 

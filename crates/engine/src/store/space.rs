@@ -12,7 +12,7 @@ use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
 use crate::error::{Error, ErrorKind};
-use crate::format::{SegmentState, RECORD_HEADER_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{SegmentState, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
 use crate::stats::{Counters, Stats};
 use crate::BLOCK_SIZE;
 
@@ -59,7 +59,7 @@ impl Inner {
         let checkpoint_bound = mapped * 16 + self.geometry.segment_count * 33 + 4096;
         let last = log.epochs.checkpoint_bytes;
         let estimate = if last == 0 { checkpoint_bound } else { (last + last / 4 + 4096).min(checkpoint_bound) };
-        estimate + (estimate / capacity + 1) * (RECORD_HEADER_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
+        estimate + (estimate / capacity + 1) * (RECORD_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
     }
 
     /// The reserve of a class in bytes: what an append of that class must leave unused in
@@ -151,7 +151,9 @@ impl Inner {
         let free_space = (free_bytes + reclaimable + open_room).saturating_sub(reserve);
         let physical_size = live + log.epochs.checkpoint_bytes * 2 + 2 * SUPERBLOCK_SLOT_BYTES as u64;
         let logical_size = (log.segments.stored_blocks + log.segments.zero_blocks) * BLOCK_SIZE as u64;
-        let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 {
+        let findings = self.recovery.get();
+        let damaged = self.degraded().is_some();
+        let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
             2
         } else if (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64 {
             1
@@ -199,6 +201,8 @@ impl Inner {
             read_cache_hits,
             read_cache_misses,
             read_cache_bytes,
+            damaged_records: findings.map_or(0, |f| f.damaged.len() as u64),
+            damaged,
         }
     }
 }

@@ -8,7 +8,7 @@
 //! - `durable_seq` only grows, and every record up to it is on stable media.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use aligned_vec::{AVec, ConstAlign};
 use parking_lot::Condvar;
@@ -16,6 +16,7 @@ use parking_lot::Condvar;
 use super::lock::{Mutex, RwLock};
 use super::log::Log;
 use super::options::OpenOptions;
+use super::replay::{Degraded, RecoveryFindings};
 use crate::backing::Backing;
 use crate::cache::FragmentCache;
 use crate::codec::Codec;
@@ -39,9 +40,12 @@ pub(crate) fn round_up(value: u64, to: u64) -> u64 {
 }
 
 /// A record carrying fragments may leave this much of a segment's end unused: fragments
-/// do not span segments, so one that does not fit starts the next segment. (A block, and
-/// room for a record header's fixed part and a few entries.)
-pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 = BLOCK_SIZE as u64 + 128;
+/// do not span segments, so one that does not fit starts the next segment. (The largest
+/// fragment — a raw block and its protection information — a record's head and tail, and
+/// an entry.)
+pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 =
+    (BLOCK_SIZE + crate::format::PI_BYTES + crate::format::RECORD_MIN_BYTES + crate::format::RELOCATE_ENTRY_BYTES)
+        as u64;
 
 /// The fixed facts of an open store.
 pub(crate) struct Geometry {
@@ -124,12 +128,23 @@ pub(crate) struct Inner {
     /// Rank 1: one foreground GC round at a time; `foreground_rounds` counts finished rounds.
     pub foreground_gc: Mutex<()>,
     pub foreground_rounds: AtomicU64,
+    /// What recovery found damaged (set once, at open).
+    pub recovery: OnceLock<RecoveryFindings>,
 }
 
 impl Inner {
     pub fn check_writable(&self) -> Result<()> {
         if self.read_only {
             return Err(Error::new(ErrorKind::ReadOnly, "the store was opened read-only"));
+        }
+        if let Some(degraded) = self.degraded() {
+            return Err(Error::new(
+                ErrorKind::ReadOnly,
+                format!(
+                    "the store is damaged: records from {} on were lost, so it is open read-only (see `zdisk check`)",
+                    degraded.first_lost_seq
+                ),
+            ));
         }
         if self.failed.load(Ordering::Acquire) {
             return Err(Error::new(
@@ -138,6 +153,15 @@ impl Inner {
             ));
         }
         Ok(())
+    }
+
+    /// Set when recovery lost records and the caller did not accept the loss: the store is
+    /// read-only and blocks not provably newer than the loss read as EIO.
+    pub fn degraded(&self) -> Option<&Degraded> {
+        if self.options.accept_data_loss {
+            return None;
+        }
+        self.recovery.get().and_then(|r| r.degraded.as_ref())
     }
 
     /// Makes the store read-only after a backing write or sync failed; returns the error.

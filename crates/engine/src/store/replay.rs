@@ -1,0 +1,513 @@
+//! Replay: the records after the checkpoint, in order, each group applied when complete —
+//! and what to do when a record is damaged.
+//!
+//! A torn tail and damage in the middle of the log look alike at first: a record that does
+//! not verify. They differ in time: a torn record was never durable (the crash caught it
+//! being written), a damaged one was durable and decayed later. Every record carries the
+//! durable sequence number as of its append, so a later record whose `durable_seq` reaches
+//! the damaged one proves it was durable. Then:
+//!
+//! - a record found through a surviving copy (head or tail) or with a bad payload CRC is
+//!   applied — its fragments carry their own guards, so a damaged block reads as EIO;
+//! - a record none of whose copies survives is *lost*: replay goes on past it (its later
+//!   records are newer), and the store opens degraded — read-only, and every block not
+//!   provably written after the loss reads as EIO, because it might be older than what the
+//!   lost record wrote.
+//!
+//! Without such proof the damage is a torn tail and the log ends there, as it always did.
+//!
+//! Invariants: replay follows one history (sequence numbers and the chain of head CRCs; a
+//! record found past damage is accepted only with proof, which a stale record of an
+//! earlier run cannot give); a group is applied only when its LAST record is found, except
+//! that a loss inside a durable-proven group applies what survives of it.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::apply::{apply_record, lbas_set};
+use super::log::Log;
+use super::scan::{parse_record_at, probe, FoundRecord, Probe, SegmentCache};
+use super::state::Inner;
+use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, HEAD_BYTES};
+use crate::map::Map;
+use crate::types::{Lba, SegmentId};
+use crate::SECTOR_SIZE;
+
+/// How many records past a damaged one replay looks for a successor.
+const LOOKAHEAD_RECORDS: u64 = 1024;
+/// How many records after a damaged one replay follows to find proof it was durable.
+const PROOF_RECORDS_MAX: usize = 1 << 20;
+
+/// A record recovery found damaged.
+#[derive(Debug, Clone)]
+pub(crate) struct DamagedRecord {
+    /// Where it starts (or where the damage starts, for a lost record).
+    pub offset_bytes: u64,
+    /// What was damaged and what recovery did.
+    pub what: String,
+    /// The LBA ranges (start, blocks) it wrote, where known.
+    pub lbas: Vec<(Lba, u64)>,
+    /// The last record of the log, complete: what a crash during its write leaves (a torn
+    /// head or tail sector), not decay. Nothing was lost.
+    pub torn_tail: bool,
+    /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
+    /// damaged chunk is reported on its own).
+    pub maps_nothing: bool,
+}
+
+/// A store that lost records: which blocks are provably newer than the loss.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Degraded {
+    pub first_lost_seq: u64,
+    /// Ranges (start → end, exclusive) of LBAs written, trimmed or zeroed after the loss.
+    newer: BTreeMap<u64, u64>,
+}
+
+impl Degraded {
+    fn note(&mut self, start: Lba, blocks: u64) {
+        let (mut start, mut end) = (start.0, start.0.saturating_add(blocks));
+        // Merge with overlapping or adjacent ranges.
+        if let Some((&s, &e)) = self.newer.range(..=start).next_back() {
+            if e >= start {
+                start = s;
+                end = end.max(e);
+            }
+        }
+        while let Some((&s, &e)) = self.newer.range(start..).next() {
+            if s > end {
+                break;
+            }
+            end = end.max(e);
+            self.newer.remove(&s);
+        }
+        self.newer.insert(start, end);
+    }
+
+    /// Whether block `lba` was written after the loss (so no lost record can be newer).
+    pub fn is_newer(&self, lba: Lba) -> bool {
+        self.newer.range(..=lba.0).next_back().is_some_and(|(_, &end)| lba.0 < end)
+    }
+}
+
+/// What recovery found, for `check` and the statistics.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RecoveryFindings {
+    pub damaged: Vec<DamagedRecord>,
+    pub degraded: Option<Degraded>,
+}
+
+/// What replay found where it expected the next record.
+enum Choice {
+    Intact(FoundRecord),
+    /// Damaged, but applied: why.
+    Recovered(FoundRecord, &'static str),
+    /// Only damaged records that may be torn writes: the end of the log.
+    Torn,
+    /// Nothing: the end of the log, or a record lost to damage (`look_past` tells).
+    Missing,
+}
+
+/// What is wrong with a payload that fails its CRC.
+enum PayloadState {
+    /// It does not fail.
+    Intact,
+    /// Every fragment decodes to its guard: no data is damaged.
+    FragmentsVerify,
+    OneFlippedBit,
+    Damaged,
+}
+
+/// Where replay expects the next record.
+#[derive(Clone, Copy)]
+struct Cursor {
+    offset: u64,
+    seq: u64,
+    /// The chain value the next record must carry; None right after a loss (the record
+    /// found past it was accepted on proof instead).
+    prev_crc: Option<u32>,
+}
+
+/// Segment starts: which segment starts with which sequence number after the checkpoint,
+/// and which start with a head-shaped thing that does not verify (candidates when a
+/// record at a segment's start was damaged).
+struct Index {
+    starts: HashMap<u64, Vec<SegmentId>>,
+    damaged_starts: Vec<SegmentId>,
+}
+
+impl Inner {
+    /// Replays every complete record group after the checkpoint, in order.
+    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock) -> RecoveryFindings {
+        let index = self.index_segment_starts(log.segments.len(), sb.checkpoint_seq);
+        let mut cache = SegmentCache::default();
+        let mut findings = RecoveryFindings::default();
+        let map = self.map.read();
+        let mut cursor =
+            Cursor { offset: sb.replay_offset_bytes, seq: sb.checkpoint_seq + 1, prev_crc: Some(sb.replay_prev_crc) };
+        let mut group: Vec<FoundRecord> = Vec::new();
+        let mut last_record_offset = 0;
+        loop {
+            let record = match self.choose_record(&mut cache, &index, cursor) {
+                Choice::Intact(record) => record,
+                Choice::Recovered(record, why) => {
+                    findings.damaged.push(damage_report(&record, why));
+                    record
+                }
+                Choice::Torn => break,
+                Choice::Missing => match self.look_past(&mut cache, &index, cursor) {
+                    Some(next) => {
+                        let lost = DamagedRecord {
+                            torn_tail: false,
+                            maps_nothing: false,
+                            offset_bytes: cursor.offset,
+                            what: format!(
+                                "records {}..{} lost (no copy of their description survives); later records prove they were durable",
+                                cursor.seq,
+                                next.header.seq - 1
+                            ),
+                            lbas: Vec::new(),
+                        };
+                        tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
+                        findings.damaged.push(lost);
+                        findings
+                            .degraded
+                            .get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
+                        // What survives of a group the loss cut is durable: apply it.
+                        self.apply_group(&map, log, &mut group, &mut findings);
+                        next
+                    }
+                    None => break, // the end of the log
+                },
+            };
+            self.note_replayed(log, &record);
+            cursor = Cursor { offset: record.end_bytes, seq: record.header.seq + 1, prev_crc: Some(record.crc) };
+            last_record_offset = record.offset_bytes;
+            if record.header.flags & FLAG_FIRST != 0 {
+                group.clear();
+            }
+            let last = record.header.flags & FLAG_LAST != 0;
+            group.push(record);
+            if last {
+                self.apply_group(&map, log, &mut group, &mut findings);
+            }
+        }
+        drop(map);
+        // Complete damage in the very last record is what a crash tearing its write leaves.
+        if let Some(last) = findings.damaged.last_mut() {
+            let complete = last.what.ends_with("(complete)");
+            last.torn_tail = complete && last.offset_bytes == last_record_offset;
+        }
+        log.appender.next_seq = cursor.seq;
+        log.appender.prev_crc = cursor.prev_crc.unwrap_or(0);
+        findings
+    }
+
+    fn apply_group(&self, map: &Map, log: &mut Log, group: &mut Vec<FoundRecord>, findings: &mut RecoveryFindings) {
+        for record in group.drain(..) {
+            let header = &record.header;
+            apply_record(
+                map,
+                &mut log.segments,
+                &self.geometry,
+                &header.body,
+                header.version.fragment_format(),
+                record.payload_offset_bytes,
+            );
+            if let Some(degraded) = findings.degraded.as_mut() {
+                for (start, blocks) in lbas_set(&header.body) {
+                    degraded.note(start, blocks);
+                }
+            }
+        }
+    }
+
+    /// Segment bookkeeping for a replayed record: a record at a segment's start begins a new
+    /// use of it (whatever it held before died earlier in the log).
+    fn note_replayed(&self, log: &mut Log, record: &FoundRecord) {
+        let segment = self.geometry.segment_of(record.offset_bytes);
+        let base = self.geometry.segment_base(segment);
+        if record.offset_bytes == base {
+            log.segments.restart_in_replay(segment);
+        }
+        let end = (record.end_bytes - base).max(log.segments.get(segment).end_bytes);
+        log.segments.note_append(segment, end, Some(record.header.seq));
+    }
+
+    /// The segment starts after the checkpoint (see [`Index`]). Any segment but the one
+    /// open at the checkpoint may have been reused after it; several may start with the
+    /// same sequence number (stale ones left by a run that crashed, and the one that
+    /// continues the chain): keep them all, as candidates that `next_record` verifies.
+    fn index_segment_starts(&self, segment_count: usize, checkpoint_seq: u64) -> Index {
+        let mut index = Index { starts: HashMap::new(), damaged_starts: Vec::new() };
+        let mut head = vec![0u8; SECTOR_SIZE];
+        for id in (0..segment_count as u32).map(SegmentId) {
+            if self.backing.read_at(self.geometry.segment_base(id), &mut head).is_err() {
+                continue;
+            }
+            let tag = self.geometry.store_tag;
+            let v3 = Head::decode(&head).ok().filter(|h| h.store_tag == tag).map(|h| h.seq);
+            // (Version 2 candidates are unverified: a batch's CRC lies past its payload.)
+            let v2 = crate::format::v2::peek_identity(&head).filter(|&(_, t)| t == tag).map(|(seq, _)| seq);
+            match v3.or(v2) {
+                Some(seq) if seq > checkpoint_seq => index.starts.entry(seq).or_default().push(id),
+                Some(_) => {}
+                // Something that is not a verified head of ours, but not a discarded
+                // (zeroed) segment either: a damaged head, perhaps.
+                _ if head[..HEAD_BYTES].iter().any(|&b| b != 0) => index.damaged_starts.push(id),
+                _ => {}
+            }
+        }
+        index
+    }
+
+    /// The records that could be the one expected at the cursor: at its offset, at the next
+    /// sector boundary (after a flush's padding), at the start of a segment indexed with its
+    /// sequence number, or at the start of a segment whose head is damaged (found through
+    /// its tail's copy). Several may chain: a stale record a crashed run left where this
+    /// run's would have gone, and this run's own at a segment start.
+    fn candidates(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Vec<FoundRecord> {
+        let expected =
+            |r: &FoundRecord| r.header.seq == cursor.seq && cursor.prev_crc.is_none_or(|crc| r.header.prev_crc == crc);
+        let starts = index.starts.get(&cursor.seq).into_iter().flatten().chain(&index.damaged_starts);
+        let offsets = std::iter::once(cursor.offset).chain(starts.map(|&id| self.geometry.segment_base(id)));
+        let mut found: Vec<FoundRecord> = Vec::new();
+        for offset in offsets {
+            if let Some(r) = cache.record_near(self, offset, expected) {
+                if !found.iter().any(|f| f.offset_bytes == r.offset_bytes) {
+                    found.push(r);
+                }
+            }
+        }
+        found
+    }
+
+    /// The record expected at the cursor, an intact one first (for following a chain).
+    fn next_record(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Option<FoundRecord> {
+        let mut found = self.candidates(cache, index, cursor);
+        let intact = found.iter().position(|r| !r.damage.any());
+        intact.or((!found.is_empty()).then_some(0)).map(|i| found.swap_remove(i))
+    }
+
+    /// What replay takes at the cursor: an intact record; else a damaged one that is
+    /// complete (one copy of its description and its whole payload survive), proven durable
+    /// by a later record, or off by one flipped bit per fragment; else, if there was a
+    /// damaged candidate, the log ends in a torn write; else nothing is there.
+    fn choose_record(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Choice {
+        let found = self.candidates(cache, index, cursor);
+        if found.is_empty() {
+            return Choice::Missing;
+        }
+        let (intact, damaged): (Vec<FoundRecord>, Vec<FoundRecord>) = found.into_iter().partition(|r| !r.damage.any());
+        if let Some(record) = intact.into_iter().next() {
+            return Choice::Intact(record);
+        }
+        for record in damaged {
+            // A record that maps no data (a checkpoint chunk, a relocation whose entries were
+            // given up) changes nothing when applied: taking it loses nothing either way.
+            let maps_data = !record.header.body.fragments().is_empty();
+            let payload = match (record.damage.payload, maps_data) {
+                (true, true) => self.payload_state(cache, &record),
+                _ => PayloadState::Intact,
+            };
+            let why = match payload {
+                PayloadState::Intact | PayloadState::FragmentsVerify => "complete",
+                _ if self.proof_from(cache, index, &record, record.header.seq) => {
+                    "a later record proves it was durable"
+                }
+                PayloadState::OneFlippedBit => "one flipped bit: it was written whole",
+                PayloadState::Damaged => continue,
+            };
+            return Choice::Recovered(record, why);
+        }
+        Choice::Torn
+    }
+
+    /// Past a record that could not be read at all: the first later record (by sequence
+    /// number) that a record from it on proves durable. Candidates come from the damaged
+    /// segment itself and from segments whose first head is damaged (the lost record may
+    /// have started one), each scanned forward, and from segment starts.
+    fn look_past(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Option<FoundRecord> {
+        let lost_seq = cursor.seq;
+        let wanted = lost_seq + 1..=lost_seq + LOOKAHEAD_RECORDS;
+        let mut candidates: Vec<(u64, u64)> = Vec::new(); // (seq, offset)
+        let damaged_starts = index.damaged_starts.iter().map(|&id| self.geometry.segment_base(id));
+        for from in std::iter::once(cursor.offset).chain(damaged_starts) {
+            if let Some((image, base)) = cache.image_at(self, from) {
+                self.successors_in(image, base, from, &wanted, &mut candidates);
+            }
+        }
+        for seq in wanted.clone() {
+            for &id in index.starts.get(&seq).into_iter().flatten() {
+                candidates.push((seq, self.geometry.segment_base(id)));
+            }
+        }
+        candidates.sort_unstable();
+        candidates.dedup();
+        for (seq, offset) in candidates {
+            let Some(record) = cache.record_near(self, offset, |r| r.header.seq == seq) else { continue };
+            // Proof may come from this record or one chained after it.
+            if record.header.durable_seq >= lost_seq || self.proof_from(cache, index, &record, lost_seq) {
+                return Some(record);
+            }
+        }
+        None
+    }
+
+    /// The records with sequence numbers in `wanted` that start after `from` in a segment
+    /// image, found by skipping from one valid head to the next over damage.
+    fn successors_in(
+        &self,
+        image: &[u8],
+        base: u64,
+        from: u64,
+        wanted: &std::ops::RangeInclusive<u64>,
+        candidates: &mut Vec<(u64, u64)>,
+    ) {
+        let tag = self.geometry.store_tag;
+        let mut offset = from;
+        loop {
+            let next_bytes = match probe(image, base, offset, tag) {
+                Probe::Damaged { next_bytes } => next_bytes,
+                Probe::Found => match parse_record_at(image, base, offset, tag) {
+                    Some(r) if r.end_bytes > offset => r.end_bytes,
+                    _ => return,
+                },
+                Probe::Nothing => return,
+            };
+            let at = (next_bytes - base) as usize;
+            if let Some(Ok(head)) = image.get(at..at + HEAD_BYTES).map(Head::decode) {
+                if wanted.contains(&head.seq) && parse_record_at(image, base, next_bytes, tag).is_some() {
+                    candidates.push((head.seq, next_bytes));
+                }
+            }
+            if next_bytes <= offset {
+                return;
+            }
+            offset = next_bytes;
+        }
+    }
+
+    /// What is wrong with the payload of `record`, which fails its CRC: nothing that holds
+    /// data (every fragment still decodes to its guard — the flip was in bits a codec
+    /// ignores); exactly one flipped bit in each damaged fragment (it was written whole and
+    /// decayed since, for a torn write leaves whole sectors of old bytes, which no single
+    /// flipped bit turns back: each correction must make its fragment decode to its guard,
+    /// and all of them together must restore the payload's CRC, 32 more bits of evidence);
+    /// or more.
+    fn payload_state(&self, cache: &mut SegmentCache, record: &FoundRecord) -> PayloadState {
+        let Some((image, base)) = cache.image_at(self, record.payload_offset_bytes) else {
+            return PayloadState::Damaged;
+        };
+        let start = (record.payload_offset_bytes - base) as usize;
+        let Some(payload) = image.get(start..start + record.header.payload_len as usize) else {
+            return PayloadState::Damaged;
+        };
+        let format = record.header.version.fragment_format();
+        // Per damaged fragment, every single-bit flip that makes it verify. (More than one
+        // may: LZ4 can reach the same block through different match offsets. The payload's
+        // CRC tells which is what was written.)
+        let mut damaged: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
+        let mut at = 0;
+        for (lba, fragment) in record.header.body.fragments() {
+            let range = at..at + fragment.stored_len as usize;
+            at = range.end;
+            if range.is_empty() {
+                continue; // a version 2 all-zero block stores nothing
+            }
+            let stored =
+                crate::map::Stored { offset_bytes: 0, stored_len: fragment.stored_len, codec: fragment.codec, format };
+            if fragment_verifies(stored, lba, &payload[range.clone()]) {
+                continue;
+            }
+            let flips = one_bit_corrections(stored, lba, &payload[range.clone()]);
+            if flips.is_empty() || damaged.len() >= 4 {
+                return PayloadState::Damaged;
+            }
+            damaged.push((range, flips));
+        }
+        if damaged.is_empty() {
+            return PayloadState::FragmentsVerify;
+        }
+        let mut corrected = payload.to_vec();
+        if restores_crc(&mut corrected, &damaged, record.header.payload_crc) {
+            PayloadState::OneFlippedBit
+        } else {
+            PayloadState::Damaged
+        }
+    }
+
+    /// Whether a record chained after `from` carries `durable_seq >= target` (proof that
+    /// everything up to `target` was durable, so what does not verify there is damage, not
+    /// a torn tail).
+    fn proof_from(&self, cache: &mut SegmentCache, index: &Index, from: &FoundRecord, target: u64) -> bool {
+        let mut cursor = Cursor { offset: from.end_bytes, seq: from.header.seq + 1, prev_crc: Some(from.crc) };
+        for _ in 0..PROOF_RECORDS_MAX {
+            let Some(next) = self.next_record(cache, index, cursor) else { return false };
+            if next.header.durable_seq >= target {
+                return true;
+            }
+            cursor = Cursor { offset: next.end_bytes, seq: next.header.seq + 1, prev_crc: Some(next.crc) };
+        }
+        false
+    }
+}
+
+/// What a damaged-but-recovered record's report says; `why` says why it was applied.
+fn damage_report(record: &FoundRecord, why: &str) -> DamagedRecord {
+    let d = record.damage;
+    let mut parts = Vec::new();
+    if d.head {
+        parts.push("head damaged (recovered from the tail's copy)");
+    }
+    if d.tail {
+        parts.push("tail damaged (entries recovered from the fragments' protection information)");
+    }
+    if d.payload {
+        parts.push("payload damaged (its damaged blocks read as EIO)");
+    }
+    let what = format!("record {}: {}; applied ({why})", record.header.seq, parts.join("; "));
+    tracing::warn!("replay: {what}, at byte {}", record.offset_bytes);
+    let maps_nothing = matches!(record.header.body, RecordBody::Checkpoint | RecordBody::Marker);
+    DamagedRecord {
+        offset_bytes: record.offset_bytes,
+        what,
+        lbas: lbas_set(&record.header.body),
+        torn_tail: false,
+        maps_nothing,
+    }
+}
+
+/// Whether a fragment decodes to its guard (and, in version 3, names this LBA and entry).
+fn fragment_verifies(stored: crate::map::Stored, lba: Lba, bytes: &[u8]) -> bool {
+    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE]).is_ok()
+}
+
+/// Every single-bit flip (as a bit index) that makes a damaged fragment verify.
+fn one_bit_corrections(stored: crate::map::Stored, lba: Lba, fragment: &[u8]) -> Vec<usize> {
+    let mut bytes = fragment.to_vec();
+    let mut found = Vec::new();
+    for i in 0..bytes.len() * 8 {
+        bytes[i / 8] ^= 1 << (i % 8);
+        if fragment_verifies(stored, lba, &bytes) {
+            found.push(i);
+        }
+        bytes[i / 8] ^= 1 << (i % 8);
+    }
+    found
+}
+
+/// Whether one choice of flip per damaged fragment gives the payload its CRC back.
+fn restores_crc(payload: &mut [u8], damaged: &[(std::ops::Range<usize>, Vec<usize>)], crc: u32) -> bool {
+    let Some(((range, flips), rest)) = damaged.split_first() else {
+        return crc32c::crc32c(payload) == crc;
+    };
+    for &bit in flips {
+        let byte = range.start + bit / 8;
+        payload[byte] ^= 1 << (bit % 8);
+        let restored = restores_crc(payload, rest, crc);
+        payload[byte] ^= 1 << (bit % 8);
+        if restored {
+            return true;
+        }
+    }
+    false
+}
