@@ -87,6 +87,7 @@ pub struct Server {
     pub pid: u32,
     pub socket: PathBuf,
     pub log: PathBuf,
+    datadir: PathBuf,
 }
 
 fn wait_ready(child: &mut Child, log: &Path, timeout: Duration, ready: &dyn Fn() -> bool) -> Result<()> {
@@ -170,7 +171,7 @@ pub fn mysql_start(datadir: &Path, socket: &Path, log: &Path, cfg: &ServerConfig
         let _ = child.wait();
         return Err(e);
     }
-    Ok(Server { db: Db::Mysql, child: Some(child), pid, socket: socket.to_path_buf(), log: log.into() })
+    Ok(Server { db: Db::Mysql, child: Some(child), pid, socket: socket.to_path_buf(), log: log.into(), datadir: datadir.into() })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ pub fn pg_start(datadir: &Path, socket_dir: &Path, log: &Path, cfg: &ServerConfi
         let _ = child.wait();
         return Err(e);
     }
-    Ok(Server { db: Db::Postgres, child: Some(child), pid, socket: socket_dir.into(), log: log.into() })
+    Ok(Server { db: Db::Postgres, child: Some(child), pid, socket: socket_dir.into(), log: log.into(), datadir: datadir.into() })
 }
 
 impl Server {
@@ -284,8 +285,12 @@ impl Server {
                     .args(["-uroot", "shutdown"]));
             }
             Db::Postgres => {
-                // SIGINT: "fast" shutdown (clean: a shutdown checkpoint).
-                sys::signal(self.pid, libc::SIGINT);
+                // SIGINT to the postmaster (not to runuser, which does not pass it on): "fast"
+                // shutdown, clean, with a shutdown checkpoint.
+                let pm = std::fs::read_to_string(self.datadir.join("postmaster.pid"))
+                    .ok()
+                    .and_then(|t| t.lines().next().and_then(|l| l.trim().parse::<u32>().ok()));
+                sys::signal(pm.unwrap_or(self.pid), libc::SIGINT);
             }
         }
         let end = Instant::now() + Duration::from_secs(300);
