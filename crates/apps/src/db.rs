@@ -171,7 +171,14 @@ pub fn mysql_start(datadir: &Path, socket: &Path, log: &Path, cfg: &ServerConfig
         let _ = child.wait();
         return Err(e);
     }
-    Ok(Server { db: Db::Mysql, child: Some(child), pid, socket: socket.to_path_buf(), log: log.into(), datadir: datadir.into() })
+    Ok(Server {
+        db: Db::Mysql,
+        child: Some(child),
+        pid,
+        socket: socket.to_path_buf(),
+        log: log.into(),
+        datadir: datadir.into(),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -238,7 +245,14 @@ pub fn pg_start(datadir: &Path, socket_dir: &Path, log: &Path, cfg: &ServerConfi
         let _ = child.wait();
         return Err(e);
     }
-    Ok(Server { db: Db::Postgres, child: Some(child), pid, socket: socket_dir.into(), log: log.into(), datadir: datadir.into() })
+    Ok(Server {
+        db: Db::Postgres,
+        child: Some(child),
+        pid,
+        socket: socket_dir.into(),
+        log: log.into(),
+        datadir: datadir.into(),
+    })
 }
 
 impl Server {
