@@ -536,6 +536,7 @@ fn measure(server: &Server, dev: &Device) -> Measure {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn workload_command(
     ctx: &Ctx,
     s: &Settings,

@@ -232,7 +232,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         _ => (t, 1),
     };
     let v: f64 = num.parse().map_err(|_| format!("not a size: {text:?} (examples: 64M, 1.5G)"))?;
-    if !(v > 0.0) {
+    if v.is_nan() || v <= 0.0 {
         return Err(format!("size must be positive: {text:?}"));
     }
     Ok((v * mult as f64) as u64)
