@@ -673,7 +673,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
     };
-    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: work.join("run") };
+    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()? };
     progress(&format!(
         "zdisk db bench {} ({:?}): work dir {}, report {}",
         s.db.name(),
@@ -714,6 +714,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     if !a.keep {
         let _ = std::fs::remove_dir_all(&work);
     }
+    let _ = std::fs::remove_dir_all(&ctx.run_dir);
     result
 }
 

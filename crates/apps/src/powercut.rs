@@ -100,7 +100,7 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
     };
-    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: work.join("run") };
+    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()? };
     let mut result = Result_ {
         schema: "zdisk-db-powercut/1",
         db: a.db,
@@ -130,6 +130,7 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
     } else {
         progress(&format!("work directory kept for inspection: {}", work.display()));
     }
+    let _ = std::fs::remove_dir_all(&ctx.run_dir);
     outcome?;
     println!(
         "powercut {}: {} cycles, {} failed, {} bad pages; result {} (seed {seed})",

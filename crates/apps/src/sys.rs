@@ -410,3 +410,13 @@ pub fn files_with_suffix(dir: &Path, suffixes: &[&str]) -> Vec<PathBuf> {
 pub fn unix_time() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
+
+/// A short run directory for sockets (a Unix socket path may not exceed 107 bytes, and the
+/// work directory can be deep): /tmp/zdb-<pid>-<n>.
+pub fn short_run_dir() -> Result<PathBuf> {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let dir = PathBuf::from(format!("/tmp/zdb-{}-{}", std::process::id(), nanos % 1_000_000));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
