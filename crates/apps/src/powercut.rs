@@ -320,6 +320,11 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
                 format!(", recovery errors: {:?}", cy.recovery_errors)
             }
         ));
+        if !cy.passed {
+            for d in &cy.details {
+                progress(&format!("  cycle {n}: {d}"));
+            }
+        }
         result.cycles.push(cy);
     }
     Ok(())

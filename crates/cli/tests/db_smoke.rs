@@ -200,20 +200,29 @@ fn nbdfuse_loop_delivers_direct_page_writes_as_one_request() {
                     .args(["count=1", "oflag=direct", "iflag=fullblock", "status=none"])
                     .arg(format!("seek={seek}")),
             );
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            let text = String::from_utf8_lossy(&std::fs::read(&log).unwrap()).into_owned();
-            let writes: Vec<(u64, u64)> = text
-                .lines()
-                .filter(|l| l.contains(" Write ") && l.contains("offset="))
-                .map(|l| {
-                    let hex = |key: &str| {
-                        let v = l.split(key).nth(1).unwrap().split_whitespace().next().unwrap();
-                        u64::from_str_radix(v.trim_start_matches("0x"), 16).unwrap()
-                    };
-                    (hex("offset="), hex("count="))
-                })
-                .collect();
             let want = (seek * kib * 1024, kib * 1024);
+            // The log filter appends after the request completes: poll until the write shows.
+            let parse = |text: &str| -> Vec<(u64, u64)> {
+                text.lines()
+                    .filter(|l| l.contains(" Write ") && l.contains("offset=") && l.contains("count="))
+                    .filter_map(|l| {
+                        let hex = |key: &str| {
+                            let v = l.split(key).nth(1)?.split_whitespace().next()?;
+                            u64::from_str_radix(v.trim_start_matches("0x"), 16).ok()
+                        };
+                        Some((hex("offset=")?, hex("count=")?))
+                    })
+                    .collect()
+            };
+            let t0 = Instant::now();
+            let mut writes = Vec::new();
+            while t0.elapsed().as_secs() < 10 {
+                writes = parse(&String::from_utf8_lossy(&std::fs::read(&log).unwrap()));
+                if writes.iter().map(|w| w.1).sum::<u64>() >= want.1 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             if writes != vec![want] {
                 failures.push(format!(
                     "loop direct-io={dio}, {kib} KiB O_DIRECT write: NBD writes {writes:?}, wanted [{want:?}]"
