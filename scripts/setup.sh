@@ -13,8 +13,12 @@ packages=(
   fuse3                             # fusermount3 (nbdfuse)
   util-linux mount                  # losetup, mount
   tar coreutils procps
+  mariadb-server mariadb-client     # zdisk db: MariaDB, innochecksum (docs/apps.md)
+  sysbench                          # zdisk db: the OLTP load
+  postgresql                        # zdisk db: PostgreSQL, pgbench, pg_amcheck, pg_checksums
 )
-tools=(cc pkg-config nbdkit nbdinfo nbdcopy nbdfuse fio qemu-img qemu-nbd mkfs.ext4 e2fsck fusermount3 losetup mount tar sha256sum)
+tools=(cc pkg-config nbdkit nbdinfo nbdcopy nbdfuse fio qemu-img qemu-nbd mkfs.ext4 e2fsck fusermount3 losetup mount tar sha256sum
+       mariadbd innochecksum sysbench pgbench)
 
 missing=()
 for tool in "${tools[@]}"; do

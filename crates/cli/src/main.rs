@@ -72,6 +72,8 @@ enum Cmd {
     Bench(zdisk_bench::BenchArgs),
     /// Total-cost-of-ownership model for compressed storage.
     Tco(zdisk_tco::TcoArgs),
+    /// Real databases on zdisk: MariaDB/PostgreSQL benchmarks and power-cut tests (docs/apps.md).
+    Db(zdisk_apps::DbArgs),
 }
 
 fn main() {
@@ -102,6 +104,7 @@ fn main() {
         Cmd::Demo(args) => demo::run(args).map(|()| 0),
         Cmd::Bench(args) => zdisk_bench::run(args).map(|()| 0),
         Cmd::Tco(args) => zdisk_tco::run(args).map(|()| 0),
+        Cmd::Db(args) => zdisk_apps::run(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -1,0 +1,864 @@
+//! `zdisk db bench`: the whitepaper's method (seeds/003) on this machine — the same database
+//! and load on zdisk (doublewrite on and off) and on the same disk raw through the same
+//! transport, raw with the database's own compression, and raw on a loop device directly.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+
+use crate::corpus;
+use crate::db::{self, Db, Load, LoadResult, Server, ServerConfig};
+use crate::stack::{self, Ctx, Device, Mount};
+use crate::sys::{self, progress, CpuTimes, DiskStat};
+use crate::{BenchArgs, Preset};
+
+/// One measured configuration: a storage stack and the torn-page guard setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ConfigKey {
+    /// zdisk (zdisk attach), doublewrite / full_page_writes OFF: what zdisk's atomic writes allow.
+    ZdiskNodw,
+    /// zdisk, doublewrite / full_page_writes ON.
+    ZdiskDw,
+    /// The same disk raw through the same transport (qemu-nbd + nbdfuse + loop), guard ON.
+    RawDw,
+    /// Raw, guard OFF: UNSAFE on a disk without atomic page writes; reference only.
+    RawNodw,
+    /// Raw with InnoDB table compression (ROW_FORMAT=COMPRESSED, zlib), doublewrite ON (MySQL).
+    RawZlib,
+    /// The raw file on a loop device directly (no NBD), guard ON: the transport's cost.
+    LoopDw,
+}
+
+impl ConfigKey {
+    pub fn key(self) -> &'static str {
+        match self {
+            ConfigKey::ZdiskNodw => "zdisk-nodw",
+            ConfigKey::ZdiskDw => "zdisk-dw",
+            ConfigKey::RawDw => "raw-dw",
+            ConfigKey::RawNodw => "raw-nodw",
+            ConfigKey::RawZlib => "raw-zlib",
+            ConfigKey::LoopDw => "loop-dw",
+        }
+    }
+
+    pub fn label(self, db: Db) -> String {
+        let g = match db {
+            Db::Mysql => "doublewrite",
+            Db::Postgres => "full_page_writes",
+        };
+        match self {
+            ConfigKey::ZdiskNodw => format!("zdisk, {g} off"),
+            ConfigKey::ZdiskDw => format!("zdisk, {g} on"),
+            ConfigKey::RawDw => format!("raw (NBD), {g} on"),
+            ConfigKey::RawNodw => format!("raw (NBD), {g} off — UNSAFE"),
+            ConfigKey::RawZlib => "raw (NBD), InnoDB zlib compression".into(),
+            ConfigKey::LoopDw => format!("raw (loop, no NBD), {g} on"),
+        }
+    }
+
+    fn stack(self) -> StackKind {
+        match self {
+            ConfigKey::ZdiskNodw | ConfigKey::ZdiskDw => StackKind::Zdisk,
+            ConfigKey::RawDw | ConfigKey::RawNodw => StackKind::Raw,
+            ConfigKey::RawZlib => StackKind::RawZlib,
+            ConfigKey::LoopDw => StackKind::Loop,
+        }
+    }
+
+    fn guard(self) -> bool {
+        !matches!(self, ConfigKey::ZdiskNodw | ConfigKey::RawNodw)
+    }
+
+    pub fn all() -> Vec<ConfigKey> {
+        vec![
+            ConfigKey::ZdiskNodw,
+            ConfigKey::ZdiskDw,
+            ConfigKey::RawDw,
+            ConfigKey::RawNodw,
+            ConfigKey::RawZlib,
+            ConfigKey::LoopDw,
+        ]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// sysbench oltp_read_write on the modified schema.
+    ReadWrite,
+    /// sysbench oltp_write_only on the modified schema.
+    WriteOnly,
+    /// sysbench oltp_read_only on the modified schema.
+    ReadOnly,
+    /// pgbench's TPC-B-like script (PostgreSQL only).
+    Pgbench,
+}
+
+impl Workload {
+    pub fn key(self) -> &'static str {
+        match self {
+            Workload::ReadWrite => "read_write",
+            Workload::WriteOnly => "write_only",
+            Workload::ReadOnly => "read_only",
+            Workload::Pgbench => "pgbench",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum StackKind {
+    Zdisk,
+    Raw,
+    RawZlib,
+    Loop,
+}
+
+impl StackKind {
+    fn name(self) -> &'static str {
+        match self {
+            StackKind::Zdisk => "zdisk",
+            StackKind::Raw => "raw",
+            StackKind::RawZlib => "raw-zlib",
+            StackKind::Loop => "loop",
+        }
+    }
+}
+
+/// Every setting of the run after presets (recorded in report.json).
+#[derive(Clone, Debug, Serialize)]
+pub struct Settings {
+    pub db: Db,
+    pub preset: Preset,
+    pub configs: Vec<ConfigKey>,
+    pub workloads: Vec<Workload>,
+    pub threads: Vec<u32>,
+    pub time_s: u32,
+    pub warmup_s: u32,
+    pub rounds: u32,
+    pub tables: u32,
+    pub table_size: u64,
+    pub pgbench_scale: u32,
+    pub buffer_pool: u64,
+    pub log_file_size: u64,
+    pub fs_size: u64,
+    pub zdisk_format_args: Vec<String>,
+    pub ratio_codecs: Vec<String>,
+    pub rand_type: String,
+    pub mount_options: String,
+}
+
+fn pick<T>(p: Preset, full: T, quick: T, smoke: T) -> T {
+    match p {
+        Preset::Full => full,
+        Preset::Quick => quick,
+        Preset::Smoke => smoke,
+    }
+}
+
+pub fn settings(a: &BenchArgs) -> Result<Settings> {
+    let p = a.preset();
+    let mut configs = a.configs.clone().unwrap_or_else(|| match p {
+        Preset::Smoke => vec![ConfigKey::ZdiskNodw, ConfigKey::RawDw],
+        _ => ConfigKey::all(),
+    });
+    if a.db == Db::Postgres {
+        if configs.contains(&ConfigKey::RawZlib) && a.configs.is_some() {
+            bail!("raw-zlib is InnoDB's compression; PostgreSQL has no table compression for rows this small");
+        }
+        configs.retain(|c| *c != ConfigKey::RawZlib);
+    }
+    configs.sort();
+    configs.dedup();
+    let workloads = a.workloads.clone().unwrap_or_else(|| match (p, a.db) {
+        (Preset::Smoke, Db::Mysql) => vec![Workload::ReadWrite],
+        (Preset::Smoke, Db::Postgres) => vec![Workload::Pgbench],
+        (_, Db::Mysql) => vec![Workload::ReadWrite, Workload::WriteOnly, Workload::ReadOnly],
+        (_, Db::Postgres) => vec![Workload::ReadWrite, Workload::WriteOnly, Workload::ReadOnly, Workload::Pgbench],
+    });
+    if a.db == Db::Mysql && workloads.contains(&Workload::Pgbench) {
+        bail!("the pgbench workload needs --db postgres");
+    }
+    let s = Settings {
+        db: a.db,
+        preset: p,
+        configs,
+        workloads,
+        threads: a.threads.clone().unwrap_or_else(|| pick(p, vec![1, 4, 16, 64], vec![4, 16], vec![4])),
+        time_s: a.time.unwrap_or(pick(p, 60, 15, 3)),
+        warmup_s: a.warmup.unwrap_or(pick(p, 15, 5, 1)),
+        rounds: a.rounds.unwrap_or(pick(p, 2, 1, 1)),
+        tables: a.tables.unwrap_or(pick(p, 8, 4, 2)),
+        table_size: a.table_size.unwrap_or(pick(p, 500_000, 60_000, 2_000)),
+        pgbench_scale: a.pgbench_scale.unwrap_or(pick(p, 100, 10, 2)),
+        buffer_pool: a.buffer_pool.unwrap_or(pick(p, 256 << 20, 32 << 20, 16 << 20)),
+        log_file_size: a.log_file_size.unwrap_or(pick(p, 512 << 20, 128 << 20, 48 << 20)),
+        fs_size: a.fs_size.unwrap_or(pick(p, 12 << 30, 3 << 30, 1 << 30)),
+        zdisk_format_args: a.zdisk_codec.iter().flat_map(|c| ["--codec".to_string(), c.clone()]).collect(),
+        ratio_codecs: a.ratio_codecs.clone().unwrap_or_else(|| {
+            pick(p, vec!["lz4", "zstd:1", "deflate:6"], vec!["lz4", "zstd:1", "deflate:6"], vec!["zstd:1"])
+                .into_iter()
+                .map(String::from)
+                .collect()
+        }),
+        rand_type: a.rand_type.clone(),
+        mount_options: a.mount_options.clone(),
+    };
+    if s.threads.is_empty() || s.threads.contains(&0) || s.time_s == 0 || s.rounds == 0 {
+        bail!("--threads must list counts >= 1, --time and --rounds must be >= 1");
+    }
+    if s.configs.is_empty() || s.workloads.is_empty() {
+        bail!("nothing to run: --configs and --workloads must not be empty");
+    }
+    Ok(s)
+}
+
+/// CPU seconds of each part during a measured run, and per transaction.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CpuSplit {
+    pub db_s: f64,
+    pub server_s: f64,
+    pub nbdfuse_s: f64,
+    pub client_s: f64,
+    /// Kernel threads (loop workers, kworkers) plus interrupt and softirq time: the kernel's
+    /// share of the transport.
+    pub kernel_s: f64,
+    /// Busy CPU not accounted above: other users of the machine (noise), short-lived threads.
+    pub other_s: f64,
+    pub busy_s: f64,
+    pub wall_s: f64,
+    pub machine: CpuTimes,
+    pub busy_pct: f64,
+    pub iowait_pct: f64,
+    pub idle_pct: f64,
+    /// Milliseconds of CPU per transaction: database, storage server, transport (nbdfuse +
+    /// kernel threads + interrupts), load generator, and their sum (other users excluded).
+    pub db_ms_per_txn: f64,
+    pub server_ms_per_txn: f64,
+    pub transport_ms_per_txn: f64,
+    pub client_ms_per_txn: f64,
+    pub total_ms_per_txn: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Point {
+    pub round: u32,
+    pub config: ConfigKey,
+    pub workload: Workload,
+    pub threads: u32,
+    pub load: LoadResult,
+    pub cpu: CpuSplit,
+    /// The block device the filesystem is on (the loop device).
+    pub device: DiskStat,
+    pub device_util_pct: f64,
+    /// Bytes the storage server (zdisk or qemu-nbd) read and wrote on its backing file.
+    pub server_read_bytes: u64,
+    pub server_write_bytes: u64,
+    pub device_write_kib_per_txn: f64,
+    pub device_read_kib_per_txn: f64,
+    pub server_write_kib_per_txn: f64,
+    /// "cpu", "io" or "mixed": see docs/apps.md.
+    pub bound: String,
+    pub loadavg_before: String,
+    pub loadavg_after: String,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Capacity {
+    pub stack: String,
+    pub phase: String,
+    /// Sum of the database files' sizes (what the database occupies logically).
+    pub db_files_bytes: u64,
+    pub db_files_allocated_bytes: u64,
+    /// Used blocks of the ext4 filesystem.
+    pub fs_used_bytes: u64,
+    /// Bytes the backing file takes on the host disk: the raw image's allocated blocks, or
+    /// zdisk's physical_size (the store file is preallocated; physical_size is what is used).
+    pub backing_used_bytes: u64,
+    pub zdisk: Option<serde_json::Value>,
+    /// zdisk's ratio over what was written after mkfs (the database files, not ext4's zeroed
+    /// inode tables and journal): Δlogical_size / Δphysical_size since the empty filesystem.
+    pub zdisk_data_comp_ratio: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CodecRatio {
+    pub codec: String,
+    /// Over the database files only (Δ since the empty filesystem).
+    pub data_comp_ratio: f64,
+    /// zdisk's own comp_ratio of the whole device (ext4's zeroed metadata included).
+    pub comp_ratio: f64,
+    pub physical_size: u64,
+    pub logical_size: u64,
+    pub db_files_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub schema: &'static str,
+    pub command: String,
+    pub settings: Settings,
+    pub host: serde_json::Value,
+    pub loaded_rows: u64,
+    pub text_lines: usize,
+    pub points: Vec<Point>,
+    pub capacity: Vec<Capacity>,
+    pub codec_ratios: Vec<CodecRatio>,
+    pub offline: Option<corpus::OfflineRatios>,
+    pub loop_dio: Vec<(String, bool)>,
+    pub notes: Vec<String>,
+    pub errors: Vec<String>,
+    pub wall_s: f64,
+}
+
+struct Stack {
+    kind: StackKind,
+    /// zdisk's (logical_size, physical_size) right after mkfs.
+    base: Option<(u64, u64)>,
+    // Field order is drop order: the filesystem goes before its device.
+    mount: Mount,
+    device: Device,
+}
+
+impl Stack {
+    fn datadir(&self, db: Db) -> PathBuf {
+        self.mount.dir.join(match db {
+            Db::Mysql => "mysql",
+            Db::Postgres => "pgdata",
+        })
+    }
+}
+
+fn statvfs_used(dir: &Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap_or_default();
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs writes into `s`; `c` is a valid NUL-terminated path.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut s) } != 0 {
+        return 0;
+    }
+    (s.f_blocks - s.f_bfree) * s.f_frsize
+}
+
+fn make_stack(ctx: &Ctx, s: &Settings, kind: StackKind, name: &str) -> Result<Stack> {
+    let backing = ctx.work.join(format!("{name}.img"));
+    let device = match kind {
+        StackKind::Zdisk => {
+            Device::zdisk_new(ctx, &ctx.work.join(format!("{name}.zdisk")), s.fs_size, s.fs_size, &s.zdisk_format_args)?
+        }
+        StackKind::Raw | StackKind::RawZlib => Device::raw_nbd(ctx, &backing, s.fs_size)?,
+        StackKind::Loop => Device::raw_loop(ctx, &backing, s.fs_size)?,
+    };
+    stack::mkfs_ext4(&device.path)?;
+    let mount = Mount::new(&device.path, &ctx.work.join(format!("mnt-{name}")), &s.mount_options)?;
+    let base = zdisk_sizes(&device)?;
+    Ok(Stack { kind, base, mount, device })
+}
+
+fn server_config(s: &Settings, guard: bool) -> ServerConfig {
+    ServerConfig { buffer_pool: s.buffer_pool, log_file_size: s.log_file_size, torn_page_guard: guard }
+}
+
+fn start_server(ctx: &Ctx, db: Db, datadir: &Path, name: &str, cfg: &ServerConfig) -> Result<Server> {
+    let log = ctx.work.join(format!("{name}.{}.log", db.name()));
+    match db {
+        Db::Mysql => db::mysql_start(datadir, &ctx.run_dir.join(format!("{name}.mysql.sock")), &log, cfg),
+        Db::Postgres => db::pg_start(datadir, &ctx.run_dir.join(format!("pg-{name}")), &log, cfg),
+    }
+}
+
+/// Loads the data set once into a seed directory on the host filesystem; every stack gets a
+/// copy of it, so every target starts from the same pages.
+fn load_seed(ctx: &Ctx, s: &Settings, lua: &Path, text: &Path, zlib: bool) -> Result<PathBuf> {
+    let name = if zlib { "seed-zlib" } else { "seed-plain" };
+    let dir = ctx.work.join(name).join("data");
+    let load_cfg = ServerConfig { buffer_pool: 512 << 20, log_file_size: s.log_file_size, torn_page_guard: false };
+    let t0 = Instant::now();
+    match s.db {
+        Db::Mysql => db::mysql_install(&dir)?,
+        Db::Postgres => {
+            std::fs::create_dir_all(dir.parent().unwrap())?;
+            db::chown_postgres(dir.parent().unwrap())?;
+            db::pg_initdb(&dir)?
+        }
+    }
+    let server = start_server(ctx, s.db, &dir, name, &load_cfg)?;
+    match s.db {
+        Db::Mysql => {
+            server.sql("", "CREATE DATABASE sbtest")?;
+        }
+        Db::Postgres => {
+            server.sql("", "CREATE DATABASE sbtest")?;
+        }
+    }
+    let uses_sysbench = s.workloads.iter().any(|w| *w != Workload::Pgbench);
+    if uses_sysbench {
+        progress(&format!(
+            "loading {} tables x {} rows (modified schema{}) into {name}",
+            s.tables,
+            s.table_size,
+            if zlib { ", ROW_FORMAT=COMPRESSED KEY_BLOCK_SIZE=8" } else { "" }
+        ));
+        let mut c = db::sysbench_command(&server, lua, text, s.tables, s.table_size)?;
+        c.arg("--threads=2");
+        if zlib {
+            c.arg("--table_options=ROW_FORMAT=COMPRESSED KEY_BLOCK_SIZE=8");
+        }
+        c.arg("prepare");
+        let load = Load::spawn(c, &ctx.work.join(format!("{name}.prepare.out")), "sysbench prepare")?;
+        wait_plain(load, Duration::from_secs(6 * 3600))?;
+    }
+    if s.workloads.contains(&Workload::Pgbench) {
+        progress(&format!("pgbench -i -s {} into {name}", s.pgbench_scale));
+        let mut c = sys::cmd("pgbench")?;
+        c.arg("-h")
+            .arg(&server.socket)
+            .args(["-U", "postgres", "-i", "-q", "-s"])
+            .arg(s.pgbench_scale.to_string())
+            .arg("sbtest");
+        sys::run(&mut c).context("pgbench -i")?;
+    }
+    server.stop()?;
+    progress(&format!("loaded {name} in {:.0} s", t0.elapsed().as_secs_f64()));
+    Ok(dir)
+}
+
+/// Waits for a load process that prints no summary (sysbench prepare).
+fn wait_plain(mut load: Load, timeout: Duration) -> Result<()> {
+    let end = Instant::now() + timeout;
+    while load.running() {
+        sys::check_interrupt()?;
+        if Instant::now() > end {
+            bail!("loading did not finish within {} s", timeout.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // finish() reports a failed exit status; its parse error (no summary) is expected here.
+    match load.finish(Duration::from_secs(1)) {
+        Err(e) if format!("{e:#}").contains("failed (") => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// zdisk's (logical_size, physical_size) once the live statistics are fresh (synced first).
+fn zdisk_sizes(dev: &Device) -> Result<Option<(u64, u64)>> {
+    if dev.transport != stack::Transport::Zdisk {
+        return Ok(None);
+    }
+    sys::run(&mut sys::cmd("sync")?)?;
+    // The server rewrites its live statistics every second.
+    sys::sleep(Duration::from_millis(2500))?;
+    Ok(dev.zdisk_stat().map(|z| (z["logical_size"].as_u64().unwrap_or(0), z["physical_size"].as_u64().unwrap_or(0))))
+}
+
+fn delta_ratio(base: Option<(u64, u64)>, now: Option<(u64, u64)>) -> Option<f64> {
+    let ((l0, p0), (l1, p1)) = (base?, now?);
+    (p1 > p0).then(|| l1.saturating_sub(l0) as f64 / (p1 - p0) as f64)
+}
+
+fn capacity(stack: &Stack, db: Db, phase: &str) -> Capacity {
+    let (files, allocated) = sys::tree_sizes(&stack.datadir(db));
+    let now = zdisk_sizes(&stack.device).ok().flatten();
+    let zdisk = stack.device.zdisk_stat();
+    let backing_used = match &zdisk {
+        Some(z) => z["physical_size"].as_u64().unwrap_or(0),
+        None => sys::allocated_bytes(&stack.device.backing),
+    };
+    Capacity {
+        stack: stack.kind.name().into(),
+        phase: phase.into(),
+        db_files_bytes: files,
+        db_files_allocated_bytes: allocated,
+        fs_used_bytes: statvfs_used(&stack.mount.dir),
+        backing_used_bytes: backing_used,
+        zdisk,
+        zdisk_data_comp_ratio: delta_ratio(stack.base, now),
+    }
+}
+
+fn host_info() -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':').map(|x| x.1.trim().to_string()))
+        .unwrap_or_default();
+    let version = |c: &str, a: &str| {
+        sys::cmd(c)
+            .ok()
+            .and_then(|mut c| c.arg(a).output().ok())
+            .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+            .unwrap_or_default()
+    };
+    serde_json::json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        "cpu_model": cpu,
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "mem_total": std::fs::read_to_string("/proc/meminfo").unwrap_or_default().lines().next().unwrap_or("").to_string(),
+        "loadavg_start": sys::loadavg(),
+        "mariadbd": version("mariadbd", "--version"),
+        "postgres": version("postgres", "--version"),
+        "sysbench": version("sysbench", "--version"),
+        "nbdkit": version("nbdkit", "--version"),
+        "qemu_nbd": version("qemu-nbd", "--version"),
+    })
+}
+
+struct Measure {
+    cpu: CpuTimes,
+    db: f64,
+    server: f64,
+    fuse: f64,
+    client: f64,
+    kernel: f64,
+    disk: DiskStat,
+    io: (u64, u64),
+    t: Instant,
+    load: String,
+}
+
+fn measure(server: &Server, dev: &Device) -> Measure {
+    Measure {
+        cpu: CpuTimes::now(),
+        db: sys::tree_cpu_s(server.pid),
+        server: dev.server_pid().map(sys::tree_cpu_s).unwrap_or(0.0),
+        fuse: dev.nbdfuse_pid().and_then(sys::process_cpu_s).unwrap_or(0.0),
+        client: sys::children_cpu_s(),
+        kernel: sys::kernel_threads_cpu_s(),
+        disk: DiskStat::of(&dev.path),
+        io: dev.server_pid().map(sys::tree_io_bytes).unwrap_or((0, 0)),
+        t: Instant::now(),
+        load: sys::loadavg(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn workload_command(
+    ctx: &Ctx,
+    s: &Settings,
+    server: &Server,
+    w: Workload,
+    threads: u32,
+    secs: u32,
+    lua: &Path,
+    text: &Path,
+    tag: &str,
+) -> Result<(std::process::Command, PathBuf)> {
+    let out = ctx.work.join("out").join(format!("{tag}.out"));
+    if w == Workload::Pgbench {
+        let mut c = sys::cmd("pgbench")?;
+        let jobs = threads.min(2);
+        c.arg("-h")
+            .arg(&server.socket)
+            .args(["-U", "postgres", "-n", "-P", "1", "-M", "prepared"])
+            .arg(format!("-c{threads}"))
+            .arg(format!("-j{jobs}"))
+            .arg(format!("-T{secs}"))
+            .arg("--log")
+            .arg(format!("--log-prefix={}", ctx.work.join("out").join(format!("{tag}.pgbench")).display()))
+            .arg("sbtest");
+        return Ok((c, out));
+    }
+    let mut c = db::sysbench_command(server, lua, text, s.tables, s.table_size)?;
+    c.arg(format!("--workload={}", w.key()))
+        .arg(format!("--threads={threads}"))
+        .arg(format!("--time={secs}"))
+        .arg(format!("--rand-type={}", s.rand_type))
+        .args(["--report-interval=1", "--percentile=95", "run"]);
+    Ok((c, out))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_point(
+    ctx: &Ctx,
+    s: &Settings,
+    server: &Server,
+    dev: &Device,
+    key: ConfigKey,
+    w: Workload,
+    threads: u32,
+    round: u32,
+    lua: &Path,
+    text: &Path,
+) -> Result<Point> {
+    let tag = format!("r{round}-{}-{}-t{threads}", key.key(), w.key());
+    if s.warmup_s > 0 {
+        let (c, out) = workload_command(ctx, s, server, w, threads, s.warmup_s, lua, text, &format!("{tag}-warmup"))?;
+        let kind = if w == Workload::Pgbench { "pgbench" } else { "sysbench" };
+        Load::spawn(c, &out, kind)?.finish(Duration::from_secs(u64::from(s.warmup_s) + 300))?;
+    }
+    let (c, out) = workload_command(ctx, s, server, w, threads, s.time_s, lua, text, &tag)?;
+    let kind = if w == Workload::Pgbench { "pgbench" } else { "sysbench" };
+    let before = measure(server, dev);
+    let mut load = Load::spawn(c, &out, kind)?.finish(Duration::from_secs(u64::from(s.time_s) + 600))?;
+    let after = measure(server, dev);
+    if w == Workload::Pgbench {
+        load.p95_ms = db::pgbench_p95_ms(&ctx.work.join("out").join(format!("{tag}.pgbench"))).unwrap_or(0.0);
+    }
+    let wall = after.t.duration_since(before.t).as_secs_f64();
+    let machine = after.cpu.minus(&before.cpu);
+    let txn = (load.transactions.max(1)) as f64;
+    let mut cpu = CpuSplit {
+        db_s: after.db - before.db,
+        server_s: after.server - before.server,
+        nbdfuse_s: after.fuse - before.fuse,
+        client_s: after.client - before.client,
+        busy_s: machine.busy(),
+        wall_s: wall,
+        busy_pct: 100.0 * machine.busy() / machine.total().max(1e-9),
+        iowait_pct: 100.0 * machine.iowait / machine.total().max(1e-9),
+        idle_pct: 100.0 * machine.idle / machine.total().max(1e-9),
+        machine,
+        ..Default::default()
+    };
+    cpu.kernel_s = (after.kernel - before.kernel).max(0.0) + machine.irq;
+    cpu.other_s = (cpu.busy_s - cpu.db_s - cpu.server_s - cpu.nbdfuse_s - cpu.client_s - cpu.kernel_s).max(0.0);
+    let ms = |x: f64| 1000.0 * x / txn;
+    cpu.db_ms_per_txn = ms(cpu.db_s);
+    cpu.server_ms_per_txn = ms(cpu.server_s);
+    cpu.transport_ms_per_txn = ms(cpu.nbdfuse_s + cpu.kernel_s);
+    cpu.client_ms_per_txn = ms(cpu.client_s);
+    cpu.total_ms_per_txn = ms(cpu.db_s + cpu.server_s + cpu.nbdfuse_s + cpu.kernel_s + cpu.client_s);
+    let disk = after.disk.minus(&before.disk);
+    let util = 100.0 * disk.io_ticks_ms as f64 / (wall * 1000.0).max(1.0);
+    let bound = if cpu.busy_pct >= 90.0 {
+        "cpu"
+    } else if cpu.iowait_pct >= 15.0 || util >= 90.0 {
+        "io"
+    } else {
+        "mixed"
+    };
+    let kib = |b: u64| b as f64 / 1024.0 / txn;
+    Ok(Point {
+        round,
+        config: key,
+        workload: w,
+        threads,
+        device_write_kib_per_txn: kib(disk.write_bytes),
+        device_read_kib_per_txn: kib(disk.read_bytes),
+        server_write_kib_per_txn: kib(after.io.1.saturating_sub(before.io.1)),
+        server_read_bytes: after.io.0.saturating_sub(before.io.0),
+        server_write_bytes: after.io.1.saturating_sub(before.io.1),
+        load,
+        cpu,
+        device: disk,
+        device_util_pct: util,
+        bound: bound.into(),
+        loadavg_before: before.load,
+        loadavg_after: after.load,
+        error: None,
+    })
+}
+
+pub fn run(a: &BenchArgs) -> Result<()> {
+    let s = settings(a)?;
+    sys::require_tools(&format!("zdisk db bench {}", s.db.name()), &s.db.tools())?;
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("zdisk db bench needs root (mkfs, mount, losetup)");
+    }
+    let started = Instant::now();
+    let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let work = base.join(format!("zdisk-db-{}-{}", s.db.name(), sys::unix_time()));
+    let out_dir =
+        a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-db-{}-{}", s.db.name(), sys::unix_time())));
+    std::fs::create_dir_all(work.join("out"))?;
+    std::fs::create_dir_all(work.join("run"))?;
+    std::fs::create_dir_all(&out_dir)?;
+    sys::set_log_file(&out_dir.join("bench.log"))?;
+    let zdisk_bin = match &a.zdisk_bin {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?,
+    };
+    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()? };
+    progress(&format!(
+        "zdisk db bench {} ({:?}): work dir {}, report {}",
+        s.db.name(),
+        s.preset,
+        work.display(),
+        out_dir.display()
+    ));
+    let estimate = s.configs.len() as u64
+        * s.workloads.len() as u64
+        * s.threads.len() as u64
+        * u64::from(s.rounds)
+        * u64::from(s.time_s + s.warmup_s + 4);
+    progress(&format!("measured points take about {} min, plus loading and copying", estimate.div_ceil(60)));
+    let mut report = Report {
+        schema: "zdisk-db-bench/1",
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        settings: s.clone(),
+        host: host_info(),
+        loaded_rows: u64::from(s.tables) * s.table_size,
+        text_lines: 0,
+        points: Vec::new(),
+        capacity: Vec::new(),
+        codec_ratios: Vec::new(),
+        offline: None,
+        loop_dio: Vec::new(),
+        notes: Vec::new(),
+        errors: Vec::new(),
+        wall_s: 0.0,
+    };
+    let result = run_inner(&ctx, &s, &mut report);
+    if let Err(e) = &result {
+        report.errors.push(format!("{e:#}"));
+    }
+    report.wall_s = started.elapsed().as_secs_f64();
+    report.host["loadavg_end"] = serde_json::Value::String(sys::loadavg());
+    crate::report::write(&out_dir, &report)?;
+    progress(&format!("report: {}/summary.md, report.html, report.json", out_dir.display()));
+    if !a.keep {
+        let _ = std::fs::remove_dir_all(&work);
+    }
+    let _ = std::fs::remove_dir_all(&ctx.run_dir);
+    result
+}
+
+fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
+    let text = ctx.work.join("text.txt");
+    report.text_lines = corpus::write_text_lines(&text)?;
+    let lua = ctx.work.join("zdisk_oltp.lua");
+    std::fs::write(&lua, db::LUA)?;
+    progress(&format!("text corpus: {} lines", report.text_lines));
+
+    let need_zlib = s.configs.contains(&ConfigKey::RawZlib);
+    let need_plain = s.configs.iter().any(|c| *c != ConfigKey::RawZlib);
+    let seed_plain = if need_plain { Some(load_seed(ctx, s, &lua, &text, false)?) } else { None };
+    let seed_zlib = if need_zlib { Some(load_seed(ctx, s, &lua, &text, true)?) } else { None };
+
+    // One stack per storage kind, all attached for the whole run; one database at a time.
+    let mut stacks: Vec<Stack> = Vec::new();
+    for key in &s.configs {
+        let kind = key.stack();
+        if stacks.iter().any(|st| st.kind == kind) {
+            continue;
+        }
+        progress(&format!("stack {}: device, ext4, copy of the loaded data", kind.name()));
+        let st = make_stack(ctx, s, kind, kind.name())?;
+        let seed = if kind == StackKind::RawZlib { seed_zlib.as_ref() } else { seed_plain.as_ref() };
+        let datadir = st.datadir(s.db);
+        stack::copy_tree(seed.context("seed")?, &datadir)?;
+        if s.db == Db::Postgres {
+            db::chown_postgres(&st.mount.dir)?;
+        }
+        report.loop_dio.push((kind.name().into(), st.device.dio));
+        if !st.device.dio {
+            report.notes.push(format!("stack {}: the loop device does NOT use direct I/O", kind.name()));
+        }
+        report.capacity.push(capacity(&st, s.db, "loaded"));
+        stacks.push(st);
+    }
+
+    let mut order = s.configs.clone();
+    let mut turn = 0usize;
+    for round in 1..=s.rounds {
+        for &w in &s.workloads {
+            // Rotate the starting configuration each workload and round, so slow drift of the
+            // machine does not always fall on the same target.
+            let n = order.len().max(1);
+            order.rotate_left(turn % n);
+            turn += 1;
+            for &key in &order {
+                sys::check_interrupt()?;
+                let st = stacks.iter().find(|st| st.kind == key.stack()).context("stack")?;
+                let cfg = server_config(s, key.guard());
+                let server = start_server(ctx, s.db, &st.datadir(s.db), key.key(), &cfg)?;
+                for &threads in &s.threads {
+                    progress(&format!(
+                        "round {round}/{}: {} on {} ({}), {threads} threads, load {}",
+                        s.rounds,
+                        w.key(),
+                        key.key(),
+                        key.label(s.db),
+                        sys::loadavg()
+                    ));
+                    match run_point(ctx, s, &server, &st.device, key, w, threads, round, &lua, &text) {
+                        Ok(p) => {
+                            progress(&format!(
+                                "  {:.1} tps, p95 {:.1} ms, CPU {:.2} ms/txn (db {:.2}, server {:.2}, transport {:.2}), busy {:.0}% iowait {:.0}% -> {}",
+                                p.load.tps,
+                                p.load.p95_ms,
+                                p.cpu.total_ms_per_txn,
+                                p.cpu.db_ms_per_txn,
+                                p.cpu.server_ms_per_txn,
+                                p.cpu.transport_ms_per_txn,
+                                p.cpu.busy_pct,
+                                p.cpu.iowait_pct,
+                                p.bound
+                            ));
+                            report.points.push(p);
+                        }
+                        Err(e) => {
+                            sys::check_interrupt()?;
+                            progress(&format!("  failed: {e:#}"));
+                            report.errors.push(format!("{} {} {threads}: {e:#}", key.key(), w.key()));
+                        }
+                    }
+                }
+                server.stop()?;
+            }
+        }
+    }
+
+    for st in &stacks {
+        report.capacity.push(capacity(st, s.db, "end"));
+    }
+    // Offline codecs over the raw stack's final database files, 4 KiB at a time.
+    if let Some(st) = stacks.iter().find(|st| st.kind == StackKind::Raw || st.kind == StackKind::Zdisk) {
+        let files = sys::files_with_suffix(&st.datadir(s.db), &[".ibd", "ibdata1", ""]);
+        let files: Vec<PathBuf> = files.into_iter().filter(|p| is_table_file(s.db, p)).collect();
+        progress(&format!("offline LZ4/zstd/DEFLATE over {} database files ({} stack)", files.len(), st.kind.name()));
+        report.offline = Some(corpus::offline_ratios(&files)?);
+        // zdisk formatted with each codec, holding the same final database files.
+        for codec in &s.ratio_codecs {
+            sys::check_interrupt()?;
+            progress(&format!("comp_ratio with --codec {codec}: copy of the final database files"));
+            let name = format!("ratio-{}", codec.replace(':', "-"));
+            let store = ctx.work.join(format!("{name}.zdisk"));
+            let dev = Device::zdisk_new(ctx, &store, s.fs_size, s.fs_size, &["--codec".to_string(), codec.clone()])?;
+            stack::mkfs_ext4(&dev.path)?;
+            let m = Mount::new(&dev.path, &ctx.work.join(format!("mnt-{name}")), &s.mount_options)?;
+            let base = zdisk_sizes(&dev)?;
+            stack::copy_tree(&st.datadir(s.db), &m.dir.join("data"))?;
+            let (files_bytes, _) = sys::tree_sizes(&m.dir.join("data"));
+            let now = zdisk_sizes(&dev)?;
+            let z = dev.zdisk_stat().unwrap_or_default();
+            report.codec_ratios.push(CodecRatio {
+                codec: codec.clone(),
+                data_comp_ratio: delta_ratio(base, now).unwrap_or(0.0),
+                comp_ratio: z["comp_ratio"].as_f64().unwrap_or(0.0),
+                physical_size: z["physical_size"].as_u64().unwrap_or(0),
+                logical_size: z["logical_size"].as_u64().unwrap_or(0),
+                db_files_bytes: files_bytes,
+            });
+            m.unmount()?;
+            dev.detach()?;
+            let _ = std::fs::remove_file(&store);
+        }
+    }
+    for st in stacks.drain(..).rev() {
+        let Stack { mount, device, .. } = st;
+        mount.unmount()?;
+        device.detach()?;
+    }
+    Ok(())
+}
+
+/// The files that hold table data: InnoDB tablespaces and system tablespace; PostgreSQL's
+/// relation files under base/.
+fn is_table_file(db: Db, p: &Path) -> bool {
+    let s = p.to_string_lossy();
+    match db {
+        Db::Mysql => s.ends_with(".ibd") || s.ends_with("ibdata1"),
+        Db::Postgres => {
+            s.contains("/base/")
+                && p.file_name()
+                    .map(|n| n.to_string_lossy().chars().all(|c| c.is_ascii_digit() || c == '.'))
+                    .unwrap_or(false)
+        }
+    }
+}

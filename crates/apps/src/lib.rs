@@ -1,0 +1,285 @@
+//! `zdisk db`: real databases on zdisk — the Percona whitepaper's method (seeds/003) as a tool,
+//! and the power-cut test that makes doublewrite-off (full_page_writes off) safe to advise.
+//!
+//! - `zdisk db tools [mysql|postgres]` — what is installed, what is missing (with packages);
+//! - `zdisk db bench mysql|postgres` — MariaDB + sysbench (and PostgreSQL + pgbench) on zdisk
+//!   attached as a block device vs the same disk raw through the same transport, raw with
+//!   InnoDB compression, and raw on a plain loop device; Markdown, HTML and JSON report;
+//! - `zdisk db powercut mysql|postgres` — SIGKILL of zdisk's server and the database together
+//!   during a write-heavy load, recovery, and a check of every page.
+//!
+//! See docs/apps.md.
+
+mod bench;
+mod corpus;
+mod db;
+mod powercut;
+mod report;
+mod stack;
+mod sys;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use serde::Serialize;
+
+pub use bench::{ConfigKey, Workload};
+pub use db::Db;
+
+#[derive(Debug, clap::Args)]
+pub struct DbArgs {
+    #[command(subcommand)]
+    pub command: DbCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum DbCommand {
+    /// List the tools each database run needs, and the Debian package of each missing one.
+    Tools(ToolsArgs),
+    /// Benchmark a real database on zdisk against the raw disk (the whitepaper's method).
+    #[command(after_help = "Presets: --smoke (CI, under a minute: tiny data, 2 targets, one point), \
+--quick (minutes: ~250 MB of data vs a 32 MB buffer pool, every target, 4 and 16 threads, 15 s points), \
+default (hours: ~2.5 GB vs 256 MB, threads 1,4,16,64, 60 s points, 2 rounds). \
+Targets (--configs): zdisk-nodw, zdisk-dw, raw-dw, raw-nodw (UNSAFE, reference), raw-zlib (MySQL), loop-dw. \
+For PostgreSQL 'dw' means full_page_writes. Needs root. See docs/apps.md.")]
+    Bench(BenchArgs),
+    /// Power-cut test: kill zdisk's server and the database together under load, recover, check
+    /// every page.
+    Powercut(PowercutArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ToolsArgs {
+    /// Only this database's tools (default: both).
+    #[arg(value_enum)]
+    pub db: Option<Db>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    Full,
+    Quick,
+    Smoke,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// The database: mysql (MariaDB + sysbench) or postgres (PostgreSQL + pgbench + sysbench).
+    #[arg(value_enum)]
+    pub db: Db,
+
+    /// Minutes on a 2-core box: a data set ~8x the buffer pool, every target, 4 and 16 threads.
+    #[arg(long, conflicts_with = "smoke")]
+    pub quick: bool,
+
+    /// CI: a tiny data set, zdisk-nodw vs raw-dw, one short point. Checks the tool, not speed.
+    #[arg(long)]
+    pub smoke: bool,
+
+    /// Directory for the stores, images and mounts (must allow O_DIRECT). Default $TMPDIR.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+
+    /// Report directory. Default ./zdisk-db-<db>-<unix time>.
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+
+    /// Targets, comma-separated (see below). Default: all.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+    pub configs: Option<Vec<ConfigKey>>,
+
+    /// Workloads, comma-separated: read-write, write-only, read-only, pgbench (PostgreSQL).
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+    pub workloads: Option<Vec<Workload>>,
+
+    /// Client thread counts, comma-separated. Default 1,4,16,64 (quick 4,16; smoke 4).
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub threads: Option<Vec<u32>>,
+
+    /// Measured seconds per point. Default 60 (quick 15, smoke 3).
+    #[arg(long, value_name = "SECONDS")]
+    pub time: Option<u32>,
+
+    /// Warm-up seconds before each point, discarded. Default 15 (quick 5, smoke 1).
+    #[arg(long, value_name = "SECONDS")]
+    pub warmup: Option<u32>,
+
+    /// Rounds over every target; the target order rotates between workloads and rounds.
+    /// Default 2 (quick and smoke 1).
+    #[arg(long, value_name = "N")]
+    pub rounds: Option<u32>,
+
+    /// sysbench tables. Default 8 (quick 4, smoke 2).
+    #[arg(long, value_name = "N")]
+    pub tables: Option<u32>,
+
+    /// Rows per sysbench table (~600 bytes each with the text columns). Default 500000
+    /// (quick 60000, smoke 2000).
+    #[arg(long, value_name = "ROWS")]
+    pub table_size: Option<u64>,
+
+    /// pgbench scale factor (PostgreSQL). Default 100 (quick 10, smoke 2).
+    #[arg(long, value_name = "N")]
+    pub pgbench_scale: Option<u32>,
+
+    /// InnoDB buffer pool / PostgreSQL shared_buffers. Default 256M (quick 32M, smoke 16M).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub buffer_pool: Option<u64>,
+
+    /// InnoDB redo log size / PostgreSQL max_wal_size. Default 512M (quick 128M, smoke 48M).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub log_file_size: Option<u64>,
+
+    /// Size of each target's filesystem (zdisk logical = physical = raw image size).
+    /// Default 12G (quick 3G, smoke 1G).
+    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    pub fs_size: Option<u64>,
+
+    /// Codec of the benchmarked zdisk store (zdisk format --codec). Default: zdisk's default.
+    #[arg(long, value_name = "CODEC")]
+    pub zdisk_codec: Option<String>,
+
+    /// Codecs whose comp_ratio is measured on the final database files (a fresh store each).
+    /// Default lz4,zstd:1,deflate:6 (smoke zstd:1).
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    pub ratio_codecs: Option<Vec<String>>,
+
+    /// sysbench --rand-type (uniform spreads reads over the whole data set).
+    #[arg(long, default_value = "uniform", value_name = "TYPE")]
+    pub rand_type: String,
+
+    /// ext4 mount options.
+    #[arg(long, default_value = "noatime", value_name = "OPTS")]
+    pub mount_options: String,
+
+    /// Keep the work directory (stores, images, logs, sysbench output) afterwards.
+    #[arg(long)]
+    pub keep: bool,
+
+    /// The zdisk binary (default: this executable).
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub zdisk_bin: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    pub fn preset(&self) -> Preset {
+        if self.smoke {
+            Preset::Smoke
+        } else if self.quick {
+            Preset::Quick
+        } else {
+            Preset::Full
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct PowercutArgs {
+    /// The database: mysql (doublewrite off; innochecksum + CHECK TABLE) or postgres
+    /// (full_page_writes off, data checksums; pg_checksums + pg_amcheck).
+    #[arg(value_enum)]
+    pub db: Db,
+
+    /// Power cuts to run. Default 20 (smoke 2).
+    #[arg(long, value_name = "N")]
+    pub cycles: Option<u32>,
+
+    /// Seed of the cut moments (printed; rerun a failure with it). Default: from the clock.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+
+    /// Shortest and longest load before a cut, seconds. Default 3,20 (smoke 1,3).
+    #[arg(long, value_delimiter = ',', num_args = 2, value_name = "MIN,MAX")]
+    pub cut_after: Option<Vec<f64>>,
+
+    /// Load threads. Default 16.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub threads: u32,
+
+    /// Tiny data, 2 cycles: CI.
+    #[arg(long)]
+    pub smoke: bool,
+
+    /// Directory for the store and mount (default $TMPDIR).
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
+
+    /// Where the JSON result goes (default ./zdisk-powercut-<db>-<unix time>.json).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+
+    /// Codec of the store (zdisk format --codec). Default: zdisk's default.
+    #[arg(long, value_name = "CODEC")]
+    pub zdisk_codec: Option<String>,
+
+    /// Keep the work directory afterwards.
+    #[arg(long)]
+    pub keep: bool,
+
+    /// The zdisk binary (default: this executable).
+    #[arg(long, hide = true, value_name = "PATH")]
+    pub zdisk_bin: Option<PathBuf>,
+}
+
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    let v: f64 = num.parse().map_err(|_| format!("not a size: {text:?} (examples: 64M, 1.5G)"))?;
+    if v.is_nan() || v <= 0.0 {
+        return Err(format!("size must be positive: {text:?}"));
+    }
+    Ok((v * mult as f64) as u64)
+}
+
+pub fn run(args: &DbArgs) -> Result<()> {
+    sys::install_signal_handlers()?;
+    match &args.command {
+        DbCommand::Tools(t) => tools(t),
+        DbCommand::Bench(b) => bench::run(b),
+        DbCommand::Powercut(p) => powercut::run(p),
+    }
+}
+
+fn tools(args: &ToolsArgs) -> Result<()> {
+    let dbs = match args.db {
+        Some(d) => vec![d],
+        None => vec![Db::Mysql, Db::Postgres],
+    };
+    let mut missing_any = false;
+    for d in dbs {
+        println!("{}:", d.name());
+        for t in d.tools() {
+            match sys::find_tool(t.name) {
+                Some(p) => println!("  ok       {:<20} {}", t.name, p.display()),
+                None => {
+                    missing_any = true;
+                    println!("  MISSING  {:<20} apt-get install {}", t.name, t.package)
+                }
+            }
+        }
+    }
+    if missing_any {
+        anyhow::bail!("some tools are missing (see above)");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("64M"), Ok(64 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert!(parse_size("x").is_err());
+        assert!(parse_size("0").is_err());
+    }
+}

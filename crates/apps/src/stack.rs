@@ -1,0 +1,416 @@
+//! The storage stacks a database runs on: a block device (zdisk attached with `zdisk attach
+//! --fuse`; a raw file behind qemu-nbd + nbdfuse + loop, the same transport; a raw file on a
+//! loop device directly) with ext4 on it. Every piece is torn down when dropped, in reverse
+//! order, also on errors and Ctrl-C.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+use crate::sys::{self, progress, run};
+
+/// Where the stacks live and which zdisk binary formats and attaches stores.
+#[derive(Clone, Debug)]
+pub struct Ctx {
+    pub work: PathBuf,
+    pub zdisk_bin: PathBuf,
+    pub run_dir: PathBuf,
+}
+
+impl Ctx {
+    pub fn zdisk(&self) -> Command {
+        let mut c = Command::new(&self.zdisk_bin);
+        c.env("ZDISK_RUN_DIR", &self.run_dir);
+        c
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// `zdisk attach --fuse`: zdisk serve (nbdkit + plugin), nbdfuse, loop (direct I/O).
+    Zdisk,
+    /// A raw file behind `qemu-nbd --cache=none --aio=native`, then nbdfuse + loop exactly as
+    /// attach does it.
+    RawNbd,
+    /// A raw file on a loop device (direct I/O), no NBD.
+    RawLoop,
+}
+
+#[derive(Debug, Deserialize)]
+struct AttachState {
+    uuid: String,
+    started_serve_pid: Option<u32>,
+    nbdfuse_pid: Option<u32>,
+    fuse_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ServeState {
+    nbdkit_pid: u32,
+}
+
+/// An attached block device. Dropping it detaches it (and stops the servers it started).
+pub struct Device {
+    ctx: Ctx,
+    pub transport: Transport,
+    pub path: PathBuf,
+    /// The zdisk store file or the raw image file.
+    pub backing: PathBuf,
+    pub dio: bool,
+    qemu: Option<Child>,
+    fuse_dir: Option<PathBuf>,
+    nbdfuse_pid: Option<u32>,
+    serve_pid: Option<u32>,
+    nbdkit_pid: Option<u32>,
+    attached: bool,
+}
+
+impl Device {
+    /// Formats a fresh zdisk store and attaches it.
+    pub fn zdisk_new(ctx: &Ctx, store: &Path, physical: u64, logical: u64, format_args: &[String]) -> Result<Device> {
+        let mut c = ctx.zdisk();
+        c.arg("format")
+            .arg(store)
+            .arg("--physical-size")
+            .arg(physical.to_string())
+            .arg("--logical-size")
+            .arg(logical.to_string())
+            .arg("--force")
+            .args(format_args);
+        run(&mut c).context("zdisk format")?;
+        Device::zdisk_attach(ctx, store)
+    }
+
+    /// `zdisk attach --fuse STORE` (starts the server, recovering the store after a crash).
+    pub fn zdisk_attach(ctx: &Ctx, store: &Path) -> Result<Device> {
+        let out = run(ctx.zdisk().arg("attach").arg("--fuse").arg(store)).context("zdisk attach")?;
+        let path = PathBuf::from(out.trim());
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let state: AttachState = read_json(&ctx.run_dir.join("attach").join(format!("{name}.json")))?;
+        let serve: Option<ServeState> = read_json(&ctx.run_dir.join(format!("{}.serve.json", state.uuid))).ok();
+        let dio = loop_dio(&path);
+        Ok(Device {
+            ctx: ctx.clone(),
+            transport: Transport::Zdisk,
+            path,
+            backing: store.to_path_buf(),
+            dio,
+            qemu: None,
+            fuse_dir: state.fuse_dir,
+            nbdfuse_pid: state.nbdfuse_pid,
+            serve_pid: state.started_serve_pid,
+            nbdkit_pid: serve.map(|s| s.nbdkit_pid),
+            attached: true,
+        })
+    }
+
+    /// A fresh sparse raw image of `size` bytes served by qemu-nbd, then nbdfuse + loop.
+    pub fn raw_nbd(ctx: &Ctx, image: &Path, size: u64) -> Result<Device> {
+        make_sparse(image, size)?;
+        let name = image.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let socket = ctx.run_dir.join(format!("{name}.qemu.sock"));
+        let _ = std::fs::remove_file(&socket);
+        let log = std::fs::File::create(ctx.work.join(format!("{name}.qemu-nbd.log")))?;
+        let mut c = sys::cmd("qemu-nbd")?;
+        c.args(["-f", "raw", "--cache=none", "--aio=native", "-t", "-e", "16", "-k"])
+            .arg(&socket)
+            .arg(image)
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let mut qemu = sys::spawn(&mut c)?;
+        let end = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            if let Some(status) = qemu.try_wait()? {
+                bail!("qemu-nbd exited ({status}); see {}/{name}.qemu-nbd.log", ctx.work.display());
+            }
+            if Instant::now() > end {
+                let _ = qemu.kill();
+                bail!("qemu-nbd did not create {} within 30 s", socket.display());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let uri = format!("nbd+unix:///?socket={}", socket.display());
+        let fuse_dir = ctx.run_dir.join(format!("fuse-{name}"));
+        let mut dev = Device {
+            ctx: ctx.clone(),
+            transport: Transport::RawNbd,
+            path: PathBuf::new(),
+            backing: image.to_path_buf(),
+            dio: false,
+            qemu: Some(qemu),
+            fuse_dir: None,
+            nbdfuse_pid: None,
+            serve_pid: None,
+            nbdkit_pid: None,
+            attached: false,
+        };
+        let pid = nbdfuse(&fuse_dir, &uri)?;
+        dev.fuse_dir = Some(fuse_dir.clone());
+        dev.nbdfuse_pid = Some(pid);
+        dev.path = losetup_dio(&fuse_dir.join("nbd"))?;
+        dev.dio = loop_dio(&dev.path);
+        dev.attached = true;
+        Ok(dev)
+    }
+
+    /// A fresh sparse raw image on a loop device with direct I/O.
+    pub fn raw_loop(ctx: &Ctx, image: &Path, size: u64) -> Result<Device> {
+        make_sparse(image, size)?;
+        let path = losetup_dio(image)?;
+        let dio = loop_dio(&path);
+        Ok(Device {
+            ctx: ctx.clone(),
+            transport: Transport::RawLoop,
+            path,
+            backing: image.to_path_buf(),
+            dio,
+            qemu: None,
+            fuse_dir: None,
+            nbdfuse_pid: None,
+            serve_pid: None,
+            nbdkit_pid: None,
+            attached: true,
+        })
+    }
+
+    /// The storage server's pid (its CPU is the server's cost): zdisk serve (nbdkit is its
+    /// child) or qemu-nbd.
+    pub fn server_pid(&self) -> Option<u32> {
+        self.serve_pid.or(self.qemu.as_ref().map(|c| c.id()))
+    }
+
+    pub fn nbdfuse_pid(&self) -> Option<u32> {
+        self.nbdfuse_pid
+    }
+
+    /// `zdisk stat --json` of the store (live while served).
+    pub fn zdisk_stat(&self) -> Option<serde_json::Value> {
+        if self.transport != Transport::Zdisk {
+            return None;
+        }
+        let out = run(self.ctx.zdisk().arg("stat").arg(&self.backing).arg("--json")).ok()?;
+        serde_json::from_str(&out).ok()
+    }
+
+    /// Power cut of the storage: SIGKILL of the server that holds the not-yet-durable writes.
+    pub fn kill_server(&self) -> Result<()> {
+        let pid = self.nbdkit_pid.or(self.qemu.as_ref().map(|c| c.id())).context("no server to kill")?;
+        sys::signal(pid, libc::SIGKILL);
+        Ok(())
+    }
+
+    /// Tears the device down after its server died: loop, FUSE mount, nbdfuse, state files.
+    pub fn detach_after_cut(mut self) -> Result<()> {
+        self.attached = false;
+        if let Some(pid) = self.serve_pid {
+            if !sys::wait_gone(pid, Duration::from_secs(10)) {
+                sys::signal(pid, libc::SIGKILL);
+            }
+        }
+        let _ = run(sys::cmd("losetup")?.arg("-d").arg(&self.path));
+        if let Some(dir) = self.fuse_dir.take() {
+            unmount_fuse(&dir, self.nbdfuse_pid.take());
+        }
+        if self.transport == Transport::Zdisk {
+            let name = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let _ = std::fs::remove_file(self.ctx.run_dir.join("attach").join(format!("{name}.json")));
+        }
+        Ok(())
+    }
+
+    pub fn detach(mut self) -> Result<()> {
+        self.detach_inner()
+    }
+
+    fn detach_inner(&mut self) -> Result<()> {
+        if !self.attached {
+            return Ok(());
+        }
+        self.attached = false;
+        match self.transport {
+            Transport::Zdisk => {
+                run(self.ctx.zdisk().arg("detach").arg(&self.path)).context("zdisk detach")?;
+            }
+            Transport::RawNbd | Transport::RawLoop => {
+                let r = run(sys::cmd("losetup")?.arg("-d").arg(&self.path));
+                if let Some(dir) = self.fuse_dir.take() {
+                    unmount_fuse(&dir, self.nbdfuse_pid.take());
+                }
+                if let Some(mut q) = self.qemu.take() {
+                    sys::signal(q.id(), libc::SIGTERM);
+                    if !sys::wait_gone(q.id(), Duration::from_secs(30)) {
+                        let _ = q.kill();
+                    }
+                    let _ = q.wait();
+                }
+                r?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        if let Err(e) = self.detach_inner() {
+            progress(&format!("teardown: {e:#}"));
+        }
+        if let Some(mut q) = self.qemu.take() {
+            let _ = q.kill();
+            let _ = q.wait();
+        }
+    }
+}
+
+fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+fn make_sparse(path: &Path, size: u64) -> Result<()> {
+    let _ = std::fs::remove_file(path);
+    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.set_len(size)?;
+    Ok(())
+}
+
+/// Whether the loop device does direct I/O on its backing file (losetup's DIO column).
+pub fn loop_dio(device: &Path) -> bool {
+    let name = device.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    sys::read_u64(Path::new(&format!("/sys/block/{name}/loop/dio"))) == Some(1)
+}
+
+fn losetup_dio(file: &Path) -> Result<PathBuf> {
+    let out = run(sys::cmd("losetup")?.arg("--direct-io=on").arg("-f").arg("--show").arg(file))
+        .with_context(|| format!("losetup --direct-io=on {}", file.display()))?;
+    Ok(PathBuf::from(out.trim()))
+}
+
+/// nbdfuse MOUNT/nbd URI, as `zdisk attach` runs it; returns nbdfuse's pid once mounted.
+fn nbdfuse(dir: &Path, uri: &str) -> Result<u32> {
+    std::fs::create_dir_all(dir)?;
+    let pid_file = dir.with_extension("pid");
+    let _ = std::fs::remove_file(&pid_file);
+    let mut c = sys::cmd("nbdfuse")?;
+    c.arg("-P").arg(&pid_file).arg(dir.join("nbd")).arg(uri);
+    c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    let mut child = sys::spawn(&mut c)?;
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("nbdfuse exited ({status})");
+        }
+        if std::fs::read_to_string(&pid_file).map(|s| !s.trim().is_empty()).unwrap_or(false) {
+            break;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            bail!("nbdfuse did not mount within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pid = child.id();
+    // nbdfuse stays in the foreground of its own process group; we reap it by pid later.
+    std::mem::forget(child);
+    Ok(pid)
+}
+
+fn unmount_fuse(dir: &Path, pid: Option<u32>) {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        match sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-u").arg(dir))) {
+            Ok(_) => break,
+            Err(e) => {
+                if Instant::now() > end {
+                    progress(&format!("teardown: {e:#}; lazy unmount"));
+                    let _ = sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-uz").arg(dir)));
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
+    if let Some(pid) = pid {
+        if !sys::wait_gone(pid, Duration::from_secs(30)) {
+            sys::signal(pid, libc::SIGKILL);
+        }
+        // SAFETY: reaping our own child by pid (it was spawned by this process).
+        unsafe {
+            libc::waitpid(pid as i32, std::ptr::null_mut(), libc::WNOHANG);
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+}
+
+/// ext4 mounted on a device; unmounted when dropped.
+pub struct Mount {
+    pub dir: PathBuf,
+    mounted: bool,
+}
+
+pub fn mkfs_ext4(device: &Path) -> Result<()> {
+    // Inode tables and the journal are written now, not by a background thread during the run.
+    run(sys::cmd("mkfs.ext4")?.args(["-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0"]).arg(device))
+        .context("mkfs.ext4")?;
+    Ok(())
+}
+
+impl Mount {
+    pub fn new(device: &Path, dir: &Path, options: &str) -> Result<Mount> {
+        std::fs::create_dir_all(dir)?;
+        run(sys::cmd("mount")?.arg("-t").arg("ext4").arg("-o").arg(options).arg(device).arg(dir))
+            .with_context(|| format!("mounting {} on {}", device.display(), dir.display()))?;
+        Ok(Mount { dir: dir.to_path_buf(), mounted: true })
+    }
+
+    pub fn unmount(mut self) -> Result<()> {
+        self.unmount_inner()
+    }
+
+    fn unmount_inner(&mut self) -> Result<()> {
+        if !self.mounted {
+            return Ok(());
+        }
+        self.mounted = false;
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            match run(sys::cmd("umount")?.arg(&self.dir)) {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > end => {
+                    let _ = run(sys::cmd("umount")?.arg("-l").arg(&self.dir));
+                    return Err(e.context("umount (lazily unmounted instead)"));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(300)),
+            }
+        }
+    }
+
+    /// After a power cut the device returns errors: unmount whatever it takes.
+    pub fn unmount_after_cut(mut self) {
+        self.mounted = false;
+        if run(sys::cmd("umount").unwrap().arg(&self.dir)).is_err() {
+            let _ = run(sys::cmd("umount").unwrap().arg("-l").arg(&self.dir));
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Err(e) = self.unmount_inner() {
+            progress(&format!("teardown: {e:#}"));
+        }
+    }
+}
+
+/// `cp -a SRC/. DST/` (a database directory copied file by file onto a target).
+pub fn copy_tree(src: &Path, dst: &Path) -> Result<()> {
+    std::fs::create_dir_all(dst)?;
+    let mut from = src.as_os_str().to_owned();
+    from.push("/.");
+    run(sys::cmd("cp")?.arg("-a").arg(from).arg(dst)).context("copying the database files")?;
+    run(&mut sys::cmd("sync")?)?;
+    Ok(())
+}

@@ -1,0 +1,422 @@
+//! Processes, tools, interrupts and the kernel's counters (/proc, /sys) the runs are measured with.
+
+use std::io::Write;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+
+static INTERRUPTED: OnceLock<Arc<AtomicBool>> = OnceLock::new();
+static LOG: Mutex<Option<std::fs::File>> = Mutex::new(None);
+static START: OnceLock<Instant> = OnceLock::new();
+
+/// SIGINT/SIGTERM set a flag that every wait checks; a second signal ends the process at once.
+/// Child processes run in their own process groups, so a terminal's Ctrl-C reaches only us and
+/// the teardown (databases stopped, filesystems unmounted, devices detached) stays in order.
+pub fn install_signal_handlers() -> Result<()> {
+    let flag = INTERRUPTED.get_or_init(|| Arc::new(AtomicBool::new(false))).clone();
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(signal, 1, flag.clone())?;
+        signal_hook::flag::register(signal, flag.clone())?;
+    }
+    START.get_or_init(Instant::now);
+    Ok(())
+}
+
+pub fn interrupted() -> bool {
+    INTERRUPTED.get().map(|f| f.load(Ordering::SeqCst)).unwrap_or(false)
+}
+
+pub fn check_interrupt() -> Result<()> {
+    if interrupted() {
+        bail!("interrupted (SIGINT/SIGTERM); tearing down");
+    }
+    Ok(())
+}
+
+/// Sleeps, waking early (with an error) when interrupted.
+pub fn sleep(d: Duration) -> Result<()> {
+    let end = Instant::now() + d;
+    while Instant::now() < end {
+        check_interrupt()?;
+        std::thread::sleep((end - Instant::now()).min(Duration::from_millis(100)));
+    }
+    Ok(())
+}
+
+pub fn set_log_file(path: &Path) -> Result<()> {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    *LOG.lock().unwrap() = Some(file);
+    Ok(())
+}
+
+/// A progress line on stderr (and in the run's log file) with the time since start.
+pub fn progress(msg: &str) {
+    let t = START.get_or_init(Instant::now).elapsed().as_secs_f64();
+    let line = format!("[{:>7.1}s] {msg}", t);
+    eprintln!("{line}");
+    if let Some(file) = LOG.lock().unwrap().as_mut() {
+        let _ = writeln!(file, "{line}");
+    }
+}
+
+/// A tool and the Debian package that provides it.
+#[derive(Clone, Copy, Debug)]
+pub struct Tool {
+    pub name: &'static str,
+    pub package: &'static str,
+}
+
+pub const fn tool(name: &'static str, package: &'static str) -> Tool {
+    Tool { name, package }
+}
+
+pub fn find_tool(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+    dirs.extend(["/usr/sbin", "/sbin", "/usr/local/sbin"].map(PathBuf::from));
+    // PostgreSQL's server programs live in a versioned directory on Debian.
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut versions: Vec<PathBuf> = entries.flatten().map(|e| e.path().join("bin")).collect();
+        versions.sort();
+        versions.reverse();
+        dirs.extend(versions);
+    }
+    dirs.into_iter().map(|d| d.join(name)).find(|c| c.is_file())
+}
+
+/// Every missing tool, named with its package; an error listing them all.
+pub fn require_tools(what: &str, tools: &[Tool]) -> Result<()> {
+    let missing: Vec<&Tool> = tools.iter().filter(|t| find_tool(t.name).is_none()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut packages: Vec<&str> = missing.iter().map(|t| t.package).collect();
+    packages.sort();
+    packages.dedup();
+    let names: Vec<String> = missing.iter().map(|t| format!("{} ({})", t.name, t.package)).collect();
+    bail!(
+        "{what} needs tools that are not installed: {}. Install them with: apt-get install {}",
+        names.join(", "),
+        packages.join(" ")
+    )
+}
+
+pub fn path_of(name: &str) -> Result<PathBuf> {
+    find_tool(name).ok_or_else(|| anyhow!("{name} not found in PATH"))
+}
+
+/// A command for `name` found in PATH (or the usual sbin and PostgreSQL directories).
+pub fn cmd(name: &str) -> Result<Command> {
+    Ok(Command::new(path_of(name)?))
+}
+
+/// Runs a command to completion in its own process group; stdout on success, an error with
+/// stderr otherwise.
+pub fn run(command: &mut Command) -> Result<String> {
+    let what = describe(command);
+    command.process_group(0).stdin(Stdio::null());
+    let output = command.output().with_context(|| format!("running {what}"))?;
+    if !output.status.success() {
+        bail!(
+            "{what} failed ({}): {}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim(),
+            String::from_utf8_lossy(&output.stdout).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+pub fn describe(command: &Command) -> String {
+    let mut s = command.get_program().to_string_lossy().into_owned();
+    for a in command.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// Spawns in a new process group (Ctrl-C on the terminal does not reach it).
+pub fn spawn(command: &mut Command) -> Result<Child> {
+    let what = describe(command);
+    command.process_group(0).stdin(Stdio::null());
+    command.spawn().with_context(|| format!("starting {what}"))
+}
+
+pub fn signal(pid: u32, sig: i32) -> bool {
+    // SAFETY: kill(2) with a pid we started; no memory is touched.
+    unsafe { libc::kill(pid as i32, sig) == 0 }
+}
+
+pub fn signal_group(pgid: u32, sig: i32) -> bool {
+    // SAFETY: as above, to the process group we created with process_group(0).
+    unsafe { libc::kill(-(pgid as i32), sig) == 0 }
+}
+
+pub fn alive(pid: u32) -> bool {
+    // A zombie still answers kill(0); look at its state too.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat.rsplit(')').next().map(|s| s.trim_start().chars().next()), Some(Some('Z'))),
+        Err(_) => false,
+    }
+}
+
+pub fn wait_gone(pid: u32, timeout: Duration) -> bool {
+    let end = Instant::now() + timeout;
+    while Instant::now() < end {
+        if !alive(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    !alive(pid)
+}
+
+pub fn read_u64(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+pub fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as f64
+    } else {
+        100.0
+    }
+}
+
+/// utime + stime of one process (all its threads), in seconds.
+pub fn process_cpu_s(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the comm field: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14).
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / clock_ticks())
+}
+
+/// Our own reaped children's CPU (cutime + cstime): how sysbench/pgbench's CPU is measured.
+pub fn children_cpu_s() -> f64 {
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes into the struct we pass.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(usage.ru_utime) + tv(usage.ru_stime)
+}
+
+/// Every descendant of `pid` (children, grandchildren, ...), and `pid` itself.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    let mut parents: Vec<(u32, u32)> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+                if let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()) {
+                    parents.push((p, ppid));
+                }
+            }
+        }
+    }
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        i += 1;
+    }
+    tree
+}
+
+/// CPU of every kernel thread (children of kthreadd, pid 2): the loop device's workers, kworkers
+/// doing block and FUSE work. Threads that come and go between two samples are missed or
+/// counted whole; an approximation, but it leaves other users' processes out.
+pub fn kernel_threads_cpu_s() -> f64 {
+    let mut total = 0.0;
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+            let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else { continue };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if f.get(1) == Some(&"2") {
+                let t: u64 = f.get(11).and_then(|x| x.parse().ok()).unwrap_or(0)
+                    + f.get(12).and_then(|x| x.parse().ok()).unwrap_or(0);
+                total += t as f64;
+            }
+        }
+    }
+    total / clock_ticks()
+}
+
+pub fn tree_cpu_s(pid: u32) -> f64 {
+    process_tree(pid).into_iter().filter_map(process_cpu_s).sum()
+}
+
+/// Bytes a process tree caused to be read from / written to storage (/proc/PID/io).
+pub fn tree_io_bytes(pid: u32) -> (u64, u64) {
+    let mut r = 0;
+    let mut w = 0;
+    for p in process_tree(pid) {
+        if let Ok(text) = std::fs::read_to_string(format!("/proc/{p}/io")) {
+            for line in text.lines() {
+                if let Some(v) = line.strip_prefix("read_bytes: ") {
+                    r += v.trim().parse::<u64>().unwrap_or(0);
+                }
+                if let Some(v) = line.strip_prefix("write_bytes: ") {
+                    w += v.trim().parse::<u64>().unwrap_or(0);
+                }
+            }
+        }
+    }
+    (r, w)
+}
+
+/// The machine-wide CPU split from /proc/stat (jiffies summed over all CPUs).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct CpuTimes {
+    pub user: f64,
+    pub system: f64,
+    pub iowait: f64,
+    pub idle: f64,
+    pub irq: f64,
+    pub steal: f64,
+}
+
+impl CpuTimes {
+    pub fn now() -> CpuTimes {
+        let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let line = text.lines().next().unwrap_or_default();
+        let v: Vec<f64> = line.split_whitespace().skip(1).map(|x| x.parse().unwrap_or(0.0)).collect();
+        let g = |i: usize| v.get(i).copied().unwrap_or(0.0) / clock_ticks();
+        CpuTimes { user: g(0) + g(1), system: g(2), idle: g(3), iowait: g(4), irq: g(5) + g(6), steal: g(7) }
+    }
+
+    pub fn minus(&self, o: &CpuTimes) -> CpuTimes {
+        CpuTimes {
+            user: self.user - o.user,
+            system: self.system - o.system,
+            iowait: self.iowait - o.iowait,
+            idle: self.idle - o.idle,
+            irq: self.irq - o.irq,
+            steal: self.steal - o.steal,
+        }
+    }
+
+    pub fn total(&self) -> f64 {
+        self.user + self.system + self.iowait + self.idle + self.irq + self.steal
+    }
+
+    pub fn busy(&self) -> f64 {
+        self.user + self.system + self.irq + self.steal
+    }
+}
+
+/// A block device's counters from /sys/block/NAME/stat.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct DiskStat {
+    pub read_ios: u64,
+    pub read_bytes: u64,
+    pub write_ios: u64,
+    pub write_bytes: u64,
+    pub io_ticks_ms: u64,
+}
+
+impl DiskStat {
+    pub fn of(device: &Path) -> DiskStat {
+        let name = std::fs::canonicalize(device)
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_default();
+        let text = std::fs::read_to_string(format!("/sys/block/{name}/stat")).unwrap_or_default();
+        let v: Vec<u64> = text.split_whitespace().map(|x| x.parse().unwrap_or(0)).collect();
+        let g = |i: usize| v.get(i).copied().unwrap_or(0);
+        DiskStat { read_ios: g(0), read_bytes: g(2) * 512, write_ios: g(4), write_bytes: g(6) * 512, io_ticks_ms: g(9) }
+    }
+
+    pub fn minus(&self, o: &DiskStat) -> DiskStat {
+        DiskStat {
+            read_ios: self.read_ios.saturating_sub(o.read_ios),
+            read_bytes: self.read_bytes.saturating_sub(o.read_bytes),
+            write_ios: self.write_ios.saturating_sub(o.write_ios),
+            write_bytes: self.write_bytes.saturating_sub(o.write_bytes),
+            io_ticks_ms: self.io_ticks_ms.saturating_sub(o.io_ticks_ms),
+        }
+    }
+}
+
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Bytes allocated to a file (st_blocks), which for a sparse file is what it really takes.
+pub fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// Sum of apparent sizes and of allocated bytes of every regular file under `dir`.
+pub fn tree_sizes(dir: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let mut apparent = 0;
+    let mut allocated = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            if m.is_dir() {
+                stack.push(e.path());
+            } else if m.is_file() {
+                apparent += m.len();
+                allocated += m.blocks() * 512;
+            }
+        }
+    }
+    (apparent, allocated)
+}
+
+/// Every regular file under `dir` whose name ends with one of `suffixes`, sorted.
+pub fn files_with_suffix(dir: &Path, suffixes: &[&str]) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if suffixes.iter().any(|s| p.to_string_lossy().ends_with(s)) {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+pub fn unix_time() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// A short run directory for sockets (a Unix socket path may not exceed 107 bytes, and the
+/// work directory can be deep): /tmp/zdb-<pid>-<n>.
+pub fn short_run_dir() -> Result<PathBuf> {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let dir = PathBuf::from(format!("/tmp/zdb-{}-{}", std::process::id(), nanos % 1_000_000));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
+}
