@@ -1,0 +1,4 @@
+# placeholder
+space() { die "todo"; }
+fault() { die "todo"; }
+guard() { die "todo"; }
