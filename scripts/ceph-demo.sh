@@ -224,7 +224,7 @@ teardown_cluster() {
 
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM
+  trap - EXIT INT TERM ERR
   set +e
   local p
   for p in "${BG[@]}"; do stop_pid "$p" 10; done
@@ -322,7 +322,6 @@ auth_cluster_required = none
 auth_service_required = none
 auth_client_required = none
 run_dir = $CL/run
-admin_socket = $CL/run/\$name.asok
 log_file = $CL/log/\$name.log
 mon_data = $CL/\$name
 mgr_data = $CL/\$name
@@ -348,6 +347,14 @@ bdev_enable_discard = true
 bdev_async_discard = true
 # compression, where a case turns it on per pool, at BlueStore's defaults (zstd level 1)
 $extra_conf
+[mon]
+admin_socket = $CL/run/\$name.asok
+[mgr]
+admin_socket = $CL/run/\$name.asok
+[osd]
+admin_socket = $CL/run/\$name.asok
+[client]
+admin_socket =
 EOF
   monmaptool --create --addv a "[v2:127.0.0.1:$port]" --fsid "$fsid" "$CL/monmap" >>"$CL/log/setup.log" 2>&1
   ceph-authtool --create-keyring "$CL/keyring" --gen-key -n mon. --cap mon 'allow *' >>"$CL/log/setup.log" 2>&1
@@ -405,7 +412,7 @@ start_osd() {
   DAEMONS+=("osd.$id:$!")
 }
 
-osd_pid() { local d; for d in "${DAEMONS[@]}"; do [[ ${d%%:*} == "osd.$1" ]] && echo "${d#*:}"; done; }
+osd_pid() { local d; for d in "${DAEMONS[@]}"; do [[ ${d%%:*} == "osd.$1" ]] && echo "${d#*:}"; done; return 0; }
 forget_daemon() { local d keep=(); for d in "${DAEMONS[@]}"; do [[ ${d%%:*} == "$1" ]] || keep+=("$d"); done; DAEMONS=("${keep[@]}"); }
 
 osds_up() { [[ $(ceph_ osd stat -f json 2>/dev/null | jq -r .num_up_osds) -ge $1 ]]; }
@@ -449,10 +456,10 @@ child_ticks() { sed 's/^.*) //' "/proc/$CLIENT_PID/stat" | awk '{ print $14 + $1
 io_writes() { local p s=0; for p in "$@"; do [[ -r /proc/$p/io ]] && s=$((s + $(awk '/^write_bytes/ { print $2 }' "/proc/$p/io"))); done; echo "$s"; }
 
 # group pids of the running cluster
-pids_osd() { local d; for d in "${DAEMONS[@]}"; do [[ $d == osd.* ]] && echo "${d#*:}"; done; }
-pids_monmgr() { local d; for d in "${DAEMONS[@]}"; do [[ $d == mon.* || $d == mgr.* ]] && echo "${d#*:}"; done; }
+pids_osd() { local d; for d in "${DAEMONS[@]}"; do [[ $d == osd.* ]] && echo "${d#*:}"; done; return 0; }
+pids_monmgr() { local d; for d in "${DAEMONS[@]}"; do [[ $d == mon.* || $d == mgr.* ]] && echo "${d#*:}"; done; return 0; }
 pids_server() { local id; for id in "${!OSD_DEV[@]}"; do set -- $(device_pids "${OSD_DEV[$id]}"); echo "$1"; done; }
-pids_transport() { local id; for id in "${!OSD_DEV[@]}"; do set -- $(device_pids "${OSD_DEV[$id]}"); [[ -n ${2:-} ]] && echo "$2"; done; }
+pids_transport() { local id; for id in "${!OSD_DEV[@]}"; do set -- $(device_pids "${OSD_DEV[$id]}"); [[ -n ${2:-} ]] && echo "$2"; done; return 0; }
 
 snapshot() { # one JSON object: CPU ticks per group, host busy ticks, backing bytes written, load
   local osd monmgr server transport
@@ -497,7 +504,8 @@ fio_job() { # fio_job NAME RW BS [time_based]: writes the job file, prints its p
     echo "group_reporting"
     echo "thread"
     if [[ -n $timed ]]; then echo "time_based"; echo "runtime=$timed"; fi
-    for ((i = 0; i < IMAGES; i++)); do echo "[img$i]"; echo "rbdname=img$i"; done
+    if [[ -n ${FIO_EXTRA:-} ]]; then echo "$FIO_EXTRA"; fi
+    for ((i = ${FIO_FIRST_IMAGE:-0}; i < IMAGES; i++)); do echo "[img$i]"; echo "rbdname=img$i"; done
   } >"$f"
   echo "$f"
 }
@@ -595,6 +603,7 @@ setup_work() {
   OUT=$(cd "$OUT" && pwd)
   : >"$OUT/run.log"
   trap cleanup EXIT
+  trap 'log "FAILED: line $LINENO: $BASH_COMMAND"' ERR
   trap 'log "interrupted"; exit 130' INT
   trap 'log "terminated"; exit 143' TERM
   # O_DIRECT check: zdisk and qemu-nbd --cache=none need it (tmpfs refuses).
@@ -711,11 +720,7 @@ smoke() {
   cluster_up zdisk
   local up=$((SECONDS - t0))
   # Write with a checksum in every block, then read it all back through Ceph and verify.
-  local job=$OUT/fio/smoke-verify.fio
-  mkdir -p "$OUT/fio"
-  fio_job smoke-write write 128k >/dev/null
-  sed -i 's/^group_reporting$/group_reporting\nverify=crc32c\ndo_verify=1/' "$OUT/fio/smoke-write.fio"
-  w=$(run_workload smoke write-verify write 128k)
+  w=$(FIO_EXTRA=$'verify=crc32c\ndo_verify=1\nverify_fatal=1' run_workload smoke write-verify write 128k)
   wait_stats_settle 6
   local space; space=$(space_snapshot)
   r=$(run_workload smoke 128k-seqread read 128k "$RUNTIME")

@@ -13,8 +13,10 @@ packages=(
   fuse3                             # fusermount3 (nbdfuse)
   util-linux mount                  # losetup, mount
   tar coreutils procps
+  ceph-mon ceph-mgr ceph-osd ceph-common jq   # scripts/ceph-demo.sh and its smoke test (docs/ceph.md)
 )
-tools=(cc pkg-config nbdkit nbdinfo nbdcopy nbdfuse fio qemu-img qemu-nbd mkfs.ext4 e2fsck fusermount3 losetup mount tar sha256sum)
+tools=(cc pkg-config nbdkit nbdinfo nbdcopy nbdfuse fio qemu-img qemu-nbd mkfs.ext4 e2fsck fusermount3 losetup mount tar sha256sum
+       ceph-mon ceph-mgr ceph-osd ceph rbd jq)
 
 missing=()
 for tool in "${tools[@]}"; do
