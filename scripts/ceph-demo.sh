@@ -7,6 +7,7 @@
 #   scripts/ceph-demo.sh space  [options]   discard gives zdisk space back; ENOSPC under an OSD
 #   scripts/ceph-demo.sh fault  [options]   kill a zdisk server under a running OSD; recovery
 #   scripts/ceph-demo.sh guard  --conf C --osd-store ID=STORE ...  (see docs/ceph.md)
+#   scripts/ceph-demo.sh report --out DIR   re-render a bench report from its runs.jsonl
 #
 # Every daemon, device, mount and temporary file it starts is torn down on exit, on Ctrl-C /
 # SIGTERM and after a failure. Needs root, Debian's ceph-mon, ceph-mgr, ceph-osd, ceph-common,
@@ -20,7 +21,7 @@ MODE=${1:-}
 [[ $# -gt 0 ]] && shift
 
 usage() {
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   cat <<'EOF'
 
 Options (defaults in brackets):
@@ -92,7 +93,7 @@ done
 case $MODE in
   bench|smoke|space|fault|guard|report) ;;
   ""|-h|--help|help) usage; [[ -z $MODE ]] && exit 2; exit 0 ;;
-  *) echo "ceph-demo: unknown mode '$MODE' (bench, smoke, space, fault, guard)" >&2; exit 2 ;;
+  *) echo "ceph-demo: unknown mode '$MODE' (bench, smoke, space, fault, guard, report)" >&2; exit 2 ;;
 esac
 
 is_uint() { [[ $1 =~ ^[0-9]+$ ]]; }

@@ -34,7 +34,9 @@ def metrics:
       stored_bytes: .space_after_write.pool.stored,
       zdisk_comp_ratio: .space_after_write.zdisk.comp_ratio,
       zdisk_physical_size: .space_after_write.zdisk.physical_size,
+      # what BlueStore allocated for compressed blobs (4 KiB units), and what its compressor produced
       bluestore_comp_ratio: safe_div(.space_after_write.bluestore_compressed_original; .space_after_write.bluestore_compressed_allocated),
+      bluestore_compressor_ratio: safe_div(.space_after_write.bluestore_compressed_original; ([.space_after_write.bluestore[].bluestore_compressed // 0] | add)),
       pool_compress_under_bytes: .space_after_write.pool.compress_under_bytes,
       pool_compress_bytes_used: .space_after_write.pool.compress_bytes_used,
       loadavg: [$w.loadavg_before, $rw.loadavg_after]
@@ -70,6 +72,7 @@ def metrics:
        zdisk_comp_ratio: ([$rs[].zdisk_comp_ratio | select(. != null)] | mean),
        zdisk_physical_size: ([$rs[].zdisk_physical_size | select(. != null)] | mean),
        bluestore_comp_ratio: ([$rs[].bluestore_comp_ratio | select(. != null)] | mean),
+       bluestore_compressor_ratio: ([$rs[].bluestore_compressor_ratio | select(. != null)] | mean),
        fio_errors: ([$rs[].fio_errors] | add)} ] as $cs
 | {
     schema: "zdisk-ceph/1",
