@@ -721,7 +721,7 @@ smoke() {
   cluster_up zdisk
   local up=$((SECONDS - t0))
   # Write with a checksum in every block, then read it all back through Ceph and verify.
-  w=$(FIO_EXTRA=$'verify=crc32c\ndo_verify=1\nverify_fatal=1' run_workload smoke write-verify write 128k)
+  w=$(FIO_EXTRA=$'verify=crc32c\ndo_verify=1\nverify_fatal=1\nverify_state_save=0' run_workload smoke write-verify write 128k)
   wait_stats_settle 6
   local space; space=$(space_snapshot)
   r=$(run_workload smoke 128k-seqread read 128k "$RUNTIME")

@@ -73,7 +73,7 @@ osd_scrub_during_recovery = true"
   log "  reference data on img0 (fio verify=crc32c)"
   local job=$OUT/fio/fault-ref.fio
   fio_job fault-ref write 128k >/dev/null
-  sed -i -e 's/^group_reporting$/group_reporting\nverify=crc32c\ndo_verify=1\nverify_fatal=1/' \
+  sed -i -e 's/^group_reporting$/group_reporting\nverify=crc32c\ndo_verify=1\nverify_fatal=1\nverify_state_save=0/' \
     -e '/^\[img[1-9][0-9]*\]$/,$d' "$job"
   CEPH_CONF=$CONF fio "$job" --output-format=json --output="$OUT/fio/fault-ref.json" >"$OUT/fio/fault-ref.stderr" 2>&1 \
     || die "writing the reference data failed (see $OUT/fio/fault-ref.stderr)"
