@@ -16,14 +16,17 @@ packages=(
   mariadb-server mariadb-client     # zdisk db: MariaDB, innochecksum (docs/apps.md)
   sysbench                          # zdisk db: the OLTP load
   postgresql                        # zdisk db: PostgreSQL, pgbench, pg_amcheck, pg_checksums
+  ceph-mon ceph-mgr ceph-osd ceph-common jq   # scripts/ceph-demo.sh and its smoke test (docs/ceph.md)
+  python3-libnbd                    # interop test: concurrent partial-block requests (libnbd's Python API)
 )
 tools=(cc pkg-config nbdkit nbdinfo nbdcopy nbdfuse fio qemu-img qemu-nbd mkfs.ext4 e2fsck fusermount3 losetup mount tar sha256sum
-       mariadbd innochecksum sysbench pgbench)
+       mariadbd innochecksum sysbench pgbench ceph-mon ceph-mgr ceph-osd ceph rbd jq)
 
 missing=()
 for tool in "${tools[@]}"; do
   command -v "$tool" >/dev/null 2>&1 || missing+=("$tool")
 done
+/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || missing+=("python3-libnbd")
 if ((${#missing[@]})); then
   echo "setup: installing packages for: ${missing[*]}" >&2
   if [[ $(id -u) -ne 0 ]]; then
