@@ -56,6 +56,12 @@ pub struct ServeArgs {
     /// locality, not uniform random reads over data much larger than it.
     #[arg(long, value_name = "SIZE")]
     pub read_cache: Option<Size>,
+    /// Memory for the block map's cached pages and its changes not yet checkpointed (e.g.
+    /// 1G; default 256M). The map costs 2 MiB per GiB of mapped logical space (8 bytes per
+    /// 4 KiB block): the default keeps the map of 128 GiB cached; past that, a read or GC
+    /// pass touching an uncached map page reads it (docs/scale.md).
+    #[arg(long, value_name = "SIZE")]
+    pub map_cache: Option<Size>,
     /// `space_flag` becomes 1 ("low") when free space falls below this fraction of the data
     /// area (0.0–1.0; default 0.10). It becomes 2 when a write is refused for lack of space.
     #[arg(long, value_name = "FRACTION", value_parser = parse_fraction)]
@@ -166,6 +172,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if let Some(cache) = args.cache {
         command.arg(format!("cache={}", cache.0));
+    }
+    if let Some(map_cache) = args.map_cache {
+        command.arg(format!("map_cache={}", map_cache.0));
     }
     if args.accept_data_loss {
         command.arg("accept_data_loss=true");

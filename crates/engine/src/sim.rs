@@ -250,13 +250,15 @@ pub mod inspect {
     pub struct RecordLayout {
         pub seq: u64,
         /// The record kind's tag (`docs/format.md`): 1 write, 2 trim, 3 zero, 5 checkpoint
-        /// chunk, 6 batch, 7 relocate, 8 marker.
+        /// chunk, 6 batch, 7 relocate, 8 marker, 9 map pages, 10 link.
         pub kind: u8,
         pub head: Range<u64>,
         pub payload: Range<u64>,
         pub tail: Range<u64>,
         /// Each fragment's LBA and bytes.
         pub fragments: Vec<(u64, Range<u64>)>,
+        /// Map pages (kind 9): each page's id tag (level in bits 45–47, index below) and bytes.
+        pub pages: Vec<(u64, Range<u64>)>,
     }
 
     /// The superblock recovery would start from (the newest valid slot).
@@ -290,6 +292,7 @@ pub mod inspect {
                     payload: r.payload_offset_bytes..payload_end,
                     tail: payload_end..r.end_bytes,
                     fragments: r.fragments,
+                    pages: r.pages,
                 });
             }
         }

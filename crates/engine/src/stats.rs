@@ -71,6 +71,35 @@ pub struct Stats {
     /// the loss read as EIO (`zdisk check` lists the damage).
     #[serde(default)]
     pub damaged: bool,
+    /// Memory the block map holds now (cached pages, page states, changes not yet
+    /// checkpointed), and the budget it keeps to (`--map-cache`).
+    #[serde(default)]
+    pub map_cache_bytes: u64,
+    #[serde(default)]
+    pub map_cache_budget_bytes: u64,
+    /// Map pages cached in memory.
+    #[serde(default)]
+    pub map_cached_pages: u64,
+    /// Map pages with changes the next checkpoint writes.
+    #[serde(default)]
+    pub map_dirty_pages: u64,
+    /// Changes to map slots not yet in a written page.
+    #[serde(default)]
+    pub map_pending_changes: u64,
+    /// Map lookups answered from memory, and map page reads from the store, since open.
+    #[serde(default)]
+    pub map_cache_hits: u64,
+    #[serde(default)]
+    pub map_cache_misses: u64,
+    /// `hits / (hits + misses)` (1.0 before any lookup).
+    #[serde(default)]
+    pub map_cache_hit_rate: f64,
+    /// Map pages that failed their checksum since open (the blocks they map read as EIO).
+    #[serde(default)]
+    pub map_damaged_pages: u64,
+    /// Backing bytes the map's pages take (retained checkpoints' pages).
+    #[serde(default)]
+    pub map_page_bytes: u64,
 }
 
 /// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.

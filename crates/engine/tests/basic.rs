@@ -259,7 +259,7 @@ fn a_version_1_store_is_read_and_upgraded_when_opened_for_writing() {
     }
     assert_eq!(slot_versions(&path), [1, 1], "a read-only open changes nothing");
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
-    assert_eq!(slot_versions(&path), [3, 3], "both slots are upgraded before anything is written");
+    assert_eq!(slot_versions(&path), [4, 4], "both slots are upgraded before anything is written");
     store.write(1 << 20, &pattern(4096, 5), false).unwrap();
     store.close().unwrap();
     let store = Store::open(&path, &OpenOptions::default()).unwrap();

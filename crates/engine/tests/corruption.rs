@@ -217,3 +217,34 @@ fn a_reread_is_served_by_the_read_cache_but_check_still_reads_the_disk() {
     let report = store.check(&mut |_, _| {}).unwrap();
     assert!(report.problems.iter().any(|p| p.starts_with("block 0 ")), "{:?}", report.problems);
 }
+
+/// A map page that fails its checksum makes the blocks it maps read as EIO (never another
+/// page's entries, never zeroes), and only those: blocks under other pages read their data,
+/// and writing a block again makes it readable.
+#[test]
+fn a_damaged_map_page_fails_the_reads_of_its_blocks_only() {
+    // 4 MiB logical: two leaves (512 blocks each) under a root page.
+    let disk = new_disk(64, 64 << 10, 4 << 20, Codec::Lz4, 7);
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    store.write(0, &data(4096, 1), false).unwrap(); // leaf 0
+    store.write(512 * 4096, &data(4096, 2), false).unwrap(); // leaf 1
+    store.checkpoint().unwrap();
+    store.close().unwrap();
+    // The newest version of leaf 0 (page id tag 0: level 0, index 0).
+    let leaf0 = zdisk_engine::sim::inspect::records(&disk.image())
+        .into_iter()
+        .rev()
+        .find_map(|r| r.pages.into_iter().find(|(tag, _)| *tag == 0).map(|(_, range)| range))
+        .expect("leaf 0 was written as a map page");
+    disk.flip_bit(leaf0.start + 12 + 4, 1);
+    let (_disk, store) = reopen(&disk);
+    let mut block = vec![0u8; 4096];
+    let err = store.read(0, &mut block).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Checksum, "a block under the damaged page: {err}");
+    store.read(512 * 4096, &mut block).expect("a block under the other leaf reads");
+    assert!(block == data(4096, 2));
+    assert_eq!(store.stats().map_damaged_pages, 1);
+    store.write(0, &data(4096, 3), true).unwrap();
+    store.read(0, &mut block).expect("written again, the block reads");
+    assert!(block == data(4096, 3));
+}

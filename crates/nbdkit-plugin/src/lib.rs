@@ -45,6 +45,7 @@ struct Config {
     direct: bool,
     cache_bytes: u64,
     read_cache_bytes: u64,
+    map_cache_bytes: u64,
     low_space_fraction: f64,
     accept_data_loss: bool,
     run_dir: PathBuf,
@@ -60,6 +61,7 @@ impl Default for Config {
             direct: defaults.direct_io,
             cache_bytes: defaults.cache_bytes_max,
             read_cache_bytes: defaults.read_cache_bytes,
+            map_cache_bytes: defaults.map_cache_bytes,
             low_space_fraction: defaults.low_space_fraction,
             accept_data_loss: false,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
@@ -145,6 +147,7 @@ impl Server for Handle {
              direct=true|false     O_DIRECT on the backing store (default true)\n\
              cache=SIZE            engine buffer memory bound (default 256M)\n\
              read_cache=SIZE       read cache of compressed fragments (default 0: off)\n\
+             map_cache=SIZE        block map pages and changes in memory (default 256M)\n\
              accept_data_loss=BOOL serve for writing a store whose recovery lost records\n\
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)",
@@ -179,6 +182,10 @@ impl Server for Handle {
             "read_cache" => {
                 let bytes = nbdkit::parse_size(value)?;
                 config.read_cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("read_cache={value}")))?;
+            }
+            "map_cache" => {
+                let bytes = nbdkit::parse_size(value)?;
+                config.map_cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("map_cache={value}")))?;
             }
             "low_space" => {
                 let fraction: f64 = value.parse().map_err(|_| einval(format!("low_space={value}: not a number")))?;
@@ -229,6 +236,7 @@ impl Server for Handle {
             direct_io: config.direct,
             cache_bytes_max: config.cache_bytes,
             read_cache_bytes: config.read_cache_bytes,
+            map_cache_bytes: config.map_cache_bytes,
             low_space_fraction: config.low_space_fraction,
             accept_data_loss: config.accept_data_loss,
             ..OpenOptions::default()

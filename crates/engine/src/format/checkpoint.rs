@@ -1,10 +1,16 @@
-//! The checkpoint image: the segment usage table, the map and the statistics counters, as
-//! of one record sequence number (`docs/format.md`, "Checkpoint").
+//! The checkpoint image: the segment usage table, the map's root and the statistics
+//! counters, as of one record sequence number (`docs/format.md`, "Checkpoint").
+//!
+//! Version 4 points at the map's pages; versions 1–3 carried every map entry (read when an
+//! older store is upgraded, never written).
 
 use super::{corrupt, Reader, Writer};
 use crate::error::Result;
 
-pub const CHECKPOINT_MAGIC: u64 = 0x3150_4B43_4B53_445A; // "ZDSKCKP1"
+/// "ZDSKCKP4".
+pub const CHECKPOINT_MAGIC: u64 = 0x3450_4B43_4B53_445A;
+/// "ZDSKCKP1": the image of format versions 1–3, with the whole map.
+pub const CHECKPOINT_MAGIC_V1: u64 = 0x3150_4B43_4B53_445A;
 
 /// The statistics counters a checkpoint carries, in their on-disk order (part of the format;
 /// `stats::Counters` lists its fields in this order, checked by a unit test there).
@@ -28,12 +34,17 @@ pub const COUNTER_ORDER: [&str; 16] = [
 ];
 const COUNTER_COUNT: usize = COUNTER_ORDER.len();
 
-/// Bytes one segment's usage takes: state u8, then four u64.
-const SEGMENT_USAGE_BYTES: u64 = 1 + 4 * 8;
-/// Bytes one map entry takes: LBA delta u64, entry u64.
+/// Bytes one segment's usage takes: state u8, then six u64 (four before version 4).
+const SEGMENT_USAGE_BYTES: u64 = 1 + 6 * 8;
+const SEGMENT_USAGE_BYTES_V1: u64 = 1 + 4 * 8;
+/// Bytes one map entry takes in a version 1 image: LBA delta u64, entry u64.
 const MAP_ENTRY_BYTES: u64 = 16;
+/// Bytes one superseded-pages entry takes: segment u32, bytes u64.
+const SUPERSEDED_BYTES: u64 = 12;
 /// Magic, sequence number, generation, logical size, counter count and counters.
 const FIXED_BYTES: u64 = 4 * 8 + 4 + 8 * COUNTER_COUNT as u64;
+/// Map height u8, root u64, stored and zero block counts u64.
+const MAP_ROOT_BYTES: u64 = 25;
 
 /// A segment's state in the usage table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,11 +72,32 @@ pub struct SegmentUsage {
     /// For `Cleaned`: the sequence number of the newest record appended when it was
     /// emptied; the segment is not reused before that record is durable.
     pub cleaned_seq: u64,
+    /// Sequence number of the first record of this use of the segment (0: unknown, before
+    /// version 4). Replay restarts a segment only for a record at its start that is not
+    /// this one.
+    pub first_seq: u64,
+    /// Bytes of map pages in this segment that a retained checkpoint references (not
+    /// counted in `live_bytes`, which is data).
+    pub page_bytes: u64,
 }
 
 impl SegmentUsage {
-    pub const FREE: SegmentUsage =
-        SegmentUsage { state: SegmentState::Free, live_bytes: 0, end_bytes: 0, last_seq: 0, cleaned_seq: 0 };
+    pub const FREE: SegmentUsage = SegmentUsage {
+        state: SegmentState::Free,
+        live_bytes: 0,
+        end_bytes: 0,
+        last_seq: 0,
+        cleaned_seq: 0,
+        first_seq: 0,
+        page_bytes: 0,
+    };
+}
+
+/// Where the map is: its root page pointer (a packed map entry) and the tree's height.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapRoot {
+    pub height: u8,
+    pub root: u64,
 }
 
 /// The checkpoint image: everything recovery needs besides the records after it.
@@ -76,20 +108,38 @@ pub struct Checkpoint {
     pub logical_size_bytes: u64,
     pub counters: [u64; COUNTER_COUNT],
     pub segments: Vec<SegmentUsage>,
-    /// Non-unmapped map entries, ascending by LBA.
-    pub map: Vec<(u64, u64)>,
+    /// The map's pages (version 4); None in an older image, which has `legacy_map`.
+    pub map_root: Option<MapRoot>,
+    /// Blocks the map holds as stored data and as written zeroes (version 4; an older
+    /// image's map is counted when it is loaded).
+    pub stored_blocks: u64,
+    pub zero_blocks: u64,
+    /// Map page bytes per segment that this checkpoint replaced: released once the next
+    /// checkpoint is durable (the previous one still references them until then).
+    pub superseded: Vec<(u32, u64)>,
+    /// An older image's map: non-unmapped entries, ascending by LBA.
+    pub legacy_map: Vec<(u64, u64)>,
 }
 
 impl Checkpoint {
     /// The largest decoded image a store of this geometry can have: what `decode` may
-    /// allocate, checked before it does.
+    /// allocate, checked before it does. (`block_count` bounds an older image's map.)
     pub fn decoded_bytes_max(segment_count: u64, block_count: u64) -> u64 {
-        FIXED_BYTES + 8 + segment_count * SEGMENT_USAGE_BYTES + 8 + block_count * MAP_ENTRY_BYTES
+        let v4 = FIXED_BYTES + MAP_ROOT_BYTES + 8 + segment_count * (SEGMENT_USAGE_BYTES + SUPERSEDED_BYTES) + 8;
+        let v1 = FIXED_BYTES + 8 + segment_count * SEGMENT_USAGE_BYTES_V1 + 8 + block_count * MAP_ENTRY_BYTES;
+        v4.max(v1)
     }
 
-    /// Serialized and zstd-compressed.
+    /// Serialized (version 4) and zstd-compressed.
     pub fn encode(&self) -> Vec<u8> {
-        let raw_bytes = Checkpoint::decoded_bytes_max(self.segments.len() as u64, self.map.len() as u64);
+        debug_assert!(self.legacy_map.is_empty(), "older images are read, never written");
+        let map_root = self.map_root.expect("a version 4 image has a map root");
+        let raw_bytes = FIXED_BYTES
+            + MAP_ROOT_BYTES
+            + 8
+            + self.segments.len() as u64 * SEGMENT_USAGE_BYTES
+            + 8
+            + self.superseded.len() as u64 * SUPERSEDED_BYTES;
         let mut raw = Vec::with_capacity(raw_bytes as usize);
         let mut w = Writer { buf: &mut raw };
         w.u64(CHECKPOINT_MAGIC);
@@ -100,6 +150,10 @@ impl Checkpoint {
         for c in self.counters {
             w.u64(c);
         }
+        w.u8(map_root.height);
+        w.u64(map_root.root);
+        w.u64(self.stored_blocks);
+        w.u64(self.zero_blocks);
         w.u64(self.segments.len() as u64);
         for s in &self.segments {
             w.u8(s.state as u8);
@@ -107,14 +161,13 @@ impl Checkpoint {
             w.u64(s.end_bytes);
             w.u64(s.last_seq);
             w.u64(s.cleaned_seq);
+            w.u64(s.first_seq);
+            w.u64(s.page_bytes);
         }
-        w.u64(self.map.len() as u64);
-        // Delta-coded LBAs compress far better than absolute ones.
-        let mut prev_lba = 0;
-        for &(lba, entry) in &self.map {
-            w.u64(lba - prev_lba);
-            w.u64(entry);
-            prev_lba = lba;
+        w.u64(self.superseded.len() as u64);
+        for &(segment, bytes) in &self.superseded {
+            w.u32(segment);
+            w.u64(bytes);
         }
         debug_assert_eq!(raw.len() as u64, raw_bytes);
         zstd::bulk::compress(&raw, 1).expect("zstd compression of a memory buffer cannot fail")
@@ -135,9 +188,11 @@ impl Checkpoint {
             return Err(corrupt("checkpoint is larger than the store's geometry allows"));
         }
         let mut r = Reader::new(&raw, "checkpoint");
-        if r.u64()? != CHECKPOINT_MAGIC {
-            return Err(corrupt("checkpoint magic"));
-        }
+        let legacy = match r.u64()? {
+            CHECKPOINT_MAGIC => false,
+            CHECKPOINT_MAGIC_V1 => true,
+            _ => return Err(corrupt("checkpoint magic")),
+        };
         let seq = r.u64()?;
         let generation = r.u64()?;
         let logical_size_bytes = r.u64()?;
@@ -149,33 +204,79 @@ impl Checkpoint {
         for c in counters.iter_mut() {
             *c = r.u64()?;
         }
+        let (map_root, stored_blocks, zero_blocks) = if legacy {
+            (None, 0, 0)
+        } else {
+            let height = r.u8()?;
+            if height == 0 || height > crate::map::page::LEVELS_MAX {
+                return Err(corrupt(format!("checkpoint map height {height}")));
+            }
+            (Some(MapRoot { height, root: r.u64()? }), r.u64()?, r.u64()?)
+        };
         let segment_count = r.u64()?;
-        if segment_count > r.remaining() as u64 / SEGMENT_USAGE_BYTES {
+        let usage_bytes = if legacy { SEGMENT_USAGE_BYTES_V1 } else { SEGMENT_USAGE_BYTES };
+        if segment_count > r.remaining() as u64 / usage_bytes {
             return Err(corrupt("checkpoint segment count"));
         }
-        let segments = (0..segment_count).map(|_| decode_usage(&mut r)).collect::<Result<Vec<_>>>()?;
-        let map_len = r.u64()?;
-        if map_len > r.remaining() as u64 / MAP_ENTRY_BYTES {
-            return Err(corrupt("checkpoint map length"));
-        }
-        let mut map = Vec::with_capacity(map_len as usize);
-        let mut lba = 0u64;
-        for i in 0..map_len {
-            let delta = r.u64()?;
-            if i > 0 && delta == 0 {
-                return Err(corrupt("checkpoint map LBAs not ascending"));
-            }
-            lba = lba.checked_add(delta).ok_or_else(|| corrupt("checkpoint map LBA overflow"))?;
-            map.push((lba, r.u64()?));
-        }
+        let segments = (0..segment_count).map(|_| decode_usage(&mut r, legacy)).collect::<Result<Vec<_>>>()?;
+        let (superseded, legacy_map) = if legacy {
+            (Vec::new(), decode_legacy_map(&mut r)?)
+        } else {
+            (decode_superseded(&mut r, segment_count)?, Vec::new())
+        };
         if r.remaining() != 0 {
             return Err(corrupt("checkpoint has trailing bytes"));
         }
-        Ok(Checkpoint { seq, generation, logical_size_bytes, counters, segments, map })
+        Ok(Checkpoint {
+            seq,
+            generation,
+            logical_size_bytes,
+            counters,
+            segments,
+            map_root,
+            stored_blocks,
+            zero_blocks,
+            superseded,
+            legacy_map,
+        })
     }
 }
 
-fn decode_usage(r: &mut Reader<'_>) -> Result<SegmentUsage> {
+fn decode_superseded(r: &mut Reader<'_>, segment_count: u64) -> Result<Vec<(u32, u64)>> {
+    let count = r.u64()?;
+    if count > r.remaining() as u64 / SUPERSEDED_BYTES {
+        return Err(corrupt("checkpoint superseded count"));
+    }
+    let mut out = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let segment = r.u32()?;
+        if segment as u64 >= segment_count {
+            return Err(corrupt("checkpoint superseded pages in a segment past the end"));
+        }
+        out.push((segment, r.u64()?));
+    }
+    Ok(out)
+}
+
+fn decode_legacy_map(r: &mut Reader<'_>) -> Result<Vec<(u64, u64)>> {
+    let map_len = r.u64()?;
+    if map_len > r.remaining() as u64 / MAP_ENTRY_BYTES {
+        return Err(corrupt("checkpoint map length"));
+    }
+    let mut map = Vec::with_capacity(map_len as usize);
+    let mut lba = 0u64;
+    for i in 0..map_len {
+        let delta = r.u64()?;
+        if i > 0 && delta == 0 {
+            return Err(corrupt("checkpoint map LBAs not ascending"));
+        }
+        lba = lba.checked_add(delta).ok_or_else(|| corrupt("checkpoint map LBA overflow"))?;
+        map.push((lba, r.u64()?));
+    }
+    Ok(map)
+}
+
+fn decode_usage(r: &mut Reader<'_>, legacy: bool) -> Result<SegmentUsage> {
     let state = match r.u8()? {
         0 => SegmentState::Free,
         1 => SegmentState::Open,
@@ -183,7 +284,19 @@ fn decode_usage(r: &mut Reader<'_>) -> Result<SegmentUsage> {
         3 => SegmentState::Cleaned,
         s => return Err(corrupt(format!("segment state {s}"))),
     };
-    Ok(SegmentUsage { state, live_bytes: r.u64()?, end_bytes: r.u64()?, last_seq: r.u64()?, cleaned_seq: r.u64()? })
+    let mut usage = SegmentUsage {
+        state,
+        live_bytes: r.u64()?,
+        end_bytes: r.u64()?,
+        last_seq: r.u64()?,
+        cleaned_seq: r.u64()?,
+        ..SegmentUsage::FREE
+    };
+    if !legacy {
+        usage.first_seq = r.u64()?;
+        usage.page_bytes = r.u64()?;
+    }
+    Ok(usage)
 }
 
 #[cfg(test)]
@@ -203,8 +316,14 @@ mod tests {
                 end_bytes: 6,
                 last_seq: 7,
                 cleaned_seq: 0,
+                first_seq: 3,
+                page_bytes: 4,
             }],
-            map: vec![(0, 1), (5, 2), (99, 3)],
+            map_root: Some(MapRoot { height: 2, root: 0x1234_5003 }),
+            stored_blocks: 8,
+            zero_blocks: 9,
+            superseded: vec![(0, 77)],
+            legacy_map: Vec::new(),
         }
     }
 
@@ -216,10 +335,40 @@ mod tests {
 
     #[test]
     fn a_checkpoint_larger_than_the_geometry_allows_is_refused_before_it_is_held() {
-        let cp = sample();
-        // The geometry says 2 mapped blocks at most: three entries cannot be ours.
-        let err = Checkpoint::decode(&cp.encode(), Checkpoint::decoded_bytes_max(1, 2)).unwrap_err();
+        let cp = Checkpoint { segments: vec![SegmentUsage::FREE; 40], ..sample() };
+        // The geometry says 1 segment: forty cannot be ours.
+        let err = Checkpoint::decode(&cp.encode(), Checkpoint::decoded_bytes_max(1, 0)).unwrap_err();
         assert!(err.to_string().contains("larger than"), "{err}");
+    }
+
+    #[test]
+    fn an_older_image_decodes_with_its_map() {
+        // A version 1 image as versions 1-3 wrote it: one segment, two map entries.
+        let mut raw = Vec::new();
+        let mut w = Writer { buf: &mut raw };
+        w.u64(CHECKPOINT_MAGIC_V1);
+        for v in [9, 2, 4096 * 10] {
+            w.u64(v);
+        }
+        w.u32(COUNTER_COUNT as u32);
+        for _ in 0..COUNTER_COUNT {
+            w.u64(1);
+        }
+        w.u64(1);
+        w.u8(2);
+        for v in [5, 6, 7, 0] {
+            w.u64(v);
+        }
+        w.u64(2);
+        for v in [3, 0x55, 4, 0x66] {
+            w.u64(v);
+        }
+        let compressed = zstd::bulk::compress(&raw, 1).unwrap();
+        let cp = Checkpoint::decode(&compressed, Checkpoint::decoded_bytes_max(1, 10)).unwrap();
+        assert_eq!(cp.map_root, None);
+        assert_eq!(cp.legacy_map, vec![(3, 0x55), (7, 0x66)]);
+        assert_eq!(cp.segments[0].live_bytes, 5);
+        assert_eq!(cp.segments[0].first_seq, 0);
     }
 
     proptest! {

@@ -16,7 +16,7 @@ pub mod v2 {
 }
 mod record_v2;
 
-pub use checkpoint::{Checkpoint, SegmentState, SegmentUsage, COUNTER_ORDER};
+pub use checkpoint::{Checkpoint, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER};
 pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 pub use record::{
     decode_tail, relocate_entries_from_damaged_tail, BatchEntry, Head, RecordBody, RecordHeader, RecordKind,
@@ -27,16 +27,17 @@ pub use superblock::{ChunkRef, Superblock, CHUNK_REFS_MAX, SUPERBLOCK_SLOT_BYTES
 
 use crate::error::{Error, ErrorKind, Result};
 
-/// 3: records with a head and a tail, fragments with protection information, durable
-/// stamps. Versions 1 and 2 are read, and upgraded when opened for writing
-/// (`docs/format.md`, "Version history").
-pub const FORMAT_VERSION: u32 = 3;
+/// 4: the block map in pages on the store, checkpoints that point at them, segment links.
+/// Versions 1–3 are read, and upgraded when opened for writing (`docs/format.md`,
+/// "Version history").
+pub const FORMAT_VERSION: u32 = 4;
 
 /// Segments start here (the superblock area is padded to 1 MiB for alignment).
 pub const DATA_START_BYTES: u64 = 1 << 20;
 
-/// The largest logical size a store may have: 2^46 bytes (64 TiB).
-pub const LOGICAL_SIZE_MAX_BYTES: u64 = 1 << 46;
+/// The largest logical size a store may have: 2^60 bytes (1 EiB; 2^48 blocks, what a
+/// fragment's and an entry's 48-bit LBA can name).
+pub const LOGICAL_SIZE_MAX_BYTES: u64 = 1 << 60;
 
 /// Appends little-endian fields to a buffer.
 pub(crate) struct Writer<'a> {

@@ -76,7 +76,17 @@ pub enum RecordKind {
     /// written, which proves the records before it were not torn (written when the store
     /// goes idle after a flush).
     Marker = 8,
+    /// Map pages a checkpoint wrote: entries like a batch's, with a page id where a batch
+    /// has an LBA (`map::page`).
+    MapPages = 9,
+    /// The first record of every segment: which segment the log continues in after this
+    /// one (the start LBA field; all ones if none was free). Recovery follows it instead of
+    /// reading every segment's start.
+    Link = 10,
 }
+
+/// A link record's "no segment was free when this one opened".
+pub const LINK_NONE: u64 = u64::MAX;
 
 impl RecordKind {
     pub fn from_u8(v: u8) -> Result<RecordKind> {
@@ -89,6 +99,8 @@ impl RecordKind {
             6 => RecordKind::Batch,
             7 => RecordKind::Relocate,
             8 => RecordKind::Marker,
+            9 => RecordKind::MapPages,
+            10 => RecordKind::Link,
             _ => return Err(corrupt(format!("unknown record kind {v}"))),
         })
     }
@@ -97,7 +109,7 @@ impl RecordKind {
     fn entry_bytes(self) -> usize {
         match self {
             RecordKind::Write => WRITE_ENTRY_BYTES,
-            RecordKind::Batch => BATCH_ENTRY_BYTES,
+            RecordKind::Batch | RecordKind::MapPages => BATCH_ENTRY_BYTES,
             RecordKind::Relocate => RELOCATE_ENTRY_BYTES,
             _ => 0,
         }
@@ -161,29 +173,70 @@ pub struct BatchEntry {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RecordBody {
-    Write { start_lba: Lba, fragments: Vec<FragmentEntry> },
-    Trim { start_lba: Lba, block_count: u64 },
-    Zero { start_lba: Lba, block_count: u64 },
-    Relocate { entries: Vec<RelocateEntry> },
+    Write {
+        start_lba: Lba,
+        fragments: Vec<FragmentEntry>,
+    },
+    Trim {
+        start_lba: Lba,
+        block_count: u64,
+    },
+    Zero {
+        start_lba: Lba,
+        block_count: u64,
+    },
+    Relocate {
+        entries: Vec<RelocateEntry>,
+    },
     Checkpoint,
-    Batch { entries: Vec<BatchEntry> },
+    Batch {
+        entries: Vec<BatchEntry>,
+    },
     Marker,
+    /// Map page fragments; each entry's `lba` is the page's id as a tag (`PageId::tag`).
+    MapPages {
+        entries: Vec<BatchEntry>,
+    },
+    Link {
+        next_segment: Option<u32>,
+    },
 }
 
 impl RecordBody {
-    /// The fragments a record's payload holds, in payload order, with the LBA each is for
-    /// (none for records without payload fragments).
+    /// The data fragments a record's payload holds, in payload order, with the LBA each is
+    /// for (none for records without them; map pages are not data, see
+    /// [`RecordBody::payload_fragments`]).
     pub fn fragments(&self) -> Vec<(Lba, FragmentEntry)> {
+        match self {
+            RecordBody::MapPages { .. } => Vec::new(),
+            _ => self.payload_fragments(),
+        }
+    }
+
+    /// Every fragment in the payload, data or map page, with its LBA or page tag.
+    pub fn payload_fragments(&self) -> Vec<(Lba, FragmentEntry)> {
         match self {
             RecordBody::Write { start_lba, fragments } => {
                 fragments.iter().enumerate().map(|(i, f)| (start_lba.plus(i as u64), *f)).collect()
             }
             RecordBody::Relocate { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
-            RecordBody::Batch { entries } => entries.iter().map(|e| (e.lba, e.fragment)).collect(),
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint | RecordBody::Marker => {
-                Vec::new()
+            RecordBody::Batch { entries } | RecordBody::MapPages { entries } => {
+                entries.iter().map(|e| (e.lba, e.fragment)).collect()
             }
+            RecordBody::Trim { .. }
+            | RecordBody::Zero { .. }
+            | RecordBody::Checkpoint
+            | RecordBody::Marker
+            | RecordBody::Link { .. } => Vec::new(),
         }
+    }
+
+    /// Records that change no map entry when applied (the log's own bookkeeping).
+    pub fn maps_nothing(&self) -> bool {
+        matches!(
+            self,
+            RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. }
+        )
     }
 
     pub fn kind(&self) -> RecordKind {
@@ -195,6 +248,8 @@ impl RecordBody {
             RecordBody::Checkpoint => RecordKind::Checkpoint,
             RecordBody::Batch { .. } => RecordKind::Batch,
             RecordBody::Marker => RecordKind::Marker,
+            RecordBody::MapPages { .. } => RecordKind::MapPages,
+            RecordBody::Link { .. } => RecordKind::Link,
         }
     }
 
@@ -206,20 +261,22 @@ impl RecordBody {
                 (*start_lba, *block_count)
             }
             RecordBody::Relocate { entries } => (Lba(0), entries.len() as u64),
-            RecordBody::Batch { entries } => (Lba(0), entries.len() as u64),
+            RecordBody::Batch { entries } | RecordBody::MapPages { entries } => (Lba(0), entries.len() as u64),
             RecordBody::Checkpoint | RecordBody::Marker => (Lba(0), 0),
+            RecordBody::Link { next_segment } => (Lba(next_segment.map_or(LINK_NONE, u64::from)), 0),
         }
     }
 
-    /// Sum of the fragments' stored lengths (the payload length of a data record).
+    /// Sum of the payload fragments' stored lengths (the payload length of a record that
+    /// carries fragments).
     pub fn fragment_bytes(&self) -> u64 {
-        self.fragments().iter().map(|(_, f)| f.stored_len as u64).sum()
+        self.payload_fragments().iter().map(|(_, f)| f.stored_len as u64).sum()
     }
 
     fn encode_entries(&self, w: &mut Writer<'_>) {
         match self {
             RecordBody::Write { fragments, .. } => fragments.iter().for_each(|f| w.u16(f.packed())),
-            RecordBody::Batch { entries } => entries.iter().for_each(|e| {
+            RecordBody::Batch { entries } | RecordBody::MapPages { entries } => entries.iter().for_each(|e| {
                 w.u48(e.lba.0);
                 w.u16(e.fragment.packed());
             }),
@@ -238,7 +295,11 @@ impl RecordBody {
                 w.buf.extend_from_slice(&one);
                 w.buf.extend_from_slice(&one);
             }
-            RecordBody::Trim { .. } | RecordBody::Zero { .. } | RecordBody::Checkpoint | RecordBody::Marker => {}
+            RecordBody::Trim { .. }
+            | RecordBody::Zero { .. }
+            | RecordBody::Checkpoint
+            | RecordBody::Marker
+            | RecordBody::Link { .. } => {}
         }
     }
 }
@@ -337,10 +398,13 @@ impl Head {
                 fragments: r
                     .entries(count, WRITE_ENTRY_BYTES, "write record entries", |r| FragmentEntry::unpack(r.u16()?))?,
             },
-            RecordKind::Batch => RecordBody::Batch {
-                entries: r.entries(count, BATCH_ENTRY_BYTES, "batch record entries", |r| {
-                    Ok(BatchEntry { lba: Lba(r.u48()?), fragment: FragmentEntry::unpack(r.u16()?)? })
-                })?,
+            RecordKind::Batch => RecordBody::Batch { entries: batch_entries(&mut r, count)? },
+            RecordKind::MapPages => RecordBody::MapPages { entries: batch_entries(&mut r, count)? },
+            RecordKind::Link => RecordBody::Link {
+                next_segment: match self.start_lba.0 {
+                    LINK_NONE => None,
+                    s => Some(u32::try_from(s).map_err(|_| corrupt("link to a segment past any store's end"))?),
+                },
             },
             RecordKind::Relocate => RecordBody::Relocate { entries: first_relocate_copy(entry_bytes, count)? },
             RecordKind::Trim => RecordBody::Trim { start_lba: self.start_lba, block_count: count },
@@ -353,7 +417,7 @@ impl Head {
             return Err(corrupt("record tail has bytes its entries do not use"));
         }
         let fragment_bytes = body.fragment_bytes();
-        if !body.fragments().is_empty() && fragment_bytes != self.payload_len as u64 {
+        if !body.payload_fragments().is_empty() && fragment_bytes != self.payload_len as u64 {
             return Err(corrupt("record payload length disagrees with its entries"));
         }
         Ok(body)
@@ -424,6 +488,13 @@ impl RecordHeader {
         debug_assert_eq!(tail.len(), self.tail_len());
         EncodedRecord { head: head.try_into().expect("64 bytes"), tail, crc }
     }
+}
+
+/// Batch-shaped entries: LBA (or page tag) u48, fragment u16.
+fn batch_entries(r: &mut Reader<'_>, count: u64) -> Result<Vec<BatchEntry>> {
+    r.entries(count, BATCH_ENTRY_BYTES, "batch record entries", |r| {
+        Ok(BatchEntry { lba: Lba(r.u48()?), fragment: FragmentEntry::unpack(r.u16()?)? })
+    })
 }
 
 /// The entries of one checksummed copy of a relocation's entries.
@@ -535,6 +606,11 @@ mod tests {
             RecordBody::Zero { start_lba: Lba(0), block_count: 1 },
             RecordBody::Checkpoint,
             RecordBody::Marker,
+            RecordBody::MapPages {
+                entries: vec![BatchEntry { lba: Lba(1 << 45 | 3), fragment: f(900, CodecTag::Zstd) }],
+            },
+            RecordBody::Link { next_segment: Some(77) },
+            RecordBody::Link { next_segment: None },
         ]
     }
 
@@ -591,7 +667,7 @@ mod tests {
         }
 
         #[test]
-        fn any_flipped_bit_of_a_head_or_tail_is_caught(which in 0usize..7, index in 0usize..400, bit in 0u8..8) {
+        fn any_flipped_bit_of_a_head_or_tail_is_caught(which in 0usize..10, index in 0usize..400, bit in 0u8..8) {
             let encoded = sample(bodies()[which].clone()).encode();
             let mut head = encoded.head;
             let i = index % head.len();

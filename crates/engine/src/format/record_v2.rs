@@ -160,7 +160,9 @@ fn decode_body(kind: RecordKind, lba: Lba, count: u64, r: &mut Reader<'_>) -> Re
                 _ => RecordBody::Checkpoint,
             }
         }
-        RecordKind::Marker => return Err(corrupt("a version 3 record kind in a version 2 header")),
+        RecordKind::Marker | RecordKind::MapPages | RecordKind::Link => {
+            return Err(corrupt("a version 3 record kind in a version 2 header"))
+        }
     })
 }
 
@@ -230,7 +232,9 @@ pub fn encode(header: &RecordHeader, out: &mut Vec<u8>) -> u32 {
         }
         RecordBody::Relocate { entries } => (0, entries.len() as u64),
         RecordBody::Batch { entries } => (0, entries.len() as u64),
-        RecordBody::Checkpoint | RecordBody::Marker => (0, 0),
+        RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. } => {
+            unreachable!("version 3 record kinds are never encoded in version 2")
+        }
     };
     w.u64(lba);
     w.u32(count as u32);

@@ -44,6 +44,7 @@ impl Inner {
     /// reserve (`SpaceClass::TrimWhileFull`).
     pub(crate) fn admit(&self, ops: &[Op], mut class: SpaceClass) -> Result<Admitted> {
         debug_assert!(!class.is_internal(), "only host requests wait for space");
+        self.wait_for_map_memory()?;
         let mut rounds = 0;
         let mut stalled_rounds = 0;
         loop {
@@ -69,6 +70,16 @@ impl Inner {
                 return Err(Error::new(ErrorKind::NoSpace, message));
             }
         }
+    }
+
+    /// When the map's changes reached their memory limit (the background checkpoint fell
+    /// behind, or there is no background thread), a writer writes the checkpoint itself
+    /// before it adds more.
+    fn wait_for_map_memory(&self) -> Result<()> {
+        if !self.map.read().must_checkpoint() {
+            return Ok(());
+        }
+        self.checkpoint_when(|| self.map.read().must_checkpoint())
     }
 
     /// One round of foreground GC for a writer that lacks `shortfall_bytes`: clean a few

@@ -13,10 +13,11 @@
 //! meet records written before a shrink.
 
 use super::op::RangeKind;
-use super::segments::{Change, SegmentTable};
+use super::segments::{account_entry, BlockCounts, SegmentTable};
 use super::state::Geometry;
-use crate::format::{FragmentFormat, RecordBody};
-use crate::map::{Map, PackedEntry};
+use crate::error::Result;
+use crate::format::{FragmentFormat, RecordBody, SegmentUsage};
+use crate::map::{Accounting, Delta, PackedEntry, PageSource, PagedMap};
 use crate::types::Lba;
 
 /// The LBAs whose map entry a record sets (not relocations: a copy does not make a block
@@ -29,7 +30,42 @@ pub(crate) fn lbas_set(body: &RecordBody) -> Vec<(Lba, u64)> {
         RecordBody::Trim { start_lba, block_count } | RecordBody::Zero { start_lba, block_count } => {
             vec![(*start_lba, *block_count)]
         }
-        RecordBody::Relocate { .. } | RecordBody::Checkpoint | RecordBody::Marker => Vec::new(),
+        _ => Vec::new(),
+    }
+}
+
+/// The live segment table as the map's accounting.
+pub(crate) struct Live<'a> {
+    pub segments: &'a mut SegmentTable,
+    pub geometry: &'a Geometry,
+}
+
+impl Accounting for Live<'_> {
+    fn entry(&mut self, entry: PackedEntry, delta: Delta) {
+        let geometry = self.geometry;
+        self.segments.account(entry, delta, |o| geometry.segment_of(o));
+    }
+
+    fn constant(&mut self, value: PackedEntry, blocks: u64, delta: Delta) {
+        self.segments.counts.constant(value, blocks, delta);
+    }
+}
+
+/// A checkpoint's own copy of the table, which its frozen changes are settled into.
+pub(crate) struct SnapshotAccount<'a> {
+    pub usage: &'a mut [SegmentUsage],
+    pub counts: &'a mut BlockCounts,
+    pub geometry: &'a Geometry,
+}
+
+impl Accounting for SnapshotAccount<'_> {
+    fn entry(&mut self, entry: PackedEntry, delta: Delta) {
+        let geometry = self.geometry;
+        account_entry(self.usage, self.counts, entry, delta, |o| geometry.segment_of(o));
+    }
+
+    fn constant(&mut self, value: PackedEntry, blocks: u64, delta: Delta) {
+        self.counts.constant(value, blocks, delta);
     }
 }
 
@@ -41,22 +77,17 @@ pub(crate) struct Applied {
 }
 
 /// Applies `body`, whose payload (fragments of `format`) starts at byte address
-/// `payload_offset_bytes`, to the map.
+/// `payload_offset_bytes`, to the map. Fails only if a map page cannot be read.
 pub(crate) fn apply_record(
-    map: &Map,
-    segments: &mut SegmentTable,
-    geometry: &Geometry,
+    map: &PagedMap,
+    live: &mut Live<'_>,
+    src: &dyn PageSource,
     body: &RecordBody,
     format: FragmentFormat,
     payload_offset_bytes: u64,
-) -> Applied {
+) -> Result<Applied> {
     let mut applied = Applied::default();
     let block_count = map.block_count();
-    let publish = |lba: Lba, new: PackedEntry, segments: &mut SegmentTable| {
-        let old = map.swap(lba, new);
-        segments.account(old, Change::Remove, |o| geometry.segment_of(o));
-        segments.account(new, Change::Add, |o| geometry.segment_of(o));
-    };
     match body {
         RecordBody::Write { .. } | RecordBody::Batch { .. } => {
             let mut at = payload_offset_bytes;
@@ -64,15 +95,15 @@ pub(crate) fn apply_record(
                 let new = PackedEntry::of_fragment(at, fragment, format);
                 at += fragment.stored_len as u64;
                 if lba.0 < block_count {
-                    publish(lba, new, segments);
+                    map.set(lba, new, live);
                 }
             }
         }
         RecordBody::Trim { start_lba, block_count: count } | RecordBody::Zero { start_lba, block_count: count } => {
             let kind = if matches!(body, RecordBody::Zero { .. }) { RangeKind::Zero } else { RangeKind::Trim };
-            let end = start_lba.0.saturating_add(*count).min(block_count);
-            for lba in start_lba.0..end {
-                publish(Lba(lba), kind.entry(), segments);
+            if start_lba.0 < block_count {
+                let count = (*count).min(block_count - start_lba.0);
+                map.set_range(*start_lba, count, kind.entry(), live, src)?;
             }
         }
         RecordBody::Relocate { entries } => {
@@ -89,14 +120,12 @@ pub(crate) fn apply_record(
                     continue;
                 }
                 let old = PackedEntry::of_fragment(e.old_offset_bytes, old_fragment, e.old_format);
-                if map.compare_swap(e.lba, old, new) {
-                    segments.account(old, Change::Remove, |o| geometry.segment_of(o));
-                    segments.account(new, Change::Add, |o| geometry.segment_of(o));
+                if map.compare_swap(e.lba, old, new, live, src)? {
                     applied.relocated_bytes += e.fragment.stored_len as u64;
                 }
             }
         }
-        RecordBody::Checkpoint | RecordBody::Marker => {}
+        RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. } => {}
     }
-    applied
+    Ok(applied)
 }

@@ -1,18 +1,28 @@
-//! `check`: reads the whole log, past any damage, and verifies every record and every
-//! fragment in it (read from the disk, never the read cache); then every map entry points
-//! at a fragment that verified, with its length and codec, for its own LBA; then the segment table's live bytes agree
-//! with what the map references. Damage recovery found is reported too. Each problem comes
-//! with its byte offset and the LBAs it affects where they are known.
+//! `check`: walks the whole map (every page, with its changes), then reads every used
+//! segment — on all cores, each segment in one sequential read — and verifies every record
+//! and every fragment in it (from the disk, never the read cache), noting which fragments
+//! the map points at. Then: every map entry points at a fragment that verified (the bytes
+//! the map references in each segment equal the bytes of verified live fragments found
+//! there), the segment table's live bytes equal what the map references, and its page bytes
+//! equal the pages of the current map plus those the newest checkpoint replaced. Damage
+//! recovery found is reported too. Each problem comes with its byte offset and the LBAs it
+//! affects where they are known.
+//!
+//! Memory is per segment, not per block; the map is read through its cache. Check expects
+//! no host writes meanwhile (`zdisk check` opens the store read-only); it holds the
+//! checkpoint lock, so GC and checkpoints wait for it.
 
-use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex as StdMutex;
 
 use super::options::{CheckReport, DamageReport};
-use super::read::ReadCache;
+use super::read::verify_fragment;
 use super::scan::{parse_segment, FoundRecord};
 use super::state::{new_buffer, round_up, Inner};
 use crate::error::Result;
 use crate::format::{RecordKind, SegmentState, SegmentUsage};
-use crate::map::{Entry, Map, PackedEntry, Stored};
+use crate::map::page::PageId;
+use crate::map::{span_blocks, Entry, PackedEntry, Stored, WalkItem};
 use crate::types::{Lba, SegmentId};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -23,12 +33,128 @@ impl CheckReport {
     }
 }
 
+/// What the map walk found, per segment.
+struct MapTotals {
+    /// Fragment bytes map entries point at.
+    live: Vec<u64>,
+    /// Bytes of the current map's pages.
+    pages: Vec<u64>,
+    stored: u64,
+    zero: u64,
+}
+
+/// What the segment scan found, per segment: bytes of verified fragments the map points at.
+struct ScanTotals {
+    found_live: Vec<AtomicU64>,
+    records: AtomicU64,
+}
+
 impl Inner {
     pub(crate) fn check(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<CheckReport> {
         if self.check_writable().is_ok() {
             self.flush()?;
         }
+        let _checkpoint = self.checkpoint.lock();
         let mut report = CheckReport::default();
+        self.report_recovery(&mut report);
+        self.check_checkpoints(&mut report);
+        self.settle_owed()?;
+        let segments = self.log.lock().segments.snapshot();
+        let buffered = self.unwritten_segments();
+        let block_count = self.map.read().block_count();
+        let leaves = block_count.div_ceil(span_blocks(0));
+        let total = leaves + segments.len() as u64;
+        let mut map_totals = self.check_map(&mut report, &mut |done| progress(done, total))?;
+        self.add_owed_walks(&mut map_totals)?;
+        let scan = ScanTotals {
+            found_live: (0..segments.len()).map(|_| AtomicU64::new(0)).collect(),
+            records: AtomicU64::new(0),
+        };
+        let shared = StdMutex::new(CheckReport::default());
+        let next = AtomicU64::new(0);
+        let done = AtomicU64::new(0);
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(16);
+        std::thread::scope(|scope| {
+            for _ in 0..threads {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(usage) = segments.get(i) else { break };
+                    let id = SegmentId(i as u32);
+                    let used = matches!(usage.state, SegmentState::Sealed | SegmentState::Open) && usage.end_bytes > 0;
+                    if used && !buffered.contains(&id) {
+                        let mut local = CheckReport::default();
+                        self.check_segment(id, usage, &scan, &mut local);
+                        let mut shared = shared.lock().expect("check report");
+                        shared.problems.append(&mut local.problems);
+                        shared.damage.append(&mut local.damage);
+                        shared.notes.append(&mut local.notes);
+                    }
+                    done.fetch_add(1, Ordering::Relaxed);
+                });
+            }
+            // Progress comes from this thread (the callback need not be thread-safe).
+            while done.load(Ordering::Relaxed) < segments.len() as u64 {
+                progress(leaves + done.load(Ordering::Relaxed), total);
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let mut scanned = shared.into_inner().expect("check report");
+        report.problems.append(&mut scanned.problems);
+        report.damage.append(&mut scanned.damage);
+        report.notes.append(&mut scanned.notes);
+        report.records_checked = scan.records.load(Ordering::Relaxed);
+        report.blocks_checked = map_totals.stored;
+        self.compare_accounting(&segments, &buffered, &map_totals, &scan, &mut report)?;
+        progress(total, total);
+        Ok(report)
+    }
+
+    /// Makes every owed removal of the map's leaf changes (reading their pages), so the
+    /// table counts exactly what the map references.
+    fn settle_owed(&self) -> Result<()> {
+        let leaves = self.map.read().unsettled_leaves();
+        for batch in leaves.chunks(256) {
+            self.map.read().pin_loaded(batch, self)?;
+            {
+                let mut log = self.log.lock();
+                let map = self.map.read();
+                map.settle(batch, &mut super::apply::Live { segments: &mut log.segments, geometry: &self.geometry });
+            }
+            self.map.read().unpin(batch);
+        }
+        Ok(())
+    }
+
+    /// Subtrees replaced by a constant whose old contents the next checkpoint removes: the
+    /// table still counts their entries and pages.
+    fn add_owed_walks(&self, totals: &mut MapTotals) -> Result<()> {
+        let walks = self.map.read().owed_walks();
+        for (id, pointer) in walks {
+            crate::map::walk_subtree(id, pointer, self, &mut |visit| match visit {
+                crate::map::Visit::Page(s) => {
+                    totals.pages[self.geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64
+                }
+                crate::map::Visit::Leaf(body) => {
+                    for &v in body.iter() {
+                        match PackedEntry(v).unpack() {
+                            Ok(Entry::Stored(s)) => {
+                                totals.live[self.geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64;
+                                totals.stored += 1;
+                            }
+                            Ok(Entry::Zero) => totals.zero += 1,
+                            _ => {}
+                        }
+                    }
+                }
+                crate::map::Visit::Constant(value, blocks) if value == PackedEntry::ZERO => totals.zero += blocks,
+                crate::map::Visit::Constant(..) | crate::map::Visit::Damaged(..) => {}
+            })?;
+        }
+        Ok(())
+    }
+
+    /// What recovery found damaged.
+    fn report_recovery(&self, report: &mut CheckReport) {
         for damaged in self.recovery.get().map_or(&[][..], |r| &r.damaged[..]) {
             if damaged.torn_tail || damaged.maps_nothing {
                 report.notes.push(format!(
@@ -40,41 +166,6 @@ impl Inner {
             let lbas = damaged.lbas.iter().map(|(lba, n)| (lba.0, *n)).collect();
             report.problem(damaged.offset_bytes, format!("found at recovery: {}", damaged.what), lbas);
         }
-        self.check_checkpoints(&mut report);
-        // The accounting is compared under the log lock, under which every map change
-        // happens: background GC may be moving fragments while check runs.
-        let (segments, buffered, mapped_live) = {
-            let log = self.log.lock();
-            (log.segments.snapshot(), self.unwritten_segments(), self.live_bytes_by_segment(&self.map.read()))
-        };
-        let map = self.map.read();
-        let total = segments.len() as u64 + map.block_count();
-        let mut verified: HashSet<(u64, u64)> = HashSet::new();
-        for (id, s) in segments.iter().enumerate() {
-            progress(id as u64, total);
-            let id = SegmentId(id as u32);
-            if matches!(s.state, SegmentState::Sealed | SegmentState::Open)
-                && s.end_bytes > 0
-                && !buffered.contains(&id)
-            {
-                self.check_segment(id, s, &map, &mut verified, &mut report);
-            }
-        }
-        self.check_map(&map, &verified, segments.len(), &mut report, progress);
-        for (id, s) in segments.iter().enumerate() {
-            if mapped_live[id] != s.live_bytes {
-                report.problem(
-                    self.geometry.segment_base(SegmentId(id as u32)),
-                    format!(
-                        "segment {id}: usage table says {} live bytes, the map references {}",
-                        s.live_bytes, mapped_live[id]
-                    ),
-                    Vec::new(),
-                );
-            }
-        }
-        progress(total, total);
-        Ok(report)
     }
 
     /// The retained checkpoints (both superblock slots) load.
@@ -91,15 +182,61 @@ impl Inner {
         }
     }
 
-    /// Every record of a used segment, past damage, and every fragment in them.
-    fn check_segment(
-        &self,
-        id: SegmentId,
-        usage: &SegmentUsage,
-        map: &Map,
-        verified: &mut HashSet<(u64, u64)>,
-        report: &mut CheckReport,
-    ) {
+    /// Walks the whole map: what it references per segment, its pages, and entries lost to
+    /// damage.
+    fn check_map(&self, report: &mut CheckReport, progress: &mut dyn FnMut(u64)) -> Result<MapTotals> {
+        let n = self.geometry.segment_count as usize;
+        let mut totals = MapTotals { live: vec![0; n], pages: vec![0; n], stored: 0, zero: 0 };
+        let map = self.map.read();
+        let block_count = map.block_count();
+        let mut lost: Vec<(u64, u64)> = Vec::new();
+        let geometry = &self.geometry;
+        let mut leaves_done = 0u64;
+        let mut note = |lba: u64, blocks: u64, entry: PackedEntry, totals: &mut MapTotals| match entry.unpack() {
+            Ok(Entry::Stored(s)) => {
+                totals.live[geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64;
+                totals.stored += blocks;
+            }
+            Ok(Entry::Zero) => totals.zero += blocks,
+            Ok(Entry::Lost) | Err(_) => match lost.last_mut() {
+                Some((start, n)) if *start + *n == lba => *n += blocks,
+                _ => lost.push((lba, blocks)),
+            },
+            Ok(Entry::Unmapped) => {}
+        };
+        map.walk_current(0, block_count, self, &mut |item| {
+            match item {
+                WalkItem::Leaf(id, body) => {
+                    let start = id.first_lba().0;
+                    for (slot, &value) in body.iter().enumerate() {
+                        if start + slot as u64 >= block_count {
+                            break;
+                        }
+                        note(start + slot as u64, 1, PackedEntry(value), &mut totals);
+                    }
+                    leaves_done += 1;
+                    if leaves_done.is_multiple_of(64) {
+                        progress(id.index);
+                    }
+                }
+                WalkItem::Constant(from, to, value) => note(from, to - from, value, &mut totals),
+                WalkItem::Page(s) => totals.pages[geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64,
+            }
+            Ok(())
+        })?;
+        for (start, blocks) in lost {
+            report.problem(
+                0,
+                format!("blocks {start}..{}: lost with damaged metadata (they read as EIO)", start + blocks),
+                vec![(start, blocks)],
+            );
+        }
+        Ok(totals)
+    }
+
+    /// Every record of a used segment, past damage, and every fragment in them; adds the
+    /// verified fragments the map points at to the scan totals.
+    fn check_segment(&self, id: SegmentId, usage: &SegmentUsage, scan: &ScanTotals, report: &mut CheckReport) {
         let base = self.geometry.segment_base(id);
         let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
         if let Err(e) = self.backing.read_at(base, &mut image) {
@@ -107,7 +244,7 @@ impl Inner {
             return;
         }
         let (records, damaged) = parse_segment(&image, base, self.geometry.store_tag);
-        report.records_checked += records.len() as u64;
+        scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
         let damaged_ranges = damaged.len();
         for (start, end) in damaged {
             report.problem(
@@ -132,10 +269,10 @@ impl Inner {
         let last_offset = records.last().map(|r| r.offset_bytes);
         for record in &records {
             // The segment's last record, complete, with nothing after it: a write a crash
-            // tore (the next records went to a fresh segment). Nothing is lost.
-            // (A damaged checkpoint chunk maps nothing: if a retained superblock needs it,
-            // `check_checkpoints` reports that.)
-            let maps_nothing = matches!(record.header.kind(), RecordKind::Checkpoint | RecordKind::Marker);
+            // tore (the next records went to a fresh segment). Nothing is lost. (A damaged
+            // record that maps nothing changes nothing; a retained checkpoint that needs a
+            // damaged chunk is reported by `check_checkpoints`.)
+            let maps_nothing = record.header.body.maps_nothing() || record.header.kind() == RecordKind::Checkpoint;
             let torn_tail = maps_nothing || Some(record.offset_bytes) == last_offset && damaged_ranges == 0;
             if record.damage.any() && torn_tail {
                 report.notes.push(format!(
@@ -158,95 +295,166 @@ impl Inner {
                     lbas,
                 );
             }
-            self.check_fragments(record, &image, base, map, verified, report);
         }
+        self.check_fragments(id, &records, &image, base, scan, report);
     }
 
-    /// Decodes every fragment of a record and checks its guard and protection information.
+    /// Decodes every data fragment of a segment's records, checks its guard and protection
+    /// information, and whether the map points at it (its leaves read a batch at a time).
     fn check_fragments(
         &self,
-        record: &FoundRecord,
+        id: SegmentId,
+        records: &[FoundRecord],
         image: &[u8],
         base: u64,
-        map: &Map,
-        verified: &mut HashSet<(u64, u64)>,
+        scan: &ScanTotals,
         report: &mut CheckReport,
     ) {
-        let format = record.header.version.fragment_format();
+        let mut fragments: Vec<(Lba, Stored)> = Vec::new();
+        for record in records {
+            let format = record.header.version.fragment_format();
+            let mut at = record.payload_offset_bytes;
+            for (lba, fragment) in record.header.body.fragments() {
+                if !fragment.is_zero_block(format) {
+                    let stored =
+                        Stored { offset_bytes: at, stored_len: fragment.stored_len, codec: fragment.codec, format };
+                    fragments.push((lba, stored));
+                }
+                at += fragment.stored_len as u64;
+            }
+        }
+        let mut leaves: Vec<PageId> = fragments.iter().map(|(lba, _)| PageId::leaf_of(*lba).0).collect();
+        leaves.sort_unstable();
+        leaves.dedup();
+        let block_count = self.map.read().block_count();
         let mut block = vec![0u8; BLOCK_SIZE];
-        let mut at = record.payload_offset_bytes;
-        for (lba, fragment) in record.header.body.fragments() {
-            let len = fragment.stored_len as u64;
-            if !fragment.is_zero_block(format) {
-                let stored =
-                    Stored { offset_bytes: at, stored_len: fragment.stored_len, codec: fragment.codec, format };
-                let bytes = &image[(at - base) as usize..(at - base + len) as usize];
-                match self.decode_fragment(stored, bytes, &mut block, lba) {
-                    Ok(()) => {
-                        verified.insert((PackedEntry::stored(stored).0, lba.0));
+        for batch in leaves.chunks(256) {
+            let map = self.map.read();
+            let pinned = map.pin_loaded(batch, self);
+            let (first, last) = (batch[0], batch[batch.len() - 1]);
+            for (lba, stored) in fragments.iter().filter(|(lba, _)| (first..=last).contains(&PageId::leaf_of(*lba).0)) {
+                let live = lba.0 < block_count
+                    && pinned.is_ok()
+                    && map.get(*lba, self).is_ok_and(|e| e == PackedEntry::stored(*stored));
+                let from = (stored.offset_bytes - base) as usize;
+                let bytes = &image[from..from + stored.stored_len as usize];
+                match verify_fragment(*stored, bytes, *lba, &mut block) {
+                    Ok(()) if live => {
+                        scan.found_live[id.index()].fetch_add(stored.stored_len as u64, Ordering::Relaxed);
                     }
+                    Ok(()) => {}
                     Err(e) => {
-                        let live = lba.0 < map.block_count() && map.get(lba) == PackedEntry::stored(stored);
                         let state = if live { "live: reads of it fail" } else { "no longer mapped" };
                         report.problem(
-                            at,
-                            format!("block {lba}, fragment at byte {at} ({state}): {e}"),
+                            stored.offset_bytes,
+                            format!("block {lba}, fragment at byte {} ({state}): {e}", stored.offset_bytes),
                             vec![(lba.0, 1)],
                         );
                     }
                 }
             }
-            at += len;
-        }
-    }
-
-    /// The fragment bytes the map references in each segment.
-    fn live_bytes_by_segment(&self, map: &Map) -> Vec<u64> {
-        let mut live = vec![0u64; self.geometry.segment_count as usize];
-        for (_, entry) in map.mapped() {
-            if let Ok(Entry::Stored(s)) = entry.unpack() {
-                live[self.geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64;
+            if pinned.is_ok() {
+                map.unpin(batch);
             }
         }
-        live
     }
 
-    /// Every map entry: a stored one must point at a fragment that verified (or verify now,
-    /// if it is still only in memory).
-    fn check_map(
+    /// The table's live bytes equal what the map references, every map reference is a
+    /// fragment that verified, and the table's page bytes are the current map's pages plus
+    /// those the newest checkpoint replaced.
+    fn compare_accounting(
         &self,
-        map: &Map,
-        verified: &HashSet<(u64, u64)>,
-        segment_count: usize,
+        segments: &[SegmentUsage],
+        buffered: &[SegmentId],
+        map: &MapTotals,
+        scan: &ScanTotals,
         report: &mut CheckReport,
-        progress: &mut dyn FnMut(u64, u64),
-    ) {
-        let total = segment_count as u64 + map.block_count();
-        let mut block = vec![0u8; BLOCK_SIZE];
-        for lba in (0..map.block_count()).map(Lba) {
-            if lba.0 % 4096 == 0 {
-                progress(segment_count as u64 + lba.0, total);
+    ) -> Result<()> {
+        let log = self.log.lock();
+        let mut expected_pages = map.pages.clone();
+        for &(segment, bytes) in &log.epochs.release_after_next {
+            expected_pages[segment as usize] += bytes;
+        }
+        let counts = log.segments.counts;
+        drop(log);
+        if counts.stored != map.stored || counts.zero != map.zero {
+            report.problem(
+                0,
+                format!(
+                    "the table counts {} stored and {} zero blocks, the map holds {} and {}",
+                    counts.stored, counts.zero, map.stored, map.zero
+                ),
+                Vec::new(),
+            );
+        }
+        for (i, s) in segments.iter().enumerate() {
+            let at = self.geometry.segment_base(SegmentId(i as u32));
+            if map.live[i] != s.live_bytes {
+                report.problem(
+                    at,
+                    format!(
+                        "segment {i}: usage table says {} live bytes, the map references {}",
+                        s.live_bytes, map.live[i]
+                    ),
+                    Vec::new(),
+                );
             }
-            match map.get(lba).unpack() {
-                Ok(Entry::Stored(s)) => {
-                    report.blocks_checked += 1;
-                    if verified.contains(&(PackedEntry::stored(s).0, lba.0)) {
-                        continue;
-                    }
-                    if let Err(e) = self.fetch_blocks(&[Entry::Stored(s)], &mut block, lba, ReadCache::Bypass) {
-                        report.problem(
-                            s.offset_bytes,
-                            format!("block {lba} (byte offset {}): {e}", lba.byte_offset()),
-                            vec![(lba.0, 1)],
-                        );
-                    }
-                }
-                Ok(Entry::Lost) => {
-                    report.problem(0, format!("block {lba}: lost with damaged metadata"), vec![(lba.0, 1)])
-                }
-                Ok(_) => {}
-                Err(e) => report.problem(0, format!("block {lba}: {e}"), vec![(lba.0, 1)]),
+            if expected_pages[i] != s.page_bytes {
+                report.problem(
+                    at,
+                    format!(
+                        "segment {i}: usage table says {} map page bytes, the map's pages take {}",
+                        s.page_bytes, expected_pages[i]
+                    ),
+                    Vec::new(),
+                );
+            }
+            let found = scan.found_live[i].load(Ordering::Relaxed);
+            if !buffered.contains(&SegmentId(i as u32)) && found < map.live[i] {
+                self.name_unverified(SegmentId(i as u32), map.live[i] - found, report)?;
             }
         }
+        Ok(())
+    }
+
+    /// A segment whose map references are not all fragments that verified: find which
+    /// blocks (a walk of the map for entries into that segment, each read and verified).
+    fn name_unverified(&self, segment: SegmentId, missing_bytes: u64, report: &mut CheckReport) -> Result<()> {
+        let map = self.map.read();
+        let mut suspects: Vec<(u64, Stored)> = Vec::new();
+        map.walk_current(0, map.block_count(), self, &mut |item| {
+            if let WalkItem::Leaf(id, body) = item {
+                for (slot, &value) in body.iter().enumerate() {
+                    if let Ok(Entry::Stored(s)) = PackedEntry(value).unpack() {
+                        if self.geometry.segment_of(s.offset_bytes) == segment {
+                            suspects.push((id.first_lba().0 + slot as u64, s));
+                        }
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        drop(map);
+        let mut named = 0;
+        let mut block = vec![0u8; BLOCK_SIZE];
+        for (lba, s) in suspects {
+            if let Err(e) = self.fetch_blocks(&[Entry::Stored(s)], &mut block, Lba(lba), super::read::ReadCache::Bypass)
+            {
+                named += 1;
+                report.problem(
+                    s.offset_bytes,
+                    format!("block {lba} (byte offset {}): {e}", lba * BLOCK_SIZE as u64),
+                    vec![(lba, 1)],
+                );
+            }
+        }
+        if named == 0 {
+            report.problem(
+                self.geometry.segment_base(segment),
+                format!("segment {segment}: {missing_bytes} bytes the map references are not fragments of its records"),
+                Vec::new(),
+            );
+        }
+        Ok(())
     }
 }

@@ -1,13 +1,20 @@
 //! Checkpoints, and freeing segments under the reuse rule.
 //!
-//! A checkpoint is a snapshot of the map, the segment table and the counters as of one
-//! record, written into the log as chunk records, made durable, and then pointed at by the
-//! next superblock slot (generation g goes to slot g mod 2).
+//! A checkpoint is a snapshot of the segment table and the counters as of one record, the
+//! map pages that changed since the last one (written into the log as map-pages records,
+//! `pages.rs`), and the root of the map they form; the image is written as chunk records,
+//! made durable, and then pointed at by the next superblock slot (generation g goes to slot
+//! g mod 2).
 //!
 //! Invariants:
-//! - The superblock slot is written only after every chunk it lists is durable.
+//! - The superblock slot is written only after every chunk and page it needs is durable.
+//! - The snapshot is taken, and the map's changes frozen, under one hold of the log lock:
+//!   the pages hold exactly the changes of the records up to the snapshot's sequence
+//!   number, and replay applies the ones after it.
 //! - The reuse horizon is the checkpoint sequence number of the older retained superblock:
 //!   recovery from either replays only records after it.
+//! - Map pages a checkpoint replaces stay counted until the next checkpoint is durable:
+//!   the previous checkpoint, still retained, references them.
 //! - Reuse rule: a cleaned segment becomes free only when (1) all its records are at or
 //!   before the horizon, (2) the records that emptied it are durable, and (3) no reader
 //!   still holds a map entry into it. Checked in this order by `free_cleaned_locked`,
@@ -18,26 +25,73 @@ use std::sync::atomic::Ordering;
 use super::lock::MutexGuard;
 use super::log::Attempt;
 use super::op::Op;
+use super::pages::PageCheckpoint;
 use super::space::SpaceClass;
 use super::state::{round_up, Geometry, Inner};
 use super::writeout::WriteOut;
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    Checkpoint, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
+    Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FORMAT_VERSION,
+    SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
+/// A checkpoint's snapshot: what it records besides the map.
+struct Snapshot {
+    seq: u64,
+    generation: u64,
+    logical_size_bytes: u64,
+    counters: [u64; crate::format::COUNTER_ORDER.len()],
+    replay_offset_bytes: u64,
+    replay_prev_crc: u32,
+}
+
 impl Inner {
-    /// Takes a snapshot, writes it into the log, makes it durable, points the next
-    /// superblock slot at it, and frees the segments the reuse rule now allows.
+    /// Takes a snapshot, writes the changed map pages and the image into the log, makes
+    /// them durable, points the next superblock slot at them, and frees the segments the
+    /// reuse rule now allows.
     pub(crate) fn checkpoint_now(&self) -> Result<()> {
+        self.checkpoint_when(|| true)
+    }
+
+    /// Writes a checkpoint if `due` still holds once the checkpoint lock is held (writers
+    /// that waited for one just written need not write another).
+    pub(crate) fn checkpoint_when(&self, due: impl Fn() -> bool) -> Result<()> {
         let mut durable_sb = self.checkpoint.lock();
         self.check_writable()?;
-        let (snapshot, replay_offset_bytes, replay_prev_crc) = self.snapshot();
-        let encoded = snapshot.encode();
+        if !due() {
+            return Ok(());
+        }
+        let (snapshot, mut pages) = self.snapshot();
+        if let Err(e) = self.write_map_pages(&mut pages) {
+            self.map.read().unfreeze();
+            let mut log = self.log.lock();
+            for (&segment, &bytes) in &pages.superseded {
+                *log.epochs.superseded_carry.entry(segment).or_default() += bytes;
+            }
+            return Err(e);
+        }
+        let map_root = {
+            let map = self.map.read();
+            let tree = map.lock();
+            MapRoot { height: tree.height, root: tree.root }
+        };
+        let image = Checkpoint {
+            seq: snapshot.seq,
+            generation: snapshot.generation,
+            logical_size_bytes: snapshot.logical_size_bytes,
+            counters: snapshot.counters,
+            segments: pages.usage,
+            map_root: Some(map_root),
+            stored_blocks: pages.counts.stored,
+            zero_blocks: pages.counts.zero,
+            superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
+            legacy_map: Vec::new(),
+        };
+        let encoded = image.encode();
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
             Attempt::Appended(appended) => appended,
             Attempt::Short { .. } => return Err(Error::new(ErrorKind::NoSpace, "no room for a checkpoint")),
@@ -52,8 +106,8 @@ impl Inner {
             generation: snapshot.generation,
             logical_size_bytes: snapshot.logical_size_bytes,
             checkpoint_seq: snapshot.seq,
-            replay_offset_bytes,
-            replay_prev_crc,
+            replay_offset_bytes: snapshot.replay_offset_bytes,
+            replay_prev_crc: snapshot.replay_prev_crc,
             checkpoint_chunks: appended.chunks,
             ..durable_sb.clone()
         };
@@ -66,10 +120,15 @@ impl Inner {
         Counters::add(&self.counters.checkpoints, 1);
         {
             let mut log = self.log.lock();
-            log.epochs.checkpoint_bytes = encoded.len() as u64;
+            log.epochs.checkpoint_bytes = encoded.len() as u64 + pages.page_bytes_written;
+            log.epochs.image_bytes = encoded.len() as u64;
+            // The previous checkpoint is now the older retained one: the pages it replaced
+            // are referenced by no retained checkpoint any more.
+            for (segment, bytes) in std::mem::take(&mut log.epochs.release_after_next) {
+                log.segments.release_pages(SegmentId(segment), bytes);
+            }
+            log.epochs.release_after_next = image.superseded;
             log.segments.pin_newest(chunk_segments(&self.geometry, &sb));
-            // The slot just written replaced the one before the previous checkpoint; the
-            // previous checkpoint is now the older retained one.
             assert!(durable_sb.checkpoint_seq <= sb.checkpoint_seq, "checkpoints out of order");
             log.epochs.reuse_horizon_seq = durable_sb.checkpoint_seq;
         }
@@ -78,27 +137,51 @@ impl Inner {
         Ok(())
     }
 
-    /// The snapshot a checkpoint writes, with where replay after it starts and what it
-    /// chains to. It covers whole records only: the open batch is closed first.
-    fn snapshot(&self) -> (Checkpoint, u64, u32) {
+    /// The snapshot a checkpoint records, taken with the map's changes frozen, under one
+    /// hold of the log lock. It covers whole records only: the open batch is closed first.
+    /// The table copy already leaves out the pages the previous checkpoint replaced: they
+    /// are released the moment this one is durable.
+    fn snapshot(&self) -> (Snapshot, PageCheckpoint) {
         let mut log = self.log.lock();
         self.close_batch(&mut log);
         log.epochs.snapshot_generation += 1;
         let map = self.map.read();
+        map.freeze();
         let replay_offset_bytes = match &log.appender.open {
-            Some(open) => self.geometry.segment_base(open.buffer.segment) + open.append_offset_bytes as u64,
-            None => DATA_START_BYTES,
+            // (A full segment's end is the next one's start: replay would take the offset
+            // for that segment's, and follow the wrong link.)
+            Some(open) if (open.append_offset_bytes as u64) < self.geometry.segment_size_bytes => {
+                self.geometry.segment_base(open.buffer.segment) + open.append_offset_bytes as u64
+            }
+            // The next record opens the segment the last link named, or the lowest free.
+            _ => log
+                .appender
+                .next_segment
+                .or_else(|| log.segments.lowest_free())
+                .map_or(DATA_START_BYTES, |s| self.geometry.segment_base(s)),
         };
-        let snapshot = Checkpoint {
+        let mut usage = log.segments.snapshot();
+        for &(segment, bytes) in &log.epochs.release_after_next {
+            let u = &mut usage[segment as usize];
+            u.page_bytes = u.page_bytes.saturating_sub(bytes);
+        }
+        let snapshot = Snapshot {
             seq: log.appender.next_seq - 1,
             generation: log.epochs.snapshot_generation,
             logical_size_bytes: map.block_count() * BLOCK_SIZE as u64,
             counters: self.counters.to_array(),
-            segments: log.segments.snapshot(),
-            map: map.mapped().into_iter().map(|(lba, entry)| (lba.0, entry.0)).collect(),
+            replay_offset_bytes,
+            replay_prev_crc: log.appender.prev_crc,
+        };
+        let pages = PageCheckpoint {
+            usage,
+            counts: log.segments.counts,
+            superseded: std::mem::take(&mut log.epochs.superseded_carry),
+            page_bytes_written: 0,
+            pages_written: 0,
         };
         log.epochs.bytes_since_checkpoint = 0;
-        (snapshot, replay_offset_bytes, log.appender.prev_crc)
+        (snapshot, pages)
     }
 
     /// Frees the cleaned segments the reuse rule allows (see [`Inner::free_cleaned_locked`]).
@@ -124,7 +207,7 @@ impl Inner {
             let dead: Vec<SegmentId> = log
                 .segments
                 .iter()
-                .filter(|&(id, s)| s.live_bytes == 0 && log.segments.collectable(id, &unwritten))
+                .filter(|&(id, s)| s.live_bytes == 0 && s.page_bytes == 0 && log.segments.collectable(id, &unwritten))
                 .map(|(id, _)| id)
                 .collect();
             for id in dead {
@@ -172,9 +255,9 @@ impl Inner {
     /// have usually passed the reuse horizon — at most 1/4 of the data area, so the last
     /// two intervals cover at most half of it, segments greedy GC would not take yet (under
     /// uniform overwrites at 80% utilisation they are still over 80% live) — and long
-    /// enough that a checkpoint (the whole map) stays a small part of what is written: at
-    /// least 32 times its size. Never longer than the configured interval, which bounds
-    /// recovery time.
+    /// enough that a checkpoint (its pages and table) stays a small part of what is
+    /// written: at least 32 times its size. Never longer than the configured interval,
+    /// which bounds recovery time.
     pub(crate) fn checkpoint_interval_bytes(&self) -> u64 {
         let checkpoint_bytes = self.log.lock().epochs.checkpoint_bytes;
         (self.geometry.data_area_bytes() / 4).max(32 * checkpoint_bytes).min(self.options.checkpoint_interval_bytes)
@@ -220,8 +303,9 @@ pub(crate) fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<
     }
     // The superblock carries the checkpoint's logical size: the map holds at most that many
     // blocks, which bounds what decoding may allocate.
-    let block_count = sb.logical_size_bytes / BLOCK_SIZE as u64;
-    let decoded_max = Checkpoint::decoded_bytes_max(sb.segment_count(), block_count);
+    // An older format's image holds the whole map: at most one entry per block.
+    let legacy_blocks = if sb.format_version < FORMAT_VERSION { sb.logical_size_bytes / BLOCK_SIZE as u64 } else { 0 };
+    let decoded_max = Checkpoint::decoded_bytes_max(sb.segment_count(), legacy_blocks);
     let cp = Checkpoint::decode(&compressed, decoded_max)?;
     if cp.seq != sb.checkpoint_seq || cp.generation != sb.generation {
         return Err(Error::new(ErrorKind::Corrupt, "checkpoint does not match its superblock"));

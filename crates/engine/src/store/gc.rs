@@ -4,23 +4,34 @@
 //! - A fragment is live only if the map still points at it; relocation replaces the map
 //!   entry only if it still holds the old place (compare-and-swap, `apply.rs`), so a
 //!   concurrent overwrite always wins.
+//! - Liveness is read through the map cache, a victim's leaves a batch at a time (one page
+//!   read per leaf not cached); the owed removals of those leaves' changes are settled then,
+//!   so the victim's live bytes are exact when GC is done.
+//! - GC runs under the checkpoint lock: no checkpoint's frozen changes are in flight.
 //! - A victim is marked cleaned only when nothing in it is live any more; if live bytes
-//!   remain (a damaged record header hid them), it is kept and never taken again.
+//!   remain (a damaged record header hid them), it is kept and never taken again. A victim
+//!   holding current map pages has them rewritten at the next checkpoint and is freed
+//!   once no retained checkpoint references them.
 //! - A relocation must fit one fresh segment: GC may count on one beyond its reserve, and a
 //!   victim that gives back less than it takes would eat the reserves trims and checkpoints
 //!   need.
 
+use super::apply::Live;
 use super::log::Attempt;
 use super::op::{relocation_bytes, Block, LiveFragment, Op};
 use super::scan::parse_segment;
 use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
+use crate::format::{FragmentEntry, FragmentFormat, Protection, RecordBody, PI_BYTES, V2_PREFIX_BYTES};
+use crate::map::page::PageId;
 use crate::map::PackedEntry;
 use crate::stats::Counters;
 use crate::types::{Lba, SegmentId};
 use crate::SECTOR_SIZE;
+
+/// Leaves a victim's liveness check pins at once.
+const LEAVES_PER_BATCH: usize = 256;
 
 /// Who runs GC: in the background only segments worth it are taken; in the foreground a
 /// writer waits, so anything whose relocation fits a segment.
@@ -40,6 +51,7 @@ impl Inner {
     /// Cleans one victim segment. Returns the bytes it gives back once freed (segment size
     /// less what was relocated), or None when no segment is worth cleaning.
     pub(crate) fn gc_once(&self, mode: GcMode) -> Result<Option<u64>> {
+        let _checkpoint = self.checkpoint.lock();
         let _gc = self.gc_lock.lock();
         self.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
@@ -54,8 +66,17 @@ impl Inner {
             let class = if victim.settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
             self.relocate(live, class)?;
         }
+        // A trim that replaced a whole subtree owes its old entries until the checkpoint
+        // walks it: they may point into the victim.
+        let walks_owed = self.map.read().has_owed_walks();
         let mut log = self.log.lock();
         let usage = *log.segments.get(victim.segment);
+        if (usage.live_bytes == 0 && usage.page_bytes != 0) || (usage.live_bytes != 0 && walks_owed) {
+            // Its data is gone, or goes with a walk; its map pages go with the next
+            // checkpoints. Once it holds nothing, freeing finds it (`free_cleaned`).
+            log.segments.await_pages(victim.segment);
+            return Ok(Some(0));
+        }
         if usage.live_bytes != 0 {
             // Live data that parsing did not find: a damaged record header (or a bug). Never
             // free such a segment; leave it out of GC from now on; `check` reports it.
@@ -96,7 +117,7 @@ impl Inner {
         let horizon = log.epochs.reuse_horizon_seq;
         let mut best: Option<(bool, f64, SegmentId)> = None;
         for (id, s) in log.segments.iter() {
-            if !log.segments.collectable(id, &unwritten) || s.live_bytes as f64 > live_max {
+            if !log.segments.is_victim_candidate(id, &unwritten) || s.live_bytes as f64 > live_max {
                 continue;
             }
             let settled = s.last_seq <= horizon;
@@ -116,38 +137,75 @@ impl Inner {
         best.map(|(settled, _, segment)| Victim { segment, settled })
     }
 
-    /// Reads a victim and returns the fragments in it the map still points at.
+    /// Reads a victim and returns the fragments in it the map still points at; marks the
+    /// current map pages in it for rewriting.
     fn collect_live(&self, segment: SegmentId) -> Result<Vec<LiveFragment>> {
         let base = self.geometry.segment_base(segment);
         let usage = *self.log.lock().segments.get(segment);
         // An empty victim needs no read: nothing in it is live.
-        if usage.live_bytes == 0 {
+        if usage.live_bytes == 0 && usage.page_bytes == 0 {
             return Ok(Vec::new());
         }
         let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
         self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {segment}"), e))?;
-        let mut live = Vec::new();
-        let map = self.map.read();
         let (records, _) = parse_segment(&image, base, self.geometry.store_tag);
-        for record in records {
+        let mut fragments = Vec::new(); // (lba, here, format, byte range in the image)
+        for record in &records {
             let format = record.header.version.fragment_format();
             let mut at = record.payload_offset_bytes;
-            for (lba, fragment) in record.header.body.fragments() {
+            for (tag, fragment) in record.header.body.payload_fragments() {
                 let here = PackedEntry::of_fragment(at, fragment, format);
-                let stored = !fragment.is_zero_block(format);
-                if stored && lba.0 < map.block_count() && map.get(lba) == here {
-                    let from = (at - base) as usize;
-                    let bytes = &image[from..from + fragment.stored_len as usize];
-                    let block = match format {
-                        FragmentFormat::V3 => Block { entry: fragment, bytes: bytes.to_vec() },
-                        FragmentFormat::V2 => convert_v2_fragment(bytes, lba, fragment),
-                    };
-                    live.push(LiveFragment { lba, old: here, block });
-                }
+                let range = (at - base) as usize..(at - base) as usize + fragment.stored_len as usize;
                 at += fragment.stored_len as u64;
+                if let RecordBody::MapPages { .. } = record.header.body {
+                    self.force_if_current(PageId::from_tag(tag), here)?;
+                } else if !fragment.is_zero_block(format) {
+                    fragments.push((tag, here, format, fragment, range));
+                }
             }
         }
+        let mut live = Vec::new();
+        let mut by_leaf: Vec<PageId> = fragments.iter().map(|f| PageId::leaf_of(f.0).0).collect();
+        by_leaf.sort_unstable();
+        by_leaf.dedup();
+        for leaves in by_leaf.chunks(LEAVES_PER_BATCH) {
+            self.map.read().pin_loaded(leaves, self)?;
+            let (first, last) = (leaves[0], leaves[leaves.len() - 1]);
+            let checked: Result<()> = {
+                let map = self.map.read();
+                fragments.iter().filter(|f| (first..=last).contains(&PageId::leaf_of(f.0).0)).try_for_each(
+                    |(lba, here, format, fragment, range)| {
+                        if lba.0 < map.block_count() && map.get(*lba, self)? == *here {
+                            let bytes = &image[range.clone()];
+                            let block = match format {
+                                FragmentFormat::V3 => Block { entry: *fragment, bytes: bytes.to_vec() },
+                                FragmentFormat::V2 => convert_v2_fragment(bytes, *lba, *fragment),
+                            };
+                            live.push(LiveFragment { lba: *lba, old: *here, block });
+                        }
+                        Ok(())
+                    },
+                )
+            };
+            if checked.is_ok() {
+                // The owed removals of these leaves' changes (some point into the victim).
+                let mut log = self.log.lock();
+                let map = self.map.read();
+                map.settle(leaves, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+            }
+            self.map.read().unpin(leaves);
+            checked?;
+        }
         Ok(live)
+    }
+
+    /// Marks page `id` for rewriting if its current version is the fragment at `here`.
+    fn force_if_current(&self, id: PageId, here: PackedEntry) -> Result<()> {
+        let map = self.map.read();
+        if id.level < map.lock().height && map.pointer_of(id, self)? == here.0 {
+            map.force(id);
+        }
+        Ok(())
     }
 
     /// Appends the relocation of `live` (GC's single append attempt: no foreground GC).

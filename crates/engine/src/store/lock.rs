@@ -11,9 +11,10 @@
 //! | 4 | `io` | backing writes of log data, so a flush knows every earlier write is done |
 //! | 5 | `log` | the appender, the segment table, checkpoint epochs |
 //! | 6 | `map` | the block map (write: resize, and the freeing barrier) |
-//! | 7 | `buffered` | the list of segment buffers readers may find data in |
-//! | 8 | a segment buffer's `data` | its bytes |
-//! | 9 | `signal` | the worker threads' wake-up flags |
+//! | 7 | the map's `tree` | map page states, cached pages, changes (never held across I/O) |
+//! | 8 | `buffered` | the list of segment buffers readers may find data in |
+//! | 9 | a segment buffer's `data` | its bytes |
+//! | 10 | `signal` | the worker threads' wake-up flags |
 //!
 //! The path of a host write shows why: it holds its block stripes while it may run a
 //! foreground GC round, which checkpoints, which cleans a victim, which appends (log), which
@@ -37,12 +38,13 @@ pub(crate) enum Rank {
     Io = 4,
     Log = 5,
     Map = 6,
-    Buffered = 7,
-    SegmentData = 8,
-    Signal = 9,
+    MapTree = 7,
+    Buffered = 8,
+    SegmentData = 9,
+    Signal = 10,
 }
 
-const RANKS: usize = 10;
+const RANKS: usize = 11;
 
 thread_local! {
     /// How many locks of each rank this thread holds (debug builds only).
@@ -98,6 +100,11 @@ impl<T> Mutex<T> {
     pub fn lock(&self) -> MutexGuard<'_, T> {
         let held = Held::acquire(self.rank);
         MutexGuard { guard: self.inner.lock(), _held: held }
+    }
+
+    /// The value, through exclusive access (no lock is taken).
+    pub fn get_mut(&mut self) -> &mut T {
+        self.inner.get_mut()
     }
 }
 

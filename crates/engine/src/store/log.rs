@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::apply::apply_record;
+use super::apply::{apply_record, Live};
 use super::lock::{Rank, RwLock};
 use super::op::{Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
 use super::segments::SegmentTable;
@@ -28,7 +28,8 @@ use crate::format::{
     BatchEntry, ChunkRef, FragmentFormat, RecordBody, RecordHeader, RecordVersion, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT,
     FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
-use crate::map::Map;
+use crate::map::page::PageId;
+use crate::map::PagedMap;
 use crate::stats::Counters;
 use crate::types::{Lba, SegmentId};
 
@@ -52,6 +53,9 @@ pub(crate) struct Appender {
     pub batch: Option<OpenBatch>,
     pub sealed_unwritten: VecDeque<SealedSegment>,
     pub buffer_pool: Vec<AlignedBuf>,
+    /// The segment the log continues in after the open one: named by the open segment's
+    /// link record, kept out of nobody's way (only the appender takes free segments).
+    pub next_segment: Option<SegmentId>,
 }
 
 /// Checkpoint bookkeeping the appender and the space rules need.
@@ -63,8 +67,16 @@ pub(crate) struct CheckpointEpochs {
     /// segment whose records all lie at or before it is never read by replay again.
     pub reuse_horizon_seq: u64,
     pub bytes_since_checkpoint: u64,
-    /// Size of the newest checkpoint, for the reserve estimate.
+    /// Size of the newest checkpoint (its image and map pages), for the interval.
     pub checkpoint_bytes: u64,
+    /// Size of the newest checkpoint's image (both retained ones take about this much).
+    pub image_bytes: u64,
+    /// Map page bytes per segment the newest durable checkpoint replaced: released once the
+    /// next one is durable.
+    pub release_after_next: Vec<(u32, u64)>,
+    /// Pages replaced by checkpoints that failed before they were durable (carried into the
+    /// next one's list).
+    pub superseded_carry: std::collections::BTreeMap<u32, u64>,
 }
 
 pub(crate) struct OpenSegment {
@@ -98,6 +110,8 @@ pub(crate) struct Appended {
     pub last_seq: u64,
     /// Where the chunks of a checkpoint op went.
     pub chunks: Vec<ChunkRef>,
+    /// Where the fragments of a map-pages op went (byte addresses, in order).
+    pub page_offsets: Vec<u64>,
 }
 
 /// The outcome of one append attempt.
@@ -152,7 +166,7 @@ impl Inner {
     pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
         let mut log = self.log.lock();
         self.check_writable()?;
-        if !self.expectations_hold(ops) {
+        if !self.expectations_hold(ops)? {
             return Ok(Attempt::Conflict);
         }
         let shortfall_bytes = self.shortfall_bytes(&log, ops, class);
@@ -177,15 +191,20 @@ impl Inner {
     }
 
     /// Whether every block the group read-modify-writes still holds the map entry it was
-    /// read with. (Checked under the log lock, so no other group can publish in between.)
-    fn expectations_hold(&self, ops: &[Op]) -> bool {
+    /// read with. (Checked under the log lock, so no other group can publish in between;
+    /// the pages are usually cached: the request just read these blocks.)
+    fn expectations_hold(&self, ops: &[Op]) -> Result<bool> {
         let map = self.map.read();
-        ops.iter().all(|op| match op {
-            Op::Write { expected, .. } => {
-                expected.iter().all(|&(lba, entry)| lba.0 < map.block_count() && map.get(lba) == entry)
+        for op in ops {
+            if let Op::Write { expected, .. } = op {
+                for &(lba, entry) in expected {
+                    if lba.0 >= map.block_count() || map.get(lba, self)? != entry {
+                        return Ok(false);
+                    }
+                }
             }
-            _ => true,
-        })
+        }
+        Ok(true)
     }
 
     /// Appends a group whose space was checked, and publishes its map entries.
@@ -196,15 +215,18 @@ impl Inner {
                 return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
             }
         }
+        let appended =
+            |log: &Log, chunks, page_offsets| Appended { last_seq: log.appender.next_seq - 1, chunks, page_offsets };
         if let [Op::Write { start_lba, blocks, .. }] = ops {
             if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
                 self.append_to_batch(log, &map, *start_lba, blocks)?;
-                return Ok(Appended { last_seq: log.appender.next_seq - 1, chunks: Vec::new() });
+                return Ok(appended(log, Vec::new(), Vec::new()));
             }
         }
         self.close_batch(log);
         let mut flags = GroupFlags { first: true };
         let mut chunks = Vec::new();
+        let mut page_offsets = Vec::new();
         for (i, op) in ops.iter().enumerate() {
             let last_op = i + 1 == ops.len();
             match op {
@@ -222,13 +244,24 @@ impl Inner {
                         RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
                     };
                     let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[]);
-                    apply_record(&map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
+                    self.apply(log, &map, &body, payload_at)?;
                 }
                 Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
                 Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
+                Op::MapPages { pages } => page_offsets.extend(self.append_page_records(log, pages, &mut flags)?),
             }
         }
-        Ok(Appended { last_seq: log.appender.next_seq - 1, chunks })
+        Ok(appended(log, chunks, page_offsets))
+    }
+
+    /// Applies an appended record to the map. A map page that cannot be read leaves the
+    /// map behind the log: the store fails (read-only; reopening replays the record).
+    fn apply(&self, log: &mut Log, map: &PagedMap, body: &RecordBody, payload_at: u64) -> Result<u64> {
+        let mut live = Live { segments: &mut log.segments, geometry: &self.geometry };
+        match apply_record(map, &mut live, self, body, FragmentFormat::V3, payload_at) {
+            Ok(applied) => Ok(applied.relocated_bytes),
+            Err(e) => Err(self.fail(e)),
+        }
     }
 
     /// Write records for up to `RECORD_BLOCKS_MAX` blocks: as many records as the segment
@@ -236,7 +269,7 @@ impl Inner {
     fn append_write_records(
         &self,
         log: &mut Log,
-        map: &Map,
+        map: &PagedMap,
         start_lba: Lba,
         blocks: &[Block],
         flags: &mut GroupFlags,
@@ -258,7 +291,7 @@ impl Inner {
             let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
             let record_flags = flags.next(last_piece && done + take == blocks.len());
             let (payload_at, body) = self.put_record(log, record_flags, body, &payload);
-            apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
+            self.apply(log, map, &body, payload_at)?;
             let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
             Counters::add(&self.counters.data_bytes, data_bytes as u64);
             done += take;
@@ -270,7 +303,7 @@ impl Inner {
     fn append_relocate_records(
         &self,
         log: &mut Log,
-        map: &Map,
+        map: &PagedMap,
         fragments: &[LiveFragment],
         flags: &mut GroupFlags,
     ) -> Result<()> {
@@ -289,9 +322,8 @@ impl Inner {
                 let body = RecordBody::Relocate { entries: part.iter().map(LiveFragment::relocate_entry).collect() };
                 let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
                 let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload);
-                let applied =
-                    apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
-                Counters::add(&self.counters.gc_bytes_moved, applied.relocated_bytes);
+                let relocated_bytes = self.apply(log, map, &body, payload_at)?;
+                Counters::add(&self.counters.gc_bytes_moved, relocated_bytes);
                 done += take;
             }
         }
@@ -317,9 +349,40 @@ impl Inner {
         Ok(chunks)
     }
 
+    /// Map-pages records for a checkpoint's pages (each a group of its own); returns where
+    /// each page's fragment went.
+    fn append_page_records(
+        &self,
+        log: &mut Log,
+        pages: &[(PageId, Block)],
+        flags: &mut GroupFlags,
+    ) -> Result<Vec<u64>> {
+        let mut offsets = Vec::with_capacity(pages.len());
+        let mut done = 0;
+        while done < pages.len() {
+            let sizes = pages[done..].iter().take(RECORD_BLOCKS_MAX).map(|(_, b)| b.bytes.len());
+            let take = fragments_fitting(self.room(log), BATCH_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment(log)?;
+                continue;
+            }
+            let part = &pages[done..done + take];
+            let entries = part.iter().map(|(id, b)| BatchEntry { lba: id.tag(), fragment: b.entry }).collect();
+            let payload: Vec<&[u8]> = part.iter().map(|(_, b)| b.bytes.as_slice()).collect();
+            let (mut at, _) = self.put_record(log, flags.alone(), RecordBody::MapPages { entries }, &payload);
+            for (_, b) in part {
+                offsets.push(at);
+                at += b.bytes.len() as u64;
+            }
+            Counters::add(&self.counters.metadata_bytes, part.iter().map(|(_, b)| b.bytes.len() as u64).sum());
+            done += take;
+        }
+        Ok(offsets)
+    }
+
     /// Appends host blocks to the open batch record, first closing it (and opening a new
     /// segment) when they do not fit. All of them go into one record: a request is atomic.
-    fn append_to_batch(&self, log: &mut Log, map: &Map, start_lba: Lba, blocks: &[Block]) -> Result<()> {
+    fn append_to_batch(&self, log: &mut Log, map: &PagedMap, start_lba: Lba, blocks: &[Block]) -> Result<()> {
         debug_assert!(blocks.len() <= BATCH_WRITE_BLOCKS_MAX);
         debug_assert!(start_lba.0 + (blocks.len() as u64) < BATCH_LBA_LIMIT);
         let payload_bytes: usize = blocks.iter().map(|b| b.bytes.len()).sum();
@@ -354,7 +417,7 @@ impl Inner {
         log.segments.note_append(segment, at as u64, None);
         log.epochs.bytes_since_checkpoint += payload_bytes as u64;
         let body = RecordBody::Batch { entries };
-        apply_record(map, &mut log.segments, &self.geometry, &body, FragmentFormat::V3, payload_at);
+        self.apply(log, map, &body, payload_at)?;
         Counters::add(&self.counters.data_bytes, payload_bytes as u64);
         Ok(())
     }
@@ -505,7 +568,8 @@ impl Inner {
             .map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset_bytes - trailer)
     }
 
-    /// Seals the open segment (queueing it for write-out) and opens the next free one.
+    /// Seals the open segment (queueing it for write-out) and opens the next one: the one
+    /// its link named, else the lowest free. The new segment's first record is its link.
     fn open_new_segment(&self, log: &mut Log) -> Result<()> {
         self.close_batch(log);
         if let Some(open) = log.appender.open.take() {
@@ -516,8 +580,12 @@ impl Inner {
                 written_offset_bytes: open.written_offset_bytes,
             });
         }
-        let id: SegmentId =
-            log.segments.open_next().ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
+        let next = log.appender.next_segment.take();
+        let id: SegmentId = match next {
+            Some(id) => log.segments.open(id),
+            None => log.segments.open_next(),
+        }
+        .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
         let size = self.geometry.segment_size_bytes as usize;
         let data = match log.appender.buffer_pool.pop() {
             Some(mut buf) => {
@@ -531,6 +599,11 @@ impl Inner {
         self.kick_worker();
         self.buffered.write().push(Arc::clone(&buffer));
         log.appender.open = Some(OpenSegment { buffer, append_offset_bytes: 0, written_offset_bytes: 0 });
+        // Name the segment that comes next, so recovery follows the log from segment to
+        // segment instead of reading the start of every one.
+        let next_segment = log.segments.lowest_free();
+        log.appender.next_segment = next_segment;
+        self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Link { next_segment: next_segment.map(|s| s.0) }, &[]);
         Ok(())
     }
 }

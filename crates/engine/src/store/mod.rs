@@ -16,6 +16,7 @@
 //! | `segments` | the segment table and its state transitions |
 //! | `writeout` | write-out and flush |
 //! | `checkpoint` | checkpoints and the reuse rule |
+//! | `pages` | map pages on the store: reading them, a checkpoint writing them |
 //! | `gc` | victim choice, live collection, relocation |
 //! | `worker` | the background threads |
 //! | `recovery` | choose checkpoint, rebuild, replay, settle |
@@ -34,10 +35,11 @@ mod check;
 mod checkpoint;
 mod create;
 mod gc;
-mod lock;
+pub(crate) mod lock;
 mod log;
 mod op;
 mod options;
+mod pages;
 pub(crate) mod read;
 mod recovery;
 mod replay;
@@ -128,8 +130,11 @@ impl Store {
             codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
         };
         let logical_size_bytes = recovery::logical_size_bytes(&chosen);
-        let (map, stored_blocks, zero_blocks) =
-            recovery::rebuild_map(chosen.checkpoint.as_ref(), recovery::block_count(logical_size_bytes))?;
+        let (map, counts) = recovery::build_map(
+            chosen.checkpoint.as_ref(),
+            recovery::block_count(logical_size_bytes),
+            options.map_cache_bytes as usize,
+        )?;
         let usage = match &chosen.checkpoint {
             Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
                 return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
@@ -138,8 +143,7 @@ impl Store {
             None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
         };
         let mut segments = SegmentTable::recovered(usage);
-        segments.stored_blocks = stored_blocks;
-        segments.zero_blocks = zero_blocks;
+        segments.counts = counts;
         let counters =
             chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
         let log = Log {
@@ -151,6 +155,7 @@ impl Store {
                 batch: None,
                 sealed_unwritten: VecDeque::new(),
                 buffer_pool: Vec::new(),
+                next_segment: None,
             },
             segments,
             epochs: CheckpointEpochs {
@@ -158,6 +163,9 @@ impl Store {
                 reuse_horizon_seq: 0,
                 bytes_since_checkpoint: 0,
                 checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+                image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+                release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
+                superseded_carry: Default::default(),
             },
         };
         let inner = Inner {
@@ -185,14 +193,26 @@ impl Store {
             foreground_rounds: AtomicU64::new(0),
             recovery: std::sync::OnceLock::new(),
         };
+        let broken_link;
         {
             let mut log = inner.log.lock();
-            let findings = inner.replay(&mut log, &sb);
+            let findings = inner.replay(&mut log, &sb)?;
+            let continue_in = findings.continue_in;
             inner.recovery.set(findings).expect("recovery runs once");
             inner.settle_segments(&mut log, &chosen)?;
+            // The next run goes on where the last segment's link points, so a later
+            // recovery from an older checkpoint follows the log across this restart.
+            log.appender.next_segment = continue_in.filter(|&s| log.segments.is_free(s));
             inner.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
+            broken_link = continue_in.is_some() && log.appender.next_segment.is_none();
         }
         let writable = !options.read_only && inner.degraded().is_none();
+        if writable && broken_link {
+            // The segment the last link names is not free: the log goes on elsewhere, where
+            // replay from the retained checkpoints would not look. Checkpoint past the break.
+            tracing::warn!("the segment the log's last link names is in use; checkpointing past it");
+            inner.checkpoint_now()?;
+        }
         if writable && sb.generation > 0 && chosen.older.is_none() {
             // One retained checkpoint only (a crash tore the other slot's write, or the
             // newest was damaged): write one now, so damage to either has a fallback again.
@@ -218,20 +238,17 @@ impl Store {
         create::validate_logical_size(logical_size_bytes)?;
         {
             let _log = self.inner.log.lock();
-            let mut map = self.inner.map.write();
             let new_blocks = logical_size_bytes / BLOCK_SIZE as u64;
-            let mapped_beyond = (new_blocks..map.block_count())
-                .filter(|&lba| map.get(crate::types::Lba(lba)) != crate::map::PackedEntry::UNMAPPED)
-                .count();
-            if mapped_beyond > 0 {
+            let old_blocks = self.inner.map.read().block_count();
+            if new_blocks < old_blocks && self.inner.map.read().any_mapped_in(new_blocks, old_blocks, &*self.inner)? {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
                     format!(
-                        "cannot shrink to {logical_size_bytes} bytes: {mapped_beyond} blocks beyond the new end hold data (trim them first)"
+                        "cannot shrink to {logical_size_bytes} bytes: blocks beyond the new end hold data (trim them first)"
                     ),
                 ));
             }
-            map.resize(new_blocks);
+            self.inner.map.write().resize(new_blocks);
             self.inner.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
         }
         self.inner.checkpoint_now()
@@ -378,6 +395,8 @@ pub(crate) struct ScannedRecord {
     pub payload_len: u32,
     pub end_bytes: u64,
     pub fragments: Vec<(u64, std::ops::Range<u64>)>,
+    /// Map pages (map-pages records): page id tag and bytes.
+    pub pages: Vec<(u64, std::ops::Range<u64>)>,
 }
 
 /// The records of one segment image (for `sim::inspect`).
@@ -388,17 +407,20 @@ pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<Scanned
         .into_iter()
         .map(|r| {
             let mut at = r.payload_offset_bytes;
-            let fragments = r
+            let mut ranges: Vec<(u64, std::ops::Range<u64>)> = r
                 .header
                 .body
-                .fragments()
+                .payload_fragments()
                 .into_iter()
-                .map(|(lba, f)| {
+                .map(|(tag, f)| {
                     let range = at..at + f.stored_len as u64;
                     at = range.end;
-                    (lba.0, range)
+                    (tag.0, range)
                 })
                 .collect();
+            let is_pages = matches!(r.header.body, crate::format::RecordBody::MapPages { .. });
+            let pages = if is_pages { std::mem::take(&mut ranges) } else { Vec::new() };
+            let fragments = ranges;
             ScannedRecord {
                 seq: r.header.seq,
                 kind: r.header.kind() as u8,
@@ -407,6 +429,7 @@ pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<Scanned
                 payload_len: r.header.payload_len,
                 end_bytes: r.end_bytes,
                 fragments,
+                pages,
             }
         })
         .collect()

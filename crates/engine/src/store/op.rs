@@ -6,6 +6,7 @@
 use crate::format::{
     FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
 };
+use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry};
 use crate::types::Lba;
 
@@ -75,6 +76,8 @@ pub(crate) enum Op {
     Relocate { fragments: Vec<LiveFragment> },
     /// A checkpoint image, cut into chunk records (each a group of its own).
     Checkpoint { bytes: Vec<u8> },
+    /// Map pages a checkpoint rewrote (records of their own; they change no map entry).
+    MapPages { pages: Vec<(PageId, Block)> },
 }
 
 impl Op {
@@ -84,7 +87,7 @@ impl Op {
         match self {
             Op::Write { start_lba, blocks, .. } => Some((*start_lba, blocks.len() as u64)),
             Op::Range { start_lba, block_count, .. } => Some((*start_lba, *block_count)),
-            Op::Relocate { .. } | Op::Checkpoint { .. } => None,
+            Op::Relocate { .. } | Op::Checkpoint { .. } | Op::MapPages { .. } => None,
         }
     }
 
@@ -103,6 +106,13 @@ impl Op {
             Op::Relocate { fragments } => relocation_bytes(fragments),
             Op::Range { .. } => header,
             Op::Checkpoint { bytes } => bytes.len() as u64 + (bytes.len() as u64 / segment_capacity_bytes + 1) * header,
+            Op::MapPages { pages } => {
+                let payload: u64 = pages.iter().map(|(_, b)| b.bytes.len() as u64).sum();
+                payload
+                    + pages.len() as u64 * BATCH_ENTRY_BYTES as u64
+                    + (pages.len() / RECORD_BLOCKS_MAX + 1 + (payload / segment_capacity_bytes + 1) as usize) as u64
+                        * header
+            }
         }
     }
 }

@@ -17,6 +17,10 @@ pub struct FormatOptions {
     pub force: bool,
 }
 
+/// The map cache's default: the map of 128 GiB of logical space stays cached (2 MiB of
+/// pages per GiB), and a checkpoint's worth of changes fits beside it.
+pub const DEFAULT_MAP_CACHE_BYTES: u64 = 256 << 20;
+
 /// Options for [`super::Store::open`].
 #[derive(Debug, Clone)]
 pub struct OpenOptions {
@@ -33,6 +37,9 @@ pub struct OpenOptions {
     pub low_space_fraction: f64,
     /// A checkpoint is written after this many bytes of log; bounds recovery time.
     pub checkpoint_interval_bytes: u64,
+    /// Memory for the block map's cached pages and its changes not yet checkpointed
+    /// (`docs/scale.md`). Pages beyond it are read from the store as needed.
+    pub map_cache_bytes: u64,
     /// Run the background threads (write-out, GC, checkpoints). Tests turn them off to make
     /// every backing I/O happen on the calling thread, deterministically.
     pub background: bool,
@@ -52,6 +59,7 @@ impl Default for OpenOptions {
             read_cache_bytes: 0,
             low_space_fraction: 0.10,
             checkpoint_interval_bytes: 512 << 20,
+            map_cache_bytes: DEFAULT_MAP_CACHE_BYTES,
             background: true,
             accept_data_loss: false,
         }

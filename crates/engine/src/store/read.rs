@@ -154,7 +154,7 @@ impl Inner {
         if lba.0 >= map.block_count() {
             return Err(Error::new(ErrorKind::OutOfRange, "block past the end"));
         }
-        let packed = map.get(lba);
+        let packed = map.get(lba, self)?;
         self.fetch_blocks(&[packed.unpack()?], &mut block, lba, ReadCache::Use)?;
         Ok((block, packed))
     }

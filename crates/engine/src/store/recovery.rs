@@ -3,17 +3,19 @@
 //!
 //! Step 3, replay, has a room of its own (`replay.rs`).
 //!
-//! Invariant: recovery reads only the records after the checkpoint, plus one sector per
-//! segment (and, only when a record is damaged, the segments that could hold what follows
-//! it).
+//! Invariant: recovery reads only the checkpoint and the records after it, following each
+//! segment's link to the next (and, only for an older format, a segment without a readable
+//! link, or a damaged record, one sector per segment and the segments that could hold what
+//! follows). Map pages are read when they are first needed, not at open.
 
 use super::log::Log;
+use super::segments::BlockCounts;
 use super::state::Inner;
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Checkpoint, Superblock, SUPERBLOCK_SLOT_BYTES};
-use crate::map::{Entry, Map, PackedEntry};
-use crate::types::Lba;
+use crate::map::page;
+use crate::map::{Entry, PackedEntry, PagedMap};
 use crate::BLOCK_SIZE;
 
 use super::checkpoint::{chunk_segments, load_checkpoint};
@@ -86,23 +88,42 @@ pub(crate) fn choose_checkpoint(backing: &dyn Backing) -> Result<Chosen> {
     }
 }
 
-/// Step 2: the map a checkpoint holds, and how many blocks are stored and zero.
-pub(crate) fn rebuild_map(checkpoint: Option<&Checkpoint>, block_count: u64) -> Result<(Map, u64, u64)> {
-    let map = Map::new(block_count);
-    let (mut stored, mut zero) = (0, 0);
-    for &(lba, raw) in checkpoint.map_or(&[][..], |cp| &cp.map[..]) {
+/// Step 2: the map a checkpoint points at (nothing is read: pages are read as they are
+/// needed), and how many blocks are stored and zero. An older checkpoint's whole map is
+/// taken as changes, which the first checkpoint writes as pages.
+pub(crate) fn build_map(
+    checkpoint: Option<&Checkpoint>,
+    block_count: u64,
+    cache_bytes: usize,
+) -> Result<(PagedMap, BlockCounts)> {
+    let height_needed = page::height_for(block_count);
+    let Some(cp) = checkpoint else {
+        return Ok((
+            PagedMap::new(block_count, height_needed, PackedEntry::UNMAPPED.0, cache_bytes),
+            BlockCounts::default(),
+        ));
+    };
+    if let Some(root) = cp.map_root {
+        let map = PagedMap::new(block_count, root.height.max(height_needed), root.root, cache_bytes);
+        if root.height < height_needed {
+            return Err(Error::new(ErrorKind::Corrupt, "checkpoint map is too short for its logical size"));
+        }
+        return Ok((map, BlockCounts { stored: cp.stored_blocks, zero: cp.zero_blocks }));
+    }
+    let map = PagedMap::new(block_count, height_needed, PackedEntry::UNMAPPED.0, cache_bytes);
+    let mut counts = BlockCounts::default();
+    for &(lba, raw) in &cp.legacy_map {
         if lba >= block_count {
             return Err(Error::new(ErrorKind::Corrupt, format!("checkpoint maps LBA {lba} past the end")));
         }
-        let entry = PackedEntry(raw);
-        match entry.unpack()? {
-            Entry::Stored(_) => stored += 1,
-            Entry::Zero => zero += 1,
+        match PackedEntry(raw).unpack()? {
+            Entry::Stored(_) => counts.stored += 1,
+            Entry::Zero => counts.zero += 1,
             Entry::Unmapped | Entry::Lost => {}
         }
-        map.swap(Lba(lba), entry);
     }
-    Ok((map, stored, zero))
+    map.import(&cp.legacy_map);
+    Ok((map, counts))
 }
 
 impl Inner {

@@ -23,17 +23,20 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::apply::{apply_record, lbas_set};
+use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, SegmentCache};
 use super::state::Inner;
-use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, HEAD_BYTES};
-use crate::map::Map;
+use crate::error::Result;
+use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, HEAD_BYTES};
+use crate::map::PagedMap;
 use crate::types::{Lba, SegmentId};
 use crate::SECTOR_SIZE;
 
 /// How many records past a damaged one replay looks for a successor.
 const LOOKAHEAD_RECORDS: u64 = 1024;
+/// Leaves replay reads at once to settle owed removals.
+const SETTLE_BATCH_LEAVES: usize = 256;
 /// How many records after a damaged one replay follows to find proof it was durable.
 const PROOF_RECORDS_MAX: usize = 1 << 20;
 
@@ -93,6 +96,11 @@ impl Degraded {
 pub(crate) struct RecoveryFindings {
     pub damaged: Vec<DamagedRecord>,
     pub degraded: Option<Degraded>,
+    /// The segment the last replayed segment's link names: where the log goes on.
+    pub continue_in: Option<SegmentId>,
+    /// Whether replay had to read every segment's start (an older format, an unreadable
+    /// link, or damage).
+    pub indexed: bool,
 }
 
 /// What replay found where it expected the next record.
@@ -124,6 +132,23 @@ struct Cursor {
     /// The chain value the next record must carry; None right after a loss (the record
     /// found past it was accepted on proof instead).
     prev_crc: Option<u32>,
+    /// The segment the previous record was in (the log leaves it only through its link).
+    segment: SegmentId,
+}
+
+impl Cursor {
+    fn after(record: &FoundRecord, segment: SegmentId) -> Cursor {
+        Cursor { offset: record.end_bytes, seq: record.header.seq + 1, prev_crc: Some(record.crc), segment }
+    }
+}
+
+/// How replay finds where the log goes on after a segment: the link record at each
+/// segment's start; and only where that does not tell (an older format, a segment whose
+/// link is unreadable or names none, a loss), the index of every segment's start.
+struct Starts {
+    index: Option<Index>,
+    links: HashMap<SegmentId, Option<SegmentId>>,
+    checkpoint_seq: u64,
 }
 
 /// Segment starts: which segment starts with which sequence number after the checkpoint,
@@ -135,25 +160,34 @@ struct Index {
 }
 
 impl Inner {
-    /// Replays every complete record group after the checkpoint, in order.
-    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock) -> RecoveryFindings {
-        let index = self.index_segment_starts(log.segments.len(), sb.checkpoint_seq);
+    /// Replays every complete record group after the checkpoint, in order. Fails only if
+    /// a map page cannot be read.
+    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock) -> Result<RecoveryFindings> {
+        let legacy = sb.format_version < FORMAT_VERSION;
+        let mut starts = Starts { index: None, links: HashMap::new(), checkpoint_seq: sb.checkpoint_seq };
+        if legacy {
+            starts.index = Some(self.index_segment_starts(log.segments.len(), sb.checkpoint_seq));
+        }
         let mut cache = SegmentCache::default();
         let mut findings = RecoveryFindings::default();
         let map = self.map.read();
-        let mut cursor =
-            Cursor { offset: sb.replay_offset_bytes, seq: sb.checkpoint_seq + 1, prev_crc: Some(sb.replay_prev_crc) };
+        let mut cursor = Cursor {
+            offset: sb.replay_offset_bytes,
+            seq: sb.checkpoint_seq + 1,
+            prev_crc: Some(sb.replay_prev_crc),
+            segment: self.geometry.segment_of(sb.replay_offset_bytes.max(crate::format::DATA_START_BYTES)),
+        };
         let mut group: Vec<FoundRecord> = Vec::new();
         let mut last_record_offset = 0;
         loop {
-            let record = match self.choose_record(&mut cache, &index, cursor) {
+            let record = match self.choose_record(&mut cache, &mut starts, cursor) {
                 Choice::Intact(record) => record,
                 Choice::Recovered(record, why) => {
                     findings.damaged.push(damage_report(&record, why));
                     record
                 }
                 Choice::Torn => break,
-                Choice::Missing => match self.look_past(&mut cache, &index, cursor) {
+                Choice::Missing => match self.look_past(&mut cache, &mut starts, cursor) {
                     Some(next) => {
                         let lost = DamagedRecord {
                             torn_tail: false,
@@ -172,64 +206,135 @@ impl Inner {
                             .degraded
                             .get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
                         // What survives of a group the loss cut is durable: apply it.
-                        self.apply_group(&map, log, &mut group, &mut findings);
+                        self.apply_group(&map, log, &mut group, &mut findings)?;
                         next
                     }
                     None => break, // the end of the log
                 },
             };
-            self.note_replayed(log, &record);
-            cursor = Cursor { offset: record.end_bytes, seq: record.header.seq + 1, prev_crc: Some(record.crc) };
+            let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
+            self.note_replayed(&map, log, &record, damage_free)?;
+            let segment = self.geometry.segment_of(record.offset_bytes);
+            cursor = Cursor::after(&record, segment);
             last_record_offset = record.offset_bytes;
+            if let RecordBody::Link { next_segment } = record.header.body {
+                // Links are no part of any group: one may open a segment in a group's middle.
+                starts.links.insert(segment, next_segment.map(SegmentId));
+                continue;
+            }
             if record.header.flags & FLAG_FIRST != 0 {
                 group.clear();
             }
             let last = record.header.flags & FLAG_LAST != 0;
             group.push(record);
             if last {
-                self.apply_group(&map, log, &mut group, &mut findings);
+                self.apply_group(&map, log, &mut group, &mut findings)?;
             }
         }
+        // The table must be exact before open frees segments (`settle_at_open`) and the
+        // next run continues where the last link points.
+        self.settle_owed_at_open(&map, log)?;
         drop(map);
         // Complete damage in the very last record is what a crash tearing its write leaves.
         if let Some(last) = findings.damaged.last_mut() {
             let complete = last.what.ends_with("(complete)");
             last.torn_tail = complete && last.offset_bytes == last_record_offset;
         }
+        findings.continue_in = self.link_of(&mut cache, &mut starts, cursor.segment);
+        findings.indexed = starts.index.is_some();
         log.appender.next_seq = cursor.seq;
         log.appender.prev_crc = cursor.prev_crc.unwrap_or(0);
-        findings
+        Ok(findings)
     }
 
-    fn apply_group(&self, map: &Map, log: &mut Log, group: &mut Vec<FoundRecord>, findings: &mut RecoveryFindings) {
+    /// The segment `segment`'s link names (read from its first record if replay did not
+    /// pass it); None if it names none or cannot be read.
+    fn link_of(&self, cache: &mut SegmentCache, starts: &mut Starts, segment: SegmentId) -> Option<SegmentId> {
+        if let Some(&link) = starts.links.get(&segment) {
+            return link;
+        }
+        let base = self.geometry.segment_base(segment);
+        let link = cache.record_near(self, base, |r| matches!(r.header.body, RecordBody::Link { .. })).and_then(|r| {
+            match r.header.body {
+                RecordBody::Link { next_segment } => next_segment.map(SegmentId),
+                _ => None,
+            }
+        });
+        let link = link.filter(|s| (s.0 as u64) < self.geometry.segment_count);
+        starts.links.insert(segment, link);
+        link
+    }
+
+    /// Builds the index of every segment's start, once (the slow way on).
+    fn ensure_index(&self, starts: &mut Starts) {
+        if starts.index.is_none() {
+            tracing::info!("replay: reading every segment's start to find where the log goes on");
+            starts.index = Some(self.index_segment_starts(self.geometry.segment_count as usize, starts.checkpoint_seq));
+        }
+    }
+
+    fn apply_group(
+        &self,
+        map: &PagedMap,
+        log: &mut Log,
+        group: &mut Vec<FoundRecord>,
+        findings: &mut RecoveryFindings,
+    ) -> Result<()> {
         for record in group.drain(..) {
             let header = &record.header;
-            apply_record(
-                map,
-                &mut log.segments,
-                &self.geometry,
-                &header.body,
-                header.version.fragment_format(),
-                record.payload_offset_bytes,
-            );
+            let mut live = Live { segments: &mut log.segments, geometry: &self.geometry };
+            let format = header.version.fragment_format();
+            apply_record(map, &mut live, self, &header.body, format, record.payload_offset_bytes)?;
             if let Some(degraded) = findings.degraded.as_mut() {
                 for (start, blocks) in lbas_set(&header.body) {
                     degraded.note(start, blocks);
                 }
             }
         }
+        map.trim_cache();
+        Ok(())
     }
 
     /// Segment bookkeeping for a replayed record: a record at a segment's start begins a new
-    /// use of it (whatever it held before died earlier in the log).
-    fn note_replayed(&self, log: &mut Log, record: &FoundRecord) {
+    /// use of it (whatever it held before died earlier in the log) — unless it is the first
+    /// record of the use the table already knows (a checkpoint wrote pages into a segment
+    /// opened after its snapshot).
+    ///
+    /// The run that reused the segment had settled the owed removals of the leaves pointing
+    /// into it (GC does before it cleans a victim); replay records changes blind, so it
+    /// settles every owed removal first, or they would later come off the new use's count.
+    /// (A replaced subtree's walk cannot point into it: GC waits for the checkpoint that
+    /// walks it, and replay starts from that checkpoint or a later one.)
+    fn note_replayed(&self, map: &PagedMap, log: &mut Log, record: &FoundRecord, damage_free: bool) -> Result<()> {
         let segment = self.geometry.segment_of(record.offset_bytes);
         let base = self.geometry.segment_base(segment);
-        if record.offset_bytes == base {
+        if record.offset_bytes == base && log.segments.get(segment).first_seq != record.header.seq {
+            if log.segments.get(segment).live_bytes != 0 {
+                self.settle_owed_at_open(map, log)?;
+            }
+            // Only damage (a map page that hides what it mapped, a record replay could not
+            // read) leaves the table wrong here; without it, the old use held nothing.
+            let usage = log.segments.get(segment);
+            debug_assert!(
+                (usage.live_bytes == 0 && usage.page_bytes == 0) || !damage_free,
+                "replay reuses segment {segment} that holds live data or map pages: {usage:?}"
+            );
             log.segments.restart_in_replay(segment);
         }
         let end = (record.end_bytes - base).max(log.segments.get(segment).end_bytes);
         log.segments.note_append(segment, end, Some(record.header.seq));
+        Ok(())
+    }
+
+    /// Settles the owed removals of every leaf with unsettled changes (reading them). Alone
+    /// at open, replay holds the map and the table throughout (`check` takes them in turn).
+    fn settle_owed_at_open(&self, map: &PagedMap, log: &mut Log) -> Result<()> {
+        for leaves in map.unsettled_leaves().chunks(SETTLE_BATCH_LEAVES) {
+            map.pin_loaded(leaves, self)?;
+            map.settle(leaves, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+            map.unpin(leaves);
+        }
+        Ok(())
     }
 
     /// The segment starts after the checkpoint (see [`Index`]). Any segment but the one
@@ -260,15 +365,33 @@ impl Inner {
     }
 
     /// The records that could be the one expected at the cursor: at its offset, at the next
-    /// sector boundary (after a flush's padding), at the start of a segment indexed with its
-    /// sequence number, or at the start of a segment whose head is damaged (found through
-    /// its tail's copy). Several may chain: a stale record a crashed run left where this
-    /// run's would have gone, and this run's own at a segment start.
-    fn candidates(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Vec<FoundRecord> {
+    /// sector boundary (after a flush's padding) — if that is still in the segment the
+    /// previous record was in — at the start of the segment its link names, and, once the
+    /// index is built, at segment starts indexed with the sequence number or with a damaged
+    /// head (found through its tail's copy). Several may chain: a stale record a crashed run
+    /// left where this run's would have gone, and this run's own in the next segment.
+    fn candidates(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Vec<FoundRecord> {
         let expected =
             |r: &FoundRecord| r.header.seq == cursor.seq && cursor.prev_crc.is_none_or(|crc| r.header.prev_crc == crc);
-        let starts = index.starts.get(&cursor.seq).into_iter().flatten().chain(&index.damaged_starts);
-        let offsets = std::iter::once(cursor.offset).chain(starts.map(|&id| self.geometry.segment_base(id)));
+        let mut offsets = Vec::new();
+        let in_segment = cursor.offset < self.geometry.segment_base(cursor.segment) + self.geometry.segment_size_bytes;
+        if in_segment || starts.index.is_some() {
+            offsets.push(cursor.offset);
+        }
+        // The fast way: an intact record right where the cursor is.
+        if let Some(r) = offsets.first().and_then(|&o| cache.record_near(self, o, expected)) {
+            if !r.damage.any() {
+                return vec![r];
+            }
+        }
+        match self.link_of(cache, starts, cursor.segment) {
+            Some(next) => offsets.push(self.geometry.segment_base(next)),
+            None => self.ensure_index(starts),
+        }
+        if let Some(index) = &starts.index {
+            let indexed = index.starts.get(&cursor.seq).into_iter().flatten().chain(&index.damaged_starts);
+            offsets.extend(indexed.map(|&id| self.geometry.segment_base(id)));
+        }
         let mut found: Vec<FoundRecord> = Vec::new();
         for offset in offsets {
             if let Some(r) = cache.record_near(self, offset, expected) {
@@ -281,8 +404,8 @@ impl Inner {
     }
 
     /// The record expected at the cursor, an intact one first (for following a chain).
-    fn next_record(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Option<FoundRecord> {
-        let mut found = self.candidates(cache, index, cursor);
+    fn next_record(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Option<FoundRecord> {
+        let mut found = self.candidates(cache, starts, cursor);
         let intact = found.iter().position(|r| !r.damage.any());
         intact.or((!found.is_empty()).then_some(0)).map(|i| found.swap_remove(i))
     }
@@ -291,8 +414,8 @@ impl Inner {
     /// complete (one copy of its description and its whole payload survive), proven durable
     /// by a later record, or off by one flipped bit per fragment; else, if there was a
     /// damaged candidate, the log ends in a torn write; else nothing is there.
-    fn choose_record(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Choice {
-        let found = self.candidates(cache, index, cursor);
+    fn choose_record(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Choice {
+        let found = self.candidates(cache, starts, cursor);
         if found.is_empty() {
             return Choice::Missing;
         }
@@ -310,7 +433,7 @@ impl Inner {
             };
             let why = match payload {
                 PayloadState::Intact | PayloadState::FragmentsVerify => "complete",
-                _ if self.proof_from(cache, index, &record, record.header.seq) => {
+                _ if self.proof_from(cache, starts, &record, record.header.seq) => {
                     "a later record proves it was durable"
                 }
                 PayloadState::OneFlippedBit => "one flipped bit: it was written whole",
@@ -323,21 +446,28 @@ impl Inner {
 
     /// Past a record that could not be read at all: the first later record (by sequence
     /// number) that a record from it on proves durable. Candidates come from the damaged
-    /// segment itself and from segments whose first head is damaged (the lost record may
-    /// have started one), each scanned forward, and from segment starts.
-    fn look_past(&self, cache: &mut SegmentCache, index: &Index, cursor: Cursor) -> Option<FoundRecord> {
+    /// segment itself, scanned forward, from the segment its link names, and — once the
+    /// index is built — from segments whose first head is damaged (the lost record may have
+    /// started one) and from segment starts.
+    fn look_past(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Option<FoundRecord> {
         let lost_seq = cursor.seq;
         let wanted = lost_seq + 1..=lost_seq + LOOKAHEAD_RECORDS;
         let mut candidates: Vec<(u64, u64)> = Vec::new(); // (seq, offset)
-        let damaged_starts = index.damaged_starts.iter().map(|&id| self.geometry.segment_base(id));
-        for from in std::iter::once(cursor.offset).chain(damaged_starts) {
-            if let Some((image, base)) = cache.image_at(self, from) {
-                self.successors_in(image, base, from, &wanted, &mut candidates);
+        let mut scan_from = vec![cursor.offset];
+        if let Some(next) = self.link_of(cache, starts, cursor.segment) {
+            scan_from.push(self.geometry.segment_base(next));
+        }
+        if let Some(index) = &starts.index {
+            scan_from.extend(index.damaged_starts.iter().map(|&id| self.geometry.segment_base(id)));
+            for seq in wanted.clone() {
+                for &id in index.starts.get(&seq).into_iter().flatten() {
+                    candidates.push((seq, self.geometry.segment_base(id)));
+                }
             }
         }
-        for seq in wanted.clone() {
-            for &id in index.starts.get(&seq).into_iter().flatten() {
-                candidates.push((seq, self.geometry.segment_base(id)));
+        for from in scan_from {
+            if let Some((image, base)) = cache.image_at(self, from) {
+                self.successors_in(image, base, from, &wanted, &mut candidates);
             }
         }
         candidates.sort_unstable();
@@ -345,7 +475,7 @@ impl Inner {
         for (seq, offset) in candidates {
             let Some(record) = cache.record_near(self, offset, |r| r.header.seq == seq) else { continue };
             // Proof may come from this record or one chained after it.
-            if record.header.durable_seq >= lost_seq || self.proof_from(cache, index, &record, lost_seq) {
+            if record.header.durable_seq >= lost_seq || self.proof_from(cache, starts, &record, lost_seq) {
                 return Some(record);
             }
         }
@@ -438,14 +568,17 @@ impl Inner {
     /// Whether a record chained after `from` carries `durable_seq >= target` (proof that
     /// everything up to `target` was durable, so what does not verify there is damage, not
     /// a torn tail).
-    fn proof_from(&self, cache: &mut SegmentCache, index: &Index, from: &FoundRecord, target: u64) -> bool {
-        let mut cursor = Cursor { offset: from.end_bytes, seq: from.header.seq + 1, prev_crc: Some(from.crc) };
+    fn proof_from(&self, cache: &mut SegmentCache, starts: &mut Starts, from: &FoundRecord, target: u64) -> bool {
+        let mut cursor = Cursor::after(from, self.geometry.segment_of(from.offset_bytes));
         for _ in 0..PROOF_RECORDS_MAX {
-            let Some(next) = self.next_record(cache, index, cursor) else { return false };
+            let Some(next) = self.next_record(cache, starts, cursor) else { return false };
             if next.header.durable_seq >= target {
                 return true;
             }
-            cursor = Cursor { offset: next.end_bytes, seq: next.header.seq + 1, prev_crc: Some(next.crc) };
+            if let RecordBody::Link { next_segment } = next.header.body {
+                starts.links.insert(self.geometry.segment_of(next.offset_bytes), next_segment.map(SegmentId));
+            }
+            cursor = Cursor::after(&next, self.geometry.segment_of(next.offset_bytes));
         }
         false
     }
@@ -466,7 +599,7 @@ fn damage_report(record: &FoundRecord, why: &str) -> DamagedRecord {
     }
     let what = format!("record {}: {}; applied ({why})", record.header.seq, parts.join("; "));
     tracing::warn!("replay: {what}, at byte {}", record.offset_bytes);
-    let maps_nothing = matches!(record.header.body, RecordBody::Checkpoint | RecordBody::Marker);
+    let maps_nothing = record.header.body.maps_nothing();
     DamagedRecord {
         offset_bytes: record.offset_bytes,
         what,

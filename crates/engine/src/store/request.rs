@@ -22,7 +22,7 @@ use super::space::SpaceClass;
 use super::state::{round_up, Inner};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, Protection, PI_BYTES};
-use crate::map::Entry;
+use crate::map::{Entry, PackedEntry, WalkItem};
 use crate::stats::Counters;
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
@@ -79,8 +79,11 @@ impl Inner {
         if last_lba.0 >= map.block_count() {
             return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
         }
-        let entries: Vec<Entry> =
-            (first_lba.0..=last_lba.0).map(|lba| map.get(Lba(lba)).unpack()).collect::<Result<_>>()?;
+        let entries: Vec<Entry> = map
+            .get_range(first_lba, last_lba.0 - first_lba.0 + 1, self)?
+            .into_iter()
+            .map(|e| e.unpack())
+            .collect::<Result<_>>()?;
         let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
         self.fetch_blocks(&entries, &mut blocks, first_lba, ReadCache::Use)?;
         drop(map);
@@ -181,13 +184,14 @@ impl Inner {
     }
 
     /// A write that replaces more stored bytes than it adds frees space once GC runs: it
-    /// may use part of the reserve other host writes may not.
+    /// may use part of the reserve other host writes may not. (Judged from the cached map
+    /// only: a write never waits for a map page.)
     fn write_class(&self, first_lba: Lba, last_lba: Lba, blocks: &[Block]) -> SpaceClass {
         let map = self.map.read();
         let last = last_lba.0.min(map.block_count().saturating_sub(1));
         let replaced_bytes: u64 = (first_lba.0..=last)
-            .map(|lba| match map.get(Lba(lba)).unpack() {
-                Ok(Entry::Stored(s)) => s.stored_len as u64,
+            .map(|lba| match map.peek(Lba(lba)).map(|e| e.unpack()) {
+                Some(Ok(Entry::Stored(s))) => s.stored_len as u64,
                 _ => 0,
             })
             .sum();
@@ -290,6 +294,8 @@ impl Inner {
         }
     }
 
+    /// Allocation status of a byte range, merged into runs. Subtrees of the map that are
+    /// one constant are one run, without reading their pages.
     pub(crate) fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>> {
         self.validate_range(offset, length)?;
         let mut extents: Vec<Extent> = Vec::new();
@@ -297,21 +303,43 @@ impl Inner {
             return Ok(extents);
         }
         let block = BLOCK_SIZE as u64;
-        let map = self.map.read();
-        let first = offset / block;
-        let last = ((offset + length - 1) / block).min(map.block_count().saturating_sub(1));
-        for lba in first..=last {
-            let kind = match map.get(Lba(lba)).unpack()? {
-                Entry::Unmapped => ExtentKind::Hole,
-                Entry::Zero => ExtentKind::Zero,
-                Entry::Stored(_) | Entry::Lost => ExtentKind::Data,
+        let end_bytes = offset + length;
+        let mut push = |first_lba: u64, end_lba: u64, entry: PackedEntry| {
+            let kind = match entry.unpack() {
+                Ok(Entry::Unmapped) => ExtentKind::Hole,
+                Ok(Entry::Zero) => ExtentKind::Zero,
+                _ => ExtentKind::Data,
             };
-            let start = (lba * block).max(offset);
-            let end = ((lba + 1) * block).min(offset + length);
+            let start = (first_lba * block).max(offset);
+            let end = (end_lba * block).min(end_bytes);
             match extents.last_mut() {
                 Some(e) if e.kind == kind && e.offset + e.length == start => e.length += end - start,
                 _ => extents.push(Extent { offset: start, length: end - start, kind }),
             }
+        };
+        let map = self.map.read();
+        let first = offset / block;
+        let end = end_bytes.div_ceil(block).min(map.block_count());
+        let mut runs: Vec<(u64, u64, PackedEntry)> = Vec::new();
+        map.walk_current(first, end, self, &mut |item| {
+            match item {
+                WalkItem::Leaf(id, body) => {
+                    let start = id.first_lba().0;
+                    for (slot, &value) in body.iter().enumerate() {
+                        let lba = start + slot as u64;
+                        if lba >= first && lba < end {
+                            runs.push((lba, lba + 1, PackedEntry(value)));
+                        }
+                    }
+                }
+                WalkItem::Constant(from, to, value) => runs.push((from, to, value)),
+                WalkItem::Page(_) => {}
+            }
+            Ok(())
+        })?;
+        drop(map);
+        for (from, to, value) in runs {
+            push(from, to, value);
         }
         Ok(extents)
     }

@@ -239,10 +239,19 @@ fn parse_record_near(
     accept: impl Fn(&FoundRecord) -> bool,
 ) -> Option<FoundRecord> {
     let at = |offset| parse_record_at(image, base, offset, store_tag).filter(&accept);
-    at(offset).or_else(|| {
-        let aligned = round_up(offset, SECTOR_SIZE as u64);
-        (aligned != offset).then(|| at(aligned)).flatten()
-    })
+    let here = at(offset);
+    if here.as_ref().is_some_and(|r| !r.damage.any()) {
+        return here;
+    }
+    // After a flush's padding the next record starts at the sector boundary. An intact one
+    // there wins over a damaged one "found" at the offset: a record without payload right
+    // after the padding has its head where a record at the offset would have its tail's
+    // copy, and the copy decodes.
+    let aligned = round_up(offset, SECTOR_SIZE as u64);
+    match (aligned != offset).then(|| at(aligned)).flatten() {
+        Some(r) if !r.damage.any() || here.is_none() => Some(r),
+        _ => here,
+    }
 }
 
 /// Every record of a segment image in order, following padding to sector boundaries and

@@ -8,14 +8,67 @@
 //! a comparison each. Replay may also restart a segment's use (`restart_in_replay`).
 //!
 //! Invariants: a segment is in the free set exactly when its state is Free; a Free
-//! segment has no live bytes; `live_bytes` is the sum of the stored lengths of the map
-//! entries pointing into the segment.
+//! segment has no live bytes and no page bytes; `live_bytes` is at least the sum of the
+//! stored lengths of the map entries pointing into the segment (equal once the map's owed
+//! removals are settled — every checkpoint settles them); `page_bytes` is the bytes of the
+//! map pages in it that a retained checkpoint references.
 
 use std::collections::BTreeSet;
 
 use crate::format::{SegmentState, SegmentUsage};
-use crate::map::{Entry, PackedEntry};
+use crate::map::{Delta, Entry, PackedEntry};
 use crate::types::SegmentId;
+
+/// Accounts for a map entry joining or leaving the map in a usage table and its block
+/// counts (the live table, or a checkpoint's snapshot of it).
+pub(crate) fn account_entry(
+    usage: &mut [SegmentUsage],
+    counts: &mut BlockCounts,
+    entry: PackedEntry,
+    delta: Delta,
+    segment_of: impl Fn(u64) -> SegmentId,
+) {
+    match entry.unpack() {
+        Ok(Entry::Stored(s)) => {
+            let usage = &mut usage[segment_of(s.offset_bytes).index()];
+            match delta {
+                Delta::Add => {
+                    usage.live_bytes += s.stored_len as u64;
+                    counts.stored += 1;
+                }
+                Delta::Remove => {
+                    debug_assert!(usage.live_bytes >= s.stored_len as u64, "live bytes underflow");
+                    usage.live_bytes = usage.live_bytes.saturating_sub(s.stored_len as u64);
+                    counts.stored = counts.stored.saturating_sub(1);
+                }
+            }
+        }
+        Ok(Entry::Zero) => counts.constant(PackedEntry::ZERO, 1, delta),
+        Ok(Entry::Unmapped | Entry::Lost) | Err(_) => {}
+    }
+}
+
+/// How many blocks the map holds as stored data and as written zeroes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct BlockCounts {
+    pub stored: u64,
+    pub zero: u64,
+}
+
+impl BlockCounts {
+    /// `blocks` blocks of a constant join or leave (only ZERO is counted).
+    pub fn constant(&mut self, value: PackedEntry, blocks: u64, delta: Delta) {
+        if value == PackedEntry::ZERO {
+            match delta {
+                Delta::Add => self.zero += blocks,
+                Delta::Remove => {
+                    debug_assert!(self.zero >= blocks, "zero block count underflow");
+                    self.zero = self.zero.saturating_sub(blocks);
+                }
+            }
+        }
+    }
+}
 
 pub(crate) struct SegmentTable {
     usage: Vec<SegmentUsage>,
@@ -25,17 +78,10 @@ pub(crate) struct SegmentTable {
     pinned: Vec<Vec<SegmentId>>,
     /// Segments GC could not fully parse (damaged); never cleaned.
     unparseable: Vec<SegmentId>,
-    /// Blocks the map holds as stored data.
-    pub stored_blocks: u64,
-    /// Blocks the map holds as written zeroes.
-    pub zero_blocks: u64,
-}
-
-/// Whether a map entry joins or leaves the map.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Change {
-    Add,
-    Remove,
+    /// Segments whose data GC moved but which still hold map pages a retained checkpoint
+    /// references: they empty as checkpoints rewrite and release those pages.
+    awaiting_pages: BTreeSet<SegmentId>,
+    pub counts: BlockCounts,
 }
 
 impl SegmentTable {
@@ -53,8 +99,8 @@ impl SegmentTable {
             free: BTreeSet::new(),
             pinned: Vec::new(),
             unparseable: Vec::new(),
-            stored_blocks: 0,
-            zero_blocks: 0,
+            awaiting_pages: BTreeSet::new(),
+            counts: BlockCounts::default(),
         }
     }
 
@@ -89,6 +135,31 @@ impl SegmentTable {
         Some(id)
     }
 
+    /// Free → Open for a chosen segment (the one a link named); the lowest free one if it
+    /// is not free after all.
+    pub fn open(&mut self, id: SegmentId) -> Option<SegmentId> {
+        if !self.free.contains(&id) {
+            debug_assert!(false, "segment {id} a link named is not free");
+            return self.open_next();
+        }
+        self.free.remove(&id);
+        let usage = &mut self.usage[id.index()];
+        assert_eq!(usage.state, SegmentState::Free, "segment {id} in the free set is {:?}", usage.state);
+        assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
+        *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
+        Some(id)
+    }
+
+    /// The lowest free segment, which stays free.
+    pub fn lowest_free(&self) -> Option<SegmentId> {
+        self.free.first().copied()
+    }
+
+    /// Whether segment `id` is free.
+    pub fn is_free(&self, id: SegmentId) -> bool {
+        self.free.contains(&id)
+    }
+
     /// Open → Sealed, with the bytes appended to it.
     pub fn seal(&mut self, id: SegmentId, end_bytes: u64) {
         let usage = &mut self.usage[id.index()];
@@ -103,7 +174,38 @@ impl SegmentTable {
         usage.end_bytes = end_bytes;
         if let Some(seq) = last_seq {
             usage.last_seq = seq;
+            if usage.first_seq == 0 {
+                usage.first_seq = seq;
+            }
         }
+    }
+
+    /// Map pages a checkpoint wrote into segment `id` joined the retained tree.
+    pub fn add_pages(&mut self, id: SegmentId, bytes: u64) {
+        self.usage[id.index()].page_bytes += bytes;
+    }
+
+    /// Map pages in segment `id` no retained checkpoint references any more.
+    pub fn release_pages(&mut self, id: SegmentId, bytes: u64) {
+        let usage = &mut self.usage[id.index()];
+        debug_assert!(usage.page_bytes >= bytes, "page bytes underflow in segment {id}");
+        usage.page_bytes = usage.page_bytes.saturating_sub(bytes);
+    }
+
+    /// A replaced map subtree's entries left the map: live bytes per segment and counts.
+    pub fn remove_debt(&mut self, live_bytes: &std::collections::BTreeMap<u32, u64>, counts: BlockCounts) {
+        for (&segment, &bytes) in live_bytes {
+            let u = &mut self.usage[segment as usize];
+            debug_assert!(u.live_bytes >= bytes, "live bytes underflow in segment {segment}");
+            u.live_bytes = u.live_bytes.saturating_sub(bytes);
+        }
+        self.counts.stored = self.counts.stored.saturating_sub(counts.stored);
+        self.counts.zero = self.counts.zero.saturating_sub(counts.zero);
+    }
+
+    /// GC moved segment `id`'s data; it waits for its map pages to be rewritten.
+    pub fn await_pages(&mut self, id: SegmentId) {
+        self.awaiting_pages.insert(id);
     }
 
     /// Sealed → Cleaned: nothing in it is live any more; `cleaned_seq` is the newest record
@@ -112,8 +214,10 @@ impl SegmentTable {
         let usage = &mut self.usage[id.index()];
         assert_eq!(usage.state, SegmentState::Sealed, "cleaning segment {id}");
         assert_eq!(usage.live_bytes, 0, "cleaning segment {id} with live data");
+        assert_eq!(usage.page_bytes, 0, "cleaning segment {id} with live map pages");
         usage.state = SegmentState::Cleaned;
         usage.cleaned_seq = cleaned_seq;
+        self.awaiting_pages.remove(&id);
     }
 
     /// Cleaned → Free. The caller has checked the reuse rule.
@@ -121,15 +225,16 @@ impl SegmentTable {
         let usage = &mut self.usage[id.index()];
         assert_eq!(usage.state, SegmentState::Cleaned, "freeing segment {id}");
         assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
+        assert_eq!(usage.page_bytes, 0, "freeing segment {id} with live map pages");
         *usage = SegmentUsage::FREE;
         self.free.insert(id);
     }
 
-    /// A record found at a segment's start during replay begins a new use of it: whatever
-    /// it held before died earlier in the log.
+    /// A record found at a segment's start during replay, other than the first record of
+    /// the use the table knows, begins a new use of it: whatever it held before died
+    /// earlier in the log.
     pub fn restart_in_replay(&mut self, id: SegmentId) {
         let usage = &mut self.usage[id.index()];
-        debug_assert_eq!(usage.live_bytes, 0, "replay reuses segment {id} with live data");
         self.free.remove(&id);
         *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
     }
@@ -144,14 +249,15 @@ impl SegmentTable {
         let mut freed_sealed = false;
         for (i, s) in self.usage.iter_mut().enumerate() {
             let id = SegmentId(i as u32);
-            let empty = matches!(s.state, SegmentState::Cleaned | SegmentState::Sealed) && s.live_bytes == 0;
+            let empty = matches!(s.state, SegmentState::Cleaned | SegmentState::Sealed)
+                && s.live_bytes == 0
+                && s.page_bytes == 0;
             if empty && s.last_seq <= horizon_seq && !pinned.contains(&id) {
                 freed_sealed |= s.state == SegmentState::Sealed;
                 s.state = SegmentState::Free;
             }
             if s.state == SegmentState::Free {
-                s.live_bytes = 0;
-                s.end_bytes = 0;
+                *s = SegmentUsage::FREE;
                 self.free.insert(id);
             }
         }
@@ -178,13 +284,20 @@ impl SegmentTable {
         self.unparseable.push(id);
     }
 
-    /// Whether GC may take segment `id`: sealed, on disk (`unwritten` lists the segments
-    /// still buffered), not holding a retained checkpoint, and fully parseable.
+    /// Whether segment `id` may be cleaned or freed: sealed, on disk (`unwritten` lists
+    /// the segments still buffered), not holding a retained checkpoint's chunks, and fully
+    /// parseable.
     pub fn collectable(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
         self.usage[id.index()].state == SegmentState::Sealed
             && !unwritten.contains(&id)
             && !self.is_pinned(id)
             && !self.unparseable.contains(&id)
+    }
+
+    /// Whether GC should take segment `id` as a victim: collectable, and not already
+    /// waiting for its map pages to be rewritten.
+    pub fn is_victim_candidate(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
+        self.collectable(id, unwritten) && !self.awaiting_pages.contains(&id)
     }
 
     /// Whether any segment is cleaned and waiting for the reuse rule.
@@ -198,28 +311,8 @@ impl SegmentTable {
 
     /// Accounts for a map entry joining or leaving the map: the live bytes of the segment
     /// it points into, and the block counts.
-    pub fn account(&mut self, entry: PackedEntry, change: Change, segment_of: impl Fn(u64) -> SegmentId) {
-        match entry.unpack() {
-            Ok(Entry::Stored(s)) => {
-                let usage = &mut self.usage[segment_of(s.offset_bytes).index()];
-                match change {
-                    Change::Add => {
-                        usage.live_bytes += s.stored_len as u64;
-                        self.stored_blocks += 1;
-                    }
-                    Change::Remove => {
-                        debug_assert!(usage.live_bytes >= s.stored_len as u64, "live bytes underflow");
-                        usage.live_bytes = usage.live_bytes.saturating_sub(s.stored_len as u64);
-                        self.stored_blocks -= 1;
-                    }
-                }
-            }
-            Ok(Entry::Zero) => match change {
-                Change::Add => self.zero_blocks += 1,
-                Change::Remove => self.zero_blocks -= 1,
-            },
-            Ok(Entry::Unmapped | Entry::Lost) | Err(_) => {}
-        }
+    pub fn account(&mut self, entry: PackedEntry, delta: Delta, segment_of: impl Fn(u64) -> SegmentId) {
+        account_entry(&mut self.usage, &mut self.counts, entry, delta, segment_of);
     }
 
     /// Takes free segments out of the free set (and out of GC's reach) until `keep` are

@@ -12,7 +12,8 @@ use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
 use crate::error::{Error, ErrorKind};
-use crate::format::{SegmentState, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{SegmentState, BATCH_ENTRY_BYTES, PI_BYTES, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
+use crate::map::DIRTY_PAGES_HARD;
 use crate::stats::{Counters, Stats};
 use crate::BLOCK_SIZE;
 
@@ -45,20 +46,23 @@ impl SpaceClass {
 }
 
 impl Inner {
-    /// Room one checkpoint takes in the log, conservatively: its records' bytes, and what
-    /// each segment boundary it crosses may waste.
-    pub(crate) fn checkpoint_room_bytes(&self, log: &Log) -> u64 {
+    /// Room one checkpoint takes in the log, conservatively: the map pages it may rewrite
+    /// — at most the pages writers may dirty before they wait for a checkpoint, with their
+    /// ancestors, or every page of the map if that is fewer — each raw in the worst case;
+    /// the image (the segment table, uncompressed); and what each segment boundary it
+    /// crosses may waste.
+    pub(crate) fn checkpoint_room_bytes(&self, _log: &Log) -> u64 {
         let capacity = self.geometry.segment_capacity();
-        let mapped = log.segments.stored_blocks + log.segments.zero_blocks;
-        // A checkpoint is at most 16 bytes per mapped block and 33 per segment before zstd;
-        // until one has been written, assume that. After, the last one's size plus a
-        // quarter, never more than that bound. (Its size changes slowly: with the number of
-        // mapped blocks and how scattered their fragments are. An estimate that proves short
-        // only delays the checkpoints that free young cleaned segments; freeing the others
-        // needs no checkpoint.)
-        let checkpoint_bound = mapped * 16 + self.geometry.segment_count * 33 + 4096;
-        let last = log.epochs.checkpoint_bytes;
-        let estimate = if last == 0 { checkpoint_bound } else { (last + last / 4 + 4096).min(checkpoint_bound) };
+        let mut level_pages = self.logical_size_bytes.load(Ordering::Relaxed).div_ceil(BLOCK_SIZE as u64 * 512).max(1);
+        let mut pages_total = level_pages;
+        while level_pages > 1 {
+            level_pages = level_pages.div_ceil(512);
+            pages_total += level_pages;
+        }
+        let pages = pages_total.min(2 * DIRTY_PAGES_HARD as u64 + 8);
+        let page_bytes = pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64;
+        let image_bytes = 4096 + self.geometry.segment_count * 61;
+        let estimate = page_bytes + image_bytes;
         estimate + (estimate / capacity + 1) * (RECORD_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
     }
 
@@ -128,29 +132,17 @@ impl Inner {
         let c = &self.counters;
         let log = self.log.lock();
         let segment_size = self.geometry.segment_size_bytes;
-        let mut live = 0u64;
-        let mut garbage = 0u64;
-        let mut reclaimable = 0u64;
-        for (id, s) in log.segments.iter() {
-            live += s.live_bytes;
-            match s.state {
-                SegmentState::Sealed => {
-                    garbage += s.end_bytes.saturating_sub(s.live_bytes);
-                    if !log.segments.is_pinned(id) {
-                        reclaimable += segment_size - s.live_bytes;
-                    }
-                }
-                SegmentState::Open => garbage += s.end_bytes.saturating_sub(s.live_bytes),
-                SegmentState::Cleaned => reclaimable += segment_size,
-                SegmentState::Free => {}
-            }
-        }
+        let SegmentTotals { live, page_bytes, garbage, reclaimable } = segment_totals(&log.segments, segment_size);
         let open_room = log.appender.open.as_ref().map_or(0, |o| segment_size - o.append_offset_bytes as u64);
         let reserve = self.reserve_bytes(&log, SpaceClass::Host);
         let free_bytes = log.segments.free_count() as u64 * segment_size;
         let free_space = (free_bytes + reclaimable + open_room).saturating_sub(reserve);
-        let physical_size = live + log.epochs.checkpoint_bytes * 2 + 2 * SUPERBLOCK_SLOT_BYTES as u64;
-        let logical_size = (log.segments.stored_blocks + log.segments.zero_blocks) * BLOCK_SIZE as u64;
+        let physical_size = live + page_bytes + log.epochs.image_bytes * 2 + 2 * SUPERBLOCK_SLOT_BYTES as u64;
+        let logical_size = (log.segments.counts.stored + log.segments.counts.zero) * BLOCK_SIZE as u64;
+        let counts = log.segments.counts;
+        let segments_free = log.segments.free_count() as u64;
+        drop(log);
+        let map = self.map.read().stats();
         let findings = self.recovery.get();
         let damaged = self.degraded().is_some();
         let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
@@ -195,14 +187,59 @@ impl Inner {
             backing_size_bytes: self.geometry.physical_size_bytes,
             segment_size_bytes: segment_size,
             segments_total: self.geometry.segment_count,
-            segments_free: log.segments.free_count() as u64,
-            stored_blocks: log.segments.stored_blocks,
-            zero_blocks: log.segments.zero_blocks,
+            segments_free,
+            stored_blocks: counts.stored,
+            zero_blocks: counts.zero,
             read_cache_hits,
             read_cache_misses,
             read_cache_bytes,
             damaged_records: findings.map_or(0, |f| f.damaged.len() as u64),
             damaged,
+            map_cache_bytes: map.cache_bytes,
+            map_cache_budget_bytes: map.cache_budget_bytes,
+            map_cached_pages: map.cached_pages,
+            map_dirty_pages: map.dirty_pages,
+            map_pending_changes: map.pending_changes,
+            map_cache_hits: map.hits,
+            map_cache_misses: map.misses,
+            map_cache_hit_rate: if map.hits + map.misses == 0 {
+                1.0
+            } else {
+                map.hits as f64 / (map.hits + map.misses) as f64
+            },
+            map_damaged_pages: map.damaged_pages,
+            map_page_bytes: page_bytes,
         }
     }
+}
+
+/// What the segment table holds, summed for the statistics.
+struct SegmentTotals {
+    live: u64,
+    page_bytes: u64,
+    /// Dead bytes in sealed and open segments.
+    garbage: u64,
+    /// What cleaning would give back: cleaned segments, and sealed ones less what they hold.
+    reclaimable: u64,
+}
+
+fn segment_totals(segments: &super::segments::SegmentTable, segment_size: u64) -> SegmentTotals {
+    let mut t = SegmentTotals { live: 0, page_bytes: 0, garbage: 0, reclaimable: 0 };
+    for (id, s) in segments.iter() {
+        t.live += s.live_bytes;
+        t.page_bytes += s.page_bytes;
+        let held = s.live_bytes + s.page_bytes;
+        match s.state {
+            SegmentState::Sealed => {
+                t.garbage += s.end_bytes.saturating_sub(held);
+                if !segments.is_pinned(id) {
+                    t.reclaimable += segment_size.saturating_sub(held);
+                }
+            }
+            SegmentState::Open => t.garbage += s.end_bytes.saturating_sub(held),
+            SegmentState::Cleaned => t.reclaimable += segment_size,
+            SegmentState::Free => {}
+        }
+    }
+    t
 }

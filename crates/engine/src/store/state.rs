@@ -22,7 +22,7 @@ use crate::cache::FragmentCache;
 use crate::codec::Codec;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Superblock, DATA_START_BYTES};
-use crate::map::Map;
+use crate::map::PagedMap;
 use crate::stats::Counters;
 use crate::types::SegmentId;
 use crate::BLOCK_SIZE;
@@ -97,8 +97,9 @@ pub(crate) struct Inner {
     pub geometry: Geometry,
     pub options: OpenOptions,
     pub read_only: bool,
-    /// Rank 6.
-    pub map: RwLock<Map>,
+    /// Rank 6 (its tree, rank 7). Readers hold the read lock while they use entries;
+    /// freeing a segment takes the write lock once as a barrier.
+    pub map: RwLock<PagedMap>,
     /// Rank 5.
     pub log: Mutex<Log>,
     /// Rank 4: serialises backing writes of log data, so a flush knows every earlier write
@@ -106,7 +107,7 @@ pub(crate) struct Inner {
     pub io: Mutex<()>,
     /// Rank 2: serialises checkpoints and holds the superblock of the newest durable one.
     pub checkpoint: Mutex<Superblock>,
-    /// Rank 7: the segment buffers readers may find data in (the open segment and sealed
+    /// Rank 8: the segment buffers readers may find data in (the open segment and sealed
     /// ones not yet written out).
     pub buffered: RwLock<Vec<Arc<SegmentBuffer>>>,
     pub read_cache: FragmentCache,
@@ -119,7 +120,7 @@ pub(crate) struct Inner {
     pub durable_seq: AtomicU64,
     /// Rank 0: stripes serialising read-modify-write of partial blocks.
     pub block_locks: Vec<Mutex<()>>,
-    /// Rank 9.
+    /// Rank 10.
     pub signal: Mutex<WorkerSignal>,
     pub signal_cv: Condvar,
     pub writer_cv: Condvar,

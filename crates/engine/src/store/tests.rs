@@ -34,8 +34,8 @@ fn take_free_segments(inner: &Inner, keep: usize) {
     inner.log.lock().segments.take_free_for_test(keep);
 }
 
-/// Liveness at GC's floor: one free segment left, the open segment nearly full, nothing
-/// cleaned, half the data garbage. GC must still relocate a victim (into the last free
+/// Liveness at GC's floor: two free segments left (below the host reserve: host writes are
+/// refused), the open segment nearly full, nothing cleaned, half the data garbage. GC must still relocate a victim (into the last free
 /// segment, keeping room for the checkpoints that free it), and then give back more
 /// than it took. With reserves counted in whole free segments GC refused here, and the
 /// store answered every write with ENOSPC forever (`zdisk bench --smoke` in CI).
@@ -57,7 +57,7 @@ fn gc_can_always_move_at_its_floor() {
         lba += 1;
     }
     store.flush().unwrap();
-    take_free_segments(inner, 1);
+    take_free_segments(inner, 2);
     let available_before = inner.available_bytes(&inner.log.lock());
     assert!(available_before < inner.reserve_bytes(&inner.log.lock(), SpaceClass::Host));
     assert!(inner.gc_once(GcMode::Foreground).unwrap().is_some(), "GC found no victim it could relocate at its floor");

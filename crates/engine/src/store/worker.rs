@@ -145,7 +145,9 @@ impl Inner {
             (log.segments.free_count() as u64, log.segments.has_cleaned(), log.epochs.bytes_since_checkpoint)
         };
         let urgent = waiting && free < target;
-        if since >= self.checkpoint_interval_bytes() || urgent {
+        // The map's changes take memory until a checkpoint writes them.
+        let memory = self.map.read().wants_checkpoint();
+        if since >= self.checkpoint_interval_bytes() || urgent || memory {
             self.checkpoint_now()?;
             busy = true;
         }

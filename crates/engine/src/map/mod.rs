@@ -1,5 +1,5 @@
-//! The logical-to-physical map: one packed entry per 4 KiB logical block, updated with
-//! atomic stores so reads need no lock on the map itself.
+//! The logical-to-physical map: one packed entry per 4 KiB logical block, kept in 512-entry
+//! pages on the backing store and cached in memory (`paged.rs`).
 //!
 //! Packing (see docs/format.md, "Map entry"):
 //! - `0` — unmapped (never written or trimmed): reads as zeroes, a hole.
@@ -9,13 +9,22 @@
 //! - stored — bits 0..2 = 2 (a version 2 fragment: 4-byte guard prefix) or 3 (version 3:
 //!   12 bytes of protection information), bits 2..5 codec tag, bits 5..18 stored length
 //!   (prefix included), bits 18..64 physical byte offset of the fragment.
+//!
+//! An interior map page's slot uses the same packing: a stored entry points at the child
+//! page's fragment; UNMAPPED, ZERO and LOST stand for every block of the child's subtree.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+mod merge;
+pub(crate) mod page;
+mod paged;
+mod walk;
+
+pub(crate) use merge::{uniform_constant, Prepared};
+pub(crate) use paged::{span_blocks, Accounting, Delta, PageSource, PagedMap, DIRTY_PAGES_HARD};
+pub(crate) use walk::{walk_subtree, Visit, WalkItem};
 
 use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat};
-use crate::types::Lba;
 
 const KIND_STORED_V2: u64 = 2;
 const KIND_STORED_V3: u64 = 3;
@@ -66,6 +75,13 @@ pub struct Stored {
     pub format: FragmentFormat,
 }
 
+impl Stored {
+    /// The fragment entry (length and codec) a record lists for it.
+    pub fn fragment_entry(&self) -> FragmentEntry {
+        FragmentEntry { stored_len: self.stored_len, codec: self.codec }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Entry {
     Unmapped,
@@ -93,52 +109,6 @@ pub fn unpack(raw: u64) -> Result<Entry> {
             }))
         }
         _ => Err(Error::new(ErrorKind::Corrupt, format!("bad map entry {raw:#x}"))),
-    }
-}
-
-/// The map itself. Growing it (resize) needs `&mut`, which the store gets under its map lock.
-#[derive(Debug, Default)]
-pub struct Map {
-    entries: Vec<AtomicU64>,
-}
-
-impl Map {
-    pub fn new(block_count: u64) -> Map {
-        Map { entries: (0..block_count).map(|_| AtomicU64::new(PackedEntry::UNMAPPED.0)).collect() }
-    }
-
-    pub fn block_count(&self) -> u64 {
-        self.entries.len() as u64
-    }
-
-    pub fn get(&self, lba: Lba) -> PackedEntry {
-        PackedEntry(self.entries[lba.0 as usize].load(Ordering::Acquire))
-    }
-
-    /// Publishes a new entry and returns the one it replaced.
-    pub fn swap(&self, lba: Lba, new: PackedEntry) -> PackedEntry {
-        PackedEntry(self.entries[lba.0 as usize].swap(new.0, Ordering::AcqRel))
-    }
-
-    /// Replaces `old` with `new` only if the entry still holds `old` (GC relocation).
-    pub fn compare_swap(&self, lba: Lba, old: PackedEntry, new: PackedEntry) -> bool {
-        self.entries[lba.0 as usize].compare_exchange(old.0, new.0, Ordering::AcqRel, Ordering::Acquire).is_ok()
-    }
-
-    pub fn resize(&mut self, block_count: u64) {
-        self.entries.resize_with(block_count as usize, || AtomicU64::new(PackedEntry::UNMAPPED.0));
-    }
-
-    /// Every entry that is not unmapped, ascending.
-    pub fn mapped(&self) -> Vec<(Lba, PackedEntry)> {
-        self.entries
-            .iter()
-            .enumerate()
-            .filter_map(|(lba, e)| {
-                let raw = PackedEntry(e.load(Ordering::Acquire));
-                (raw != PackedEntry::UNMAPPED).then_some((Lba(lba as u64), raw))
-            })
-            .collect()
     }
 }
 
