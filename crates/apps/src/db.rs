@@ -241,8 +241,9 @@ pub fn pg_start(datadir: &Path, socket_dir: &Path, log: &Path, cfg: &ServerConfi
             .unwrap_or(false)
     };
     if let Err(e) = wait_ready(&mut child, log, Duration::from_secs(600), &ready) {
-        sys::signal_group(pid, libc::SIGKILL);
-        let _ = child.wait();
+        if let Err(k) = kill_server(Db::Postgres, &mut child, datadir) {
+            progress(&format!("teardown: {k:#}"));
+        }
         return Err(e);
     }
     Ok(Server {
@@ -253,6 +254,64 @@ pub fn pg_start(datadir: &Path, socket_dir: &Path, log: &Path, cfg: &ServerConfi
         log: log.into(),
         datadir: datadir.into(),
     })
+}
+
+/// How long the processes of a killed server may take to go away (a process in the middle of
+/// I/O on a device whose server died dies when that I/O fails).
+const KILL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// SIGKILL of a database server and every process of it, then waits until all are gone, so
+/// that none can touch the data directory again (and the filesystem can be unmounted):
+///
+/// - MariaDB: `mariadbd` itself (our child).
+/// - PostgreSQL: our child is `runuser`, the postmaster is its child, and every backend and
+///   auxiliary process calls setsid(): a signal to our child's process group reaches runuser
+///   and the postmaster only. The backends lived on, on the dead device, and kept the
+///   filesystem busy; the postmaster, orphaned by runuser's death, stayed a zombie until init
+///   reaped it (1–2 s later, measured here), and while its pid — also in postmaster.pid on
+///   the recovered disk — answered kill(pid, 0), the recovery start refused ("Is another
+///   postmaster running?"). So the postmaster and all its children are killed by pid, runuser
+///   (still alive) reaps the postmaster and exits (it is killed if it does not), and the
+///   postmaster's pid is waited for until it has left the process table.
+///
+/// Any process left with something open under the data directory is killed too. Fails, naming
+/// the survivors, if they are not all gone within a minute.
+pub fn kill_server(db: Db, child: &mut Child, datadir: &Path) -> Result<()> {
+    let pid = child.id();
+    let roots = match db {
+        Db::Mysql => vec![pid],
+        Db::Postgres => match sys::children_of(pid) {
+            postmaster if !postmaster.is_empty() => postmaster,
+            _ => vec![pid],
+        },
+    };
+    let killed = sys::kill_all(&roots, &[datadir], KILL_TIMEOUT)
+        .with_context(|| format!("killing the {} server (pid {pid})", db.name()));
+    // Our child: runuser exits once the postmaster has; mariadbd was killed above.
+    let end = Instant::now() + Duration::from_secs(10);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > end {
+            sys::signal(pid, libc::SIGKILL);
+            child.wait()?;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let killed = killed?;
+    let outside = killed.iter().filter(|p| p.pgid != pid).count();
+    progress(&format!(
+        "{} server killed: {} process{}{}",
+        db.name(),
+        killed.len(),
+        if killed.len() == 1 { "" } else { "es" },
+        if outside > 0 { format!(", {outside} of them outside its process group") } else { String::new() }
+    ));
+    for r in roots {
+        if !sys::wait_reaped(r, Duration::from_secs(30)) {
+            bail!("the {} server's pid {r} is still in the process table 30 s after SIGKILL", db.name());
+        }
+    }
+    Ok(())
 }
 
 impl Server {
@@ -278,11 +337,12 @@ impl Server {
         }
     }
 
-    /// The whole process group: PostgreSQL's postmaster and every backend.
-    pub fn kill(&mut self) {
-        sys::signal_group(self.pid, libc::SIGKILL);
-        if let Some(mut c) = self.child.take() {
-            let _ = c.wait();
+    /// SIGKILL of the server and every process of it, and waits until they are gone: see
+    /// [`kill_server`].
+    pub fn kill(&mut self) -> Result<()> {
+        match self.child.take() {
+            Some(mut child) => kill_server(self.db, &mut child, &self.datadir),
+            None => Ok(()),
         }
     }
 
@@ -316,8 +376,7 @@ impl Server {
                 return Ok(());
             }
             if Instant::now() > end {
-                sys::signal_group(self.pid, libc::SIGKILL);
-                let _ = child.wait();
+                kill_server(self.db, &mut child, &self.datadir)?;
                 bail!("database server did not stop within 5 minutes; killed");
             }
             std::thread::sleep(Duration::from_millis(100));

@@ -190,7 +190,7 @@ pub struct PowercutArgs {
     pub seed: Option<u64>,
 
     /// Shortest and longest load before a cut, seconds. Default 3,20 (smoke 1,3).
-    #[arg(long, value_delimiter = ',', num_args = 2, value_name = "MIN,MAX")]
+    #[arg(long, value_delimiter = ',', value_name = "MIN,MAX")]
     pub cut_after: Option<Vec<f64>>,
 
     /// Load threads. Default 16.

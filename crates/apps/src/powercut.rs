@@ -81,15 +81,7 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
-    let replay = format!(
-        "zdisk db powercut {} --seed {seed} --cycles {} --cut-after {},{} --threads {}{}",
-        a.db.name(),
-        setup.cycles,
-        setup.cut.0,
-        setup.cut.1,
-        a.threads,
-        if a.smoke { " --smoke" } else { "" }
-    );
+    let replay = replay_command(a, &setup, seed);
     println!("powercut seed {seed} (replay: {replay})");
     progress(&format!("powercut {}: {} cycles, seed {seed}", a.db.name(), setup.cycles));
     let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
@@ -144,6 +136,19 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
         bail!("{failed} of {} power-cut cycles failed; replay: {replay}", result.cycles.len());
     }
     Ok(())
+}
+
+/// The command that reruns this run's cuts (the cut moments come from the seed).
+fn replay_command(a: &PowercutArgs, setup: &Setup, seed: u64) -> String {
+    format!(
+        "zdisk db powercut {} --seed {seed} --cycles {} --cut-after {},{} --threads {}{}",
+        a.db.name(),
+        setup.cycles,
+        setup.cut.0,
+        setup.cut.1,
+        a.threads,
+        if a.smoke { " --smoke" } else { "" }
+    )
 }
 
 fn guard_off() -> ServerConfig {
@@ -253,12 +258,20 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
         }
         // The power cut: the storage server first, the database in the same instant.
         dev.kill_server()?;
-        server.kill();
+        let db_killed = server.kill();
         load.kill();
         cy.load_seconds_reported =
             std::fs::read_to_string(&out).unwrap_or_default().lines().filter(|l| l.contains("tps")).count();
+        // Nothing of the cut-off server may live on: a process left running on the dead
+        // device keeps the filesystem busy (and so the loop device and the FUSE mount), and a
+        // postmaster pid that still answers kill(pid, 0) makes the recovery start refuse its
+        // postmaster.pid. Every process is dead and reaped, and no process has anything open
+        // under the mount, before it is unmounted and the store recovered.
+        db_killed.context("after the power cut")?;
+        sys::kill_all(&[], &[&m.dir], Duration::from_secs(60))
+            .context("after the power cut: processes using the database's filesystem")?;
         drop(server);
-        m.unmount_after_cut();
+        m.unmount_after_cut()?;
         dev.detach_after_cut()?;
 
         let check = ctx.zdisk().arg("check").arg(&store).output()?;
@@ -459,4 +472,40 @@ fn innochecksum_self_test(ctx: &Ctx, datadir: &Path) -> Result<String> {
         bail!("innochecksum did not detect a deliberately torn page: the page check cannot be trusted");
     }
     Ok("innochecksum reports a deliberately torn page (page 4, second half from page 5)".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: PowercutArgs,
+    }
+
+    fn parse(line: &str) -> PowercutArgs {
+        let words = line.strip_prefix("zdisk db powercut ").unwrap().split_whitespace();
+        Cli::try_parse_from(std::iter::once("powercut").chain(words)).unwrap_or_else(|e| panic!("{line}: {e}")).args
+    }
+
+    /// The printed replay command must parse and mean the same run.
+    #[test]
+    fn replay_command_parses_back() {
+        let a = parse("zdisk db powercut postgres --smoke");
+        let setup = Setup { tables: 2, table_size: 2000, scale: 2, cycles: 2, cut: (1.0, 3.0) };
+        let line = replay_command(&a, &setup, 1795444955635016032);
+        let b = parse(&line);
+        assert_eq!(b.db, Db::Postgres);
+        assert_eq!(b.seed, Some(1795444955635016032));
+        assert_eq!(b.cycles, Some(2));
+        assert_eq!(b.cut_after, Some(vec![1.0, 3.0]));
+        assert_eq!(b.threads, 16);
+        assert!(b.smoke);
+        let c = parse("zdisk db powercut mysql --cut-after 2.5,7 --threads 4");
+        let d = parse(&replay_command(&c, &Setup { cycles: 20, cut: (2.5, 7.0), ..setup }, 7));
+        assert_eq!((d.db, d.seed, d.cycles, d.threads, d.smoke), (Db::Mysql, Some(7), Some(20), 4, false));
+        assert_eq!(d.cut_after, Some(vec![2.5, 7.0]));
+    }
 }

@@ -203,8 +203,14 @@ impl Device {
     }
 
     /// Tears the device down after its server died: loop, FUSE mount, nbdfuse, state files.
+    /// Fails if the killed server is not gone within a minute (it holds the store's lock).
     pub fn detach_after_cut(mut self) -> Result<()> {
         self.attached = false;
+        if let Some(pid) = self.nbdkit_pid {
+            if !sys::wait_gone(pid, Duration::from_secs(60)) {
+                bail!("nbdkit (pid {pid}) still alive 60 s after SIGKILL");
+            }
+        }
         if let Some(pid) = self.serve_pid {
             if !sys::wait_gone(pid, Duration::from_secs(10)) {
                 sys::signal(pid, libc::SIGKILL);
@@ -388,11 +394,25 @@ impl Mount {
         }
     }
 
-    /// After a power cut the device returns errors: unmount whatever it takes.
-    pub fn unmount_after_cut(mut self) {
+    /// After a power cut the device returns errors, but with every process that used the
+    /// filesystem gone (the caller's job) it unmounts. If it stays busy it is unmounted lazily
+    /// (so the teardown goes on) and that is an error naming who holds it.
+    pub fn unmount_after_cut(mut self) -> Result<()> {
         self.mounted = false;
-        if run(sys::cmd("umount").unwrap().arg(&self.dir)).is_err() {
-            let _ = run(sys::cmd("umount").unwrap().arg("-l").arg(&self.dir));
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            match run(sys::cmd("umount")?.arg(&self.dir)) {
+                Ok(_) => return Ok(()),
+                Err(e) if Instant::now() > end => {
+                    let users = sys::users_of(&std::fs::canonicalize(&self.dir).unwrap_or_else(|_| self.dir.clone()));
+                    let _ = run(sys::cmd("umount")?.arg("-l").arg(&self.dir));
+                    return Err(e.context(format!(
+                        "unmounting {} after the power cut (lazily unmounted instead; processes using it: {users:?})",
+                        self.dir.display()
+                    )));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(200)),
+            }
         }
     }
 }

@@ -212,27 +212,174 @@ pub fn children_cpu_s() -> f64 {
     tv(usage.ru_utime) + tv(usage.ru_stime)
 }
 
-/// Every descendant of `pid` (children, grandchildren, ...), and `pid` itself.
-pub fn process_tree(pid: u32) -> Vec<u32> {
-    let mut parents: Vec<(u32, u32)> = Vec::new();
+/// One entry of the process table, as the teardown needs it.
+#[derive(Clone, Debug)]
+pub struct Proc {
+    pub pid: u32,
+    pub ppid: u32,
+    pub pgid: u32,
+    /// Start time (clock ticks since boot): with the pid, identifies the process even if the
+    /// pid is reused later.
+    pub start: u64,
+    /// State letter (R, S, D, Z, ...).
+    pub state: char,
+    pub comm: String,
+}
+
+fn parse_stat(pid: u32, stat: &str) -> Option<Proc> {
+    let (head, rest) = stat.rsplit_once(')')?;
+    let comm = head.split_once('(').map(|x| x.1).unwrap_or_default().to_string();
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the comm field: state(0) ppid(1) pgrp(2) ... starttime(19).
+    Some(Proc {
+        pid,
+        ppid: f.get(1)?.parse().ok()?,
+        pgid: f.get(2)?.parse().ok()?,
+        start: f.get(19)?.parse().ok()?,
+        state: f.first()?.chars().next()?,
+        comm,
+    })
+}
+
+/// The process table (/proc/*/stat); processes that exit while it is read are left out.
+pub fn processes() -> Vec<Proc> {
+    let mut out = Vec::new();
     if let Ok(entries) = std::fs::read_dir("/proc") {
         for e in entries.flatten() {
             let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
-                if let Some(ppid) = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok()) {
-                    parents.push((p, ppid));
-                }
+            if let Some(proc_) =
+                std::fs::read_to_string(format!("/proc/{p}/stat")).ok().and_then(|stat| parse_stat(p, &stat))
+            {
+                out.push(proc_);
             }
         }
     }
-    let mut tree = vec![pid];
+    out
+}
+
+/// `roots` and every descendant of them in `procs` (children, grandchildren, ...).
+fn descendants(procs: &[Proc], roots: &[u32]) -> Vec<u32> {
+    let mut tree = roots.to_vec();
     let mut i = 0;
     while i < tree.len() {
         let parent = tree[i];
-        tree.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        for p in procs.iter().filter(|p| p.ppid == parent) {
+            if !tree.contains(&p.pid) {
+                tree.push(p.pid);
+            }
+        }
         i += 1;
     }
     tree
+}
+
+/// Every descendant of `pid` (children, grandchildren, ...), and `pid` itself.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    descendants(&processes(), &[pid])
+}
+
+/// The children of `pid` now.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    processes().into_iter().filter(|p| p.ppid == pid).map(|p| p.pid).collect()
+}
+
+/// Every process (other than this one) whose working directory, root directory, executable or
+/// one of whose open files is under `dir` (a canonical path). Mappings are not read:
+/// /proc/PID/maps can block behind a process stuck in I/O on a dead device.
+pub fn users_of(dir: &Path) -> Vec<u32> {
+    let me = std::process::id();
+    let under = |link: PathBuf| link.starts_with(dir);
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else { return out };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+        if pid == me {
+            continue;
+        }
+        let base = e.path();
+        let mut uses = ["cwd", "root", "exe"].iter().any(|l| std::fs::read_link(base.join(l)).is_ok_and(under));
+        if !uses {
+            if let Ok(fds) = std::fs::read_dir(base.join("fd")) {
+                uses = fds.flatten().any(|fd| std::fs::read_link(fd.path()).is_ok_and(under));
+            }
+        }
+        if uses {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// SIGKILLs every process of `roots`, all their descendants and every process using anything
+/// under one of `dirs`, and waits until all of them are dead (a zombie is dead: it holds no
+/// files and does no I/O); fails after `timeout` naming the survivors. The descendants are
+/// looked up again on every pass, from every process killed so far (identified by pid and
+/// start time), so a child forked while its parent was being killed is killed too; one that
+/// was reparented to init still uses `dirs` (PostgreSQL's and MariaDB's processes all work in
+/// the data directory). Returns the processes killed.
+pub fn kill_all(roots: &[u32], dirs: &[&Path], timeout: Duration) -> Result<Vec<Proc>> {
+    let me = std::process::id();
+    let dirs: Vec<PathBuf> =
+        dirs.iter().map(|d| std::fs::canonicalize(d).unwrap_or_else(|_| d.to_path_buf())).collect();
+    let end = Instant::now() + timeout;
+    // pid -> every process killed so far.
+    let mut seen: std::collections::HashMap<u32, Proc> = std::collections::HashMap::new();
+    let mut first = true;
+    loop {
+        let procs = processes();
+        let start_of = |pid: u32| procs.iter().find(|p| p.pid == pid).map(|p| p.start);
+        let mut from: Vec<u32> = Vec::new();
+        if first {
+            from.extend(roots.iter().copied().filter(|&r| start_of(r).is_some()));
+            first = false;
+        }
+        from.extend(seen.values().filter(|p| start_of(p.pid) == Some(p.start)).map(|p| p.pid));
+        let mut targets = descendants(&procs, &from);
+        for d in &dirs {
+            targets.extend(users_of(d));
+        }
+        targets.sort_unstable();
+        targets.dedup();
+        let live: Vec<&Proc> = targets
+            .iter()
+            .filter(|&&pid| pid != me && pid > 1)
+            .filter_map(|&pid| procs.iter().find(|p| p.pid == pid))
+            .filter(|p| p.state != 'Z' && p.state != 'X')
+            .collect();
+        if live.is_empty() {
+            return Ok(seen.into_values().collect());
+        }
+        if Instant::now() > end {
+            let names: Vec<String> =
+                live.iter().map(|p| format!("{} ({}, state {})", p.pid, p.comm, p.state)).collect();
+            bail!(
+                "processes still alive {} s after SIGKILL: {} (they use {} or descend from pid {:?})",
+                timeout.as_secs(),
+                names.join(", "),
+                dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", "),
+                roots
+            );
+        }
+        for p in live {
+            signal(p.pid, libc::SIGKILL);
+            seen.insert(p.pid, p.clone());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `pid` has left the process table altogether (exited and reaped: not even a
+/// zombie), so that nothing can mistake it for a live process — PostgreSQL refuses to start
+/// while the pid in postmaster.pid answers kill(pid, 0).
+pub fn wait_reaped(pid: u32, timeout: Duration) -> bool {
+    let end = Instant::now() + timeout;
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        if Instant::now() > end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
 }
 
 /// CPU of every kernel thread (children of kthreadd, pid 2): the loop device's workers, kworkers

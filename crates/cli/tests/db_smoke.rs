@@ -13,7 +13,7 @@
 
 mod common;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::{require, require_block_devices, Scratch};
 use serde_json::Value;
@@ -140,6 +140,15 @@ fn db_powercut_postgres_smoke_has_no_torn_pages() {
     powercut("postgres");
 }
 
+/// A daemonised nbdkit of this test, stopped (SIGTERM) when dropped, also when the test panics.
+struct NbdkitDaemon(u32);
+
+impl Drop for NbdkitDaemon {
+    fn drop(&mut self) {
+        common::signal(self.0, libc::SIGTERM);
+    }
+}
+
 /// Whether a page written with O_DIRECT reaches the NBD server as one request through the
 /// attach path used here (nbdfuse + loop). nbdkit's log filter records every request the
 /// transport sends; each 4–256 KiB O_DIRECT write to the loop device must arrive as exactly one
@@ -164,7 +173,8 @@ fn nbdfuse_loop_delivers_direct_page_writes_as_one_request() {
             .args(["--filter=log", "memory", "256M"])
             .arg(format!("logfile={}", log.display())),
     );
-    let nbdkit_pid: i32 = std::fs::read_to_string(&pid_file).unwrap().trim().parse().unwrap();
+    // nbdkit daemonises: its pid file appears after run_ok has returned.
+    let nbdkit = NbdkitDaemon(common::wait_for_pid_file(&pid_file, "nbdkit (memory)", Duration::from_secs(30)));
     let fuse = s.path("fuse");
     std::fs::create_dir_all(&fuse).unwrap();
     let fuse_pid = s.path("fuse.pid");
@@ -175,11 +185,7 @@ fn nbdfuse_loop_delivers_direct_page_writes_as_one_request() {
         .arg(format!("nbd+unix:///?socket={}", sock.display()))
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !fuse_pid.exists() || std::fs::read_to_string(&fuse_pid).unwrap().trim().is_empty() {
-        assert!(t0.elapsed().as_secs() < 30, "nbdfuse did not mount");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    common::wait_for_pid_file(&fuse_pid, "nbdfuse (did not mount)", Duration::from_secs(30));
     let mut failures = Vec::new();
     for dio in ["on", "off"] {
         let dev = common::run_ok(
@@ -233,7 +239,6 @@ fn nbdfuse_loop_delivers_direct_page_writes_as_one_request() {
     }
     common::run_ok(std::process::Command::new("fusermount3").arg("-u").arg(&fuse));
     let _ = nbdfuse.wait();
-    // SAFETY: kill(2) of the nbdkit this test started.
-    unsafe { libc::kill(nbdkit_pid, libc::SIGTERM) };
+    drop(nbdkit);
     assert!(failures.is_empty(), "pages split by the transport:\n{}", failures.join("\n"));
 }

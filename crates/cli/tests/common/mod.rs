@@ -156,6 +156,31 @@ pub fn run_ok(command: &mut Command) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// The pid in `pid_file` (`-P` of nbdkit, nbdfuse), waiting for it to be written: a daemonising
+/// nbdkit returns to its caller before its child has written the file, and a foreground tool
+/// writes it only once it serves. Panics after `timeout` naming `what` and the file.
+pub fn wait_for_pid_file(pid_file: &Path, what: &str, timeout: Duration) -> u32 {
+    let start = Instant::now();
+    loop {
+        // The file is created empty, then the pid is written in one write ("PID\n" by nbdkit,
+        // "PID" by nbdfuse): a number is the whole pid.
+        if let Some(pid) = std::fs::read_to_string(pid_file).ok().and_then(|t| t.trim().parse::<u32>().ok()) {
+            if pid > 0 {
+                return pid;
+            }
+        }
+        if start.elapsed() > timeout {
+            let content = std::fs::read_to_string(pid_file).map(|t| format!("{t:?}")).unwrap_or_else(|e| e.to_string());
+            panic!(
+                "{what} did not write its pid file {} within {} s (content: {content})",
+                pid_file.display(),
+                timeout.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 pub fn sha256(path: &Path) -> String {
     let out = run_ok(Command::new("sha256sum").arg(path));
     out.split_whitespace().next().unwrap().to_string()
@@ -197,7 +222,9 @@ impl Server {
     }
 
     pub fn nbdkit_pid(&self) -> u32 {
-        std::fs::read_to_string(&self.pid_file).expect("nbdkit pid file").trim().parse().unwrap()
+        // `zdisk serve` prints the URI only once nbdkit has written the file; waiting costs
+        // nothing and keeps every pid-file read in one place.
+        wait_for_pid_file(&self.pid_file, "nbdkit (zdisk serve)", Duration::from_secs(30))
     }
 
     /// Clean stop (SIGTERM); asserts `zdisk serve` exited 0.
