@@ -208,9 +208,18 @@ fn a_store_with_lost_records_opens_for_writing_when_the_loss_is_accepted() {
 fn damage_to_the_first_record_of_a_segment_loses_nothing() {
     let (image, expected) = flushed_history(6);
     let sb = inspect::superblock(&image);
-    let segment_starts: Vec<RecordLayout> = window(&image)
-        .into_iter()
-        .filter(|r| (r.head.start - (1 << 20)) % sb.segment_size_bytes == 0 && !r.fragments.is_empty())
+    // Every segment starts with its link record (version 4); the first data record follows it.
+    let records = window(&image);
+    let segment_starts: Vec<RecordLayout> = records
+        .windows(2)
+        .filter(|pair| {
+            let (link, first) = (&pair[0], &pair[1]);
+            (link.head.start - (1 << 20)) % sb.segment_size_bytes == 0
+                && link.kind == 10
+                && first.head.start == link.tail.end
+                && !first.fragments.is_empty()
+        })
+        .map(|pair| pair[1].clone())
         .collect();
     assert!(!segment_starts.is_empty(), "no data record starts a segment in the window");
     for record in segment_starts.iter().take(3) {
