@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """The scale check of docs/scale.md, by hand (not in CI: it needs a 2 TiB sparse file).
 
 Formats a 16 TiB logical store on a 2 TiB sparse file, serves it, writes 4,096 blocks
