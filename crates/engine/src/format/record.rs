@@ -231,6 +231,14 @@ impl RecordBody {
         }
     }
 
+    /// Records that change no map entry when applied (the log's own bookkeeping).
+    pub fn maps_nothing(&self) -> bool {
+        matches!(
+            self,
+            RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. }
+        )
+    }
+
     pub fn kind(&self) -> RecordKind {
         match self {
             RecordBody::Write { .. } => RecordKind::Write,

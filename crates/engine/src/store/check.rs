@@ -269,10 +269,10 @@ impl Inner {
         let last_offset = records.last().map(|r| r.offset_bytes);
         for record in &records {
             // The segment's last record, complete, with nothing after it: a write a crash
-            // tore (the next records went to a fresh segment). Nothing is lost. (A retained
-            // checkpoint that needs a damaged chunk is reported by `check_checkpoints`; any
-            // other damaged record mid-segment — a link, a marker, map pages — is damage.)
-            let maps_nothing = record.header.kind() == RecordKind::Checkpoint;
+            // tore (the next records went to a fresh segment). Nothing is lost. (A damaged
+            // record that maps nothing changes nothing; a retained checkpoint that needs a
+            // damaged chunk is reported by `check_checkpoints`.)
+            let maps_nothing = record.header.body.maps_nothing() || record.header.kind() == RecordKind::Checkpoint;
             let torn_tail = maps_nothing || Some(record.offset_bytes) == last_offset && damaged_ranges == 0;
             if record.damage.any() && torn_tail {
                 report.notes.push(format!(

@@ -52,8 +52,8 @@ pub(crate) struct DamagedRecord {
     /// The last record of the log, complete: what a crash during its write leaves (a torn
     /// head or tail sector), not decay. Nothing was lost.
     pub torn_tail: bool,
-    /// A checkpoint chunk: whether its damage matters is judged by whether a retained
-    /// checkpoint needs it (reported on its own).
+    /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
+    /// damaged chunk is reported on its own).
     pub maps_nothing: bool,
 }
 
@@ -599,9 +599,7 @@ fn damage_report(record: &FoundRecord, why: &str) -> DamagedRecord {
     }
     let what = format!("record {}: {}; applied ({why})", record.header.seq, parts.join("; "));
     tracing::warn!("replay: {what}, at byte {}", record.offset_bytes);
-    // Damage to a checkpoint chunk is judged by whether a retained checkpoint needs it
-    // (`check`); any other damaged record is damage, whatever it maps.
-    let maps_nothing = matches!(record.header.body, RecordBody::Checkpoint);
+    let maps_nothing = record.header.body.maps_nothing();
     DamagedRecord {
         offset_bytes: record.offset_bytes,
         what,
