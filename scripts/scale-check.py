@@ -65,35 +65,32 @@ def main():
     rng = random.Random(14)
     lbas = sorted(rng.sample(range(blocks), args.blocks))
 
-    proc, uri, ready = serve(args.zdisk, store, sock, extra)
-    h = nbd.NBD()
-    h.connect_uri(uri)
-    t = time.monotonic()
-    for lba in lbas:
-        h.pwrite(block_of(lba), lba * BLOCK)
-    h.flush()
-    wrote = time.monotonic() - t
-    h.shutdown()
-    rss1 = nbdkit_peak_rss_kib(proc)
-    proc.terminate()
-    proc.wait()
-    print(f"serve 1: ready in {ready:.2f} s, wrote {len(lbas)} scattered blocks in {wrote:.2f} s, nbdkit peak RSS {rss1 / 1024:.0f} MiB")
+    def session(work):
+        """Serves the store, runs `work(handle)` timed, stops; (ready s, work s, result, peak RSS KiB)."""
+        proc, uri, ready = serve(args.zdisk, store, sock, extra)
+        h = nbd.NBD()
+        h.connect_uri(uri)
+        t = time.monotonic()
+        result = work(h)
+        took = time.monotonic() - t
+        h.shutdown()
+        rss = nbdkit_peak_rss_kib(proc)
+        proc.terminate()
+        proc.wait()
+        return ready, took, result, rss
 
-    first_ready = ready
-    proc, uri, ready = serve(args.zdisk, store, sock, extra)
-    h = nbd.NBD()
-    h.connect_uri(uri)
-    t = time.monotonic()
-    bad = sum(1 for lba in lbas if h.pread(BLOCK, lba * BLOCK) != block_of(lba))
-    read = time.monotonic() - t
-    h.shutdown()
-    rss2 = nbdkit_peak_rss_kib(proc)
-    proc.terminate()
-    proc.wait()
-    print(f"serve 2: ready in {ready:.2f} s, read back {len(lbas)} blocks in {read:.2f} s ({bad} wrong), nbdkit peak RSS {rss2 / 1024:.0f} MiB")
+    def write_all(h):
+        for lba in lbas:
+            h.pwrite(block_of(lba), lba * BLOCK)
+        h.flush()
+
+    ready1, wrote, _, rss1 = session(write_all)
+    print(f"serve 1: ready in {ready1:.2f} s, wrote {len(lbas)} scattered blocks in {wrote:.2f} s, nbdkit peak RSS {rss1 / 1024:.0f} MiB")
+    ready2, read, bad, rss2 = session(lambda h: sum(1 for lba in lbas if h.pread(BLOCK, lba * BLOCK) != block_of(lba)))
+    print(f"serve 2: ready in {ready2:.2f} s, read back {len(lbas)} blocks in {read:.2f} s ({bad} wrong), nbdkit peak RSS {rss2 / 1024:.0f} MiB")
     stat = subprocess.run([args.zdisk, "stat", store], capture_output=True, text=True).stdout
     print(stat)
-    ok = bad == 0 and max(rss1, rss2) <= 1 << 20 and max(first_ready, ready) <= 10
+    ok = bad == 0 and max(rss1, rss2) <= 1 << 20 and max(ready1, ready2) <= 10
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
