@@ -100,6 +100,9 @@ pub struct Stats {
     /// Backing bytes the map's pages take (retained checkpoints' pages).
     #[serde(default)]
     pub map_page_bytes: u64,
+    /// Bytes of map pages written since open (part of `backing_write_bytes`).
+    #[serde(default)]
+    pub map_write_bytes: u64,
 }
 
 /// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.

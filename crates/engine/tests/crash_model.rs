@@ -25,6 +25,8 @@ struct Scenario {
     fill: bool,
     /// Percent of ops that are writes (the rest: trims, zeroes, flushes, reads, GC, ...).
     write_percent: u32,
+    /// The map cache's budget; 0 keeps the default (the whole map fits).
+    map_cache_bytes: u64,
 }
 
 fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> (u64, u64) {
@@ -43,7 +45,7 @@ fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> 
     (offset, len.max(1))
 }
 
-fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
+fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     let mut rng = rng(seed);
     let codec = match rng.gen_range(0..3) {
         0 => Codec::Lz4,
@@ -52,7 +54,10 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
     };
     let mut disk = new_disk(s.segments, s.segment_bytes, s.logical_bytes, codec, rng.gen());
     let mut model = Model::new(s.logical_bytes);
-    let options = test_options();
+    let mut options = test_options();
+    if s.map_cache_bytes != 0 {
+        options.map_cache_bytes = s.map_cache_bytes;
+    }
     if s.fill {
         let store = Store::open_backing(disk.clone(), &options).map_err(|e| format!("open for fill: {e}"))?;
         for offset in (0..s.logical_bytes).step_by(64 << 10) {
@@ -69,6 +74,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
     }
     let mut crashes = 0;
     let mut no_space = 0;
+    let mut map_misses = 0;
     for cycle in 0..s.cycles {
         // The fault of damage after a crash: single-bit flips in the records recovery must
         // replay, checked on a copy (the run goes on with the undamaged image).
@@ -164,6 +170,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
             }
         }
         crashes += disk.crashed() as usize;
+        map_misses += store.stats().map_cache_misses;
         disk.power_off();
         drop(store);
         disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
@@ -174,7 +181,14 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize), String> {
     if !report.problems.is_empty() {
         return Err(format!("check found problems: {:?}", report.problems));
     }
-    Ok((crashes, no_space))
+    map_misses += store.stats().map_cache_misses;
+    if s.map_cache_bytes != 0 && map_misses < 10 * s.cycles as u64 {
+        return Err(format!(
+            "the small map cache missed only {map_misses} times in {} cycles: it is not evicting",
+            s.cycles
+        ));
+    }
+    Ok((crashes, no_space, map_misses))
 }
 
 fn run_scenario(s: Scenario, seed_count: u64) {
@@ -182,9 +196,12 @@ fn run_scenario(s: Scenario, seed_count: u64) {
     for seed in seeds(seed_count) {
         eprintln!("{}: running seed {seed} (ZDISK_TEST_SEED={seed} reruns it)", s.name);
         match run(&s, seed) {
-            Ok((crashes, no_space)) => {
+            Ok((crashes, no_space, map_misses)) => {
                 cycles += s.cycles;
-                eprintln!("{}: seed {seed}: {} cycles, {crashes} crashes inside I/O, {no_space} ENOSPC", s.name, s.cycles);
+                eprintln!(
+                    "{}: seed {seed}: {} cycles, {crashes} crashes inside I/O, {no_space} ENOSPC, {map_misses} map cache misses",
+                    s.name, s.cycles
+                );
             }
             Err(e) => panic!(
                 "{} failed with seed {seed}: {e}\nrerun: ZDISK_TEST_SEED={seed} cargo test -p zdisk-engine --test crash_model {}",
@@ -208,6 +225,7 @@ fn mixed_requests_survive_random_crashes() {
             ops_per_cycle: 40,
             fill: false,
             write_percent: 50,
+            map_cache_bytes: 0,
         },
         12,
     );
@@ -228,6 +246,7 @@ const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
     ops_per_cycle: 40,
     fill: true,
     write_percent: 70,
+    map_cache_bytes: 0,
 };
 
 #[test]
@@ -240,5 +259,27 @@ fn overwrites_at_85_percent_utilisation_survive_crashes_inside_gc() {
             ..OVERWRITES_AT_50_PERCENT
         },
         20,
+    );
+}
+
+/// A map cache of about two pages over a map of five (a root and four leaves): nearly every
+/// request evicts a page and re-reads one from the store, and the crashes land in map-page
+/// writes of checkpoints as often as in data writes.
+#[test]
+fn a_map_cache_of_two_pages_survives_crashes_with_constant_eviction() {
+    run_scenario(
+        Scenario {
+            name: "a_map_cache_of_two_pages_survives_crashes_with_constant_eviction",
+            segments: 160,
+            segment_bytes: 64 << 10,
+            logical_bytes: 8 << 20,
+            incompressible_percent: 50,
+            cycles: 30,
+            ops_per_cycle: 40,
+            fill: false,
+            write_percent: 50,
+            map_cache_bytes: 10 << 10,
+        },
+        8,
     );
 }

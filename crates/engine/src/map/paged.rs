@@ -561,7 +561,18 @@ impl PagedMap {
         for (&(id, pointer, _), base) in stored.iter().zip(bases) {
             tree.install(id, pointer, base);
         }
+        // The pages just read are spared this eviction: in a cache smaller than the pages a
+        // lookup or a checkpoint holds, evicting them would make the caller read them again
+        // forever. They go at the next load or trim.
+        let installed: Vec<PageId> =
+            stored.iter().map(|&(id, _, _)| id).filter(|id| tree.states.contains_key(id)).collect();
+        for &id in &installed {
+            tree.with_state(id, |s| s.pins += 1);
+        }
         tree.evict(self.budget_bytes);
+        for &id in &installed {
+            tree.with_state(id, |s| s.pins -= 1);
+        }
         Ok(())
     }
 

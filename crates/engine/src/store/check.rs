@@ -75,27 +75,36 @@ impl Inner {
         let done = AtomicU64::new(0);
         let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(16);
         std::thread::scope(|scope| {
+            // Each scanner holds a sender; the channel disconnects when the last one is done,
+            // so the progress loop below ends without polling.
+            let (scanning, scanned) = std::sync::mpsc::channel::<()>();
             for _ in 0..threads {
-                scope.spawn(|| loop {
+                let scanning = scanning.clone();
+                let (next, done, segments, scan, shared, buffered) =
+                    (&next, &done, &segments, &scan, &shared, &buffered);
+                scope.spawn(move || loop {
                     let i = next.fetch_add(1, Ordering::Relaxed) as usize;
                     let Some(usage) = segments.get(i) else { break };
                     let id = SegmentId(i as u32);
                     let used = matches!(usage.state, SegmentState::Sealed | SegmentState::Open) && usage.end_bytes > 0;
                     if used && !buffered.contains(&id) {
                         let mut local = CheckReport::default();
-                        self.check_segment(id, usage, &scan, &mut local);
+                        self.check_segment(id, usage, scan, &mut local);
                         let mut shared = shared.lock().expect("check report");
                         shared.problems.append(&mut local.problems);
                         shared.damage.append(&mut local.damage);
                         shared.notes.append(&mut local.notes);
                     }
                     done.fetch_add(1, Ordering::Relaxed);
+                    let _ = &scanning;
                 });
             }
+            drop(scanning);
             // Progress comes from this thread (the callback need not be thread-safe).
-            while done.load(Ordering::Relaxed) < segments.len() as u64 {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                scanned.recv_timeout(std::time::Duration::from_millis(100))
+            {
                 progress(leaves + done.load(Ordering::Relaxed), total);
-                std::thread::sleep(std::time::Duration::from_millis(100));
             }
         });
         let mut scanned = shared.into_inner().expect("check report");

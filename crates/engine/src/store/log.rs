@@ -374,7 +374,9 @@ impl Inner {
                 offsets.push(at);
                 at += b.bytes.len() as u64;
             }
-            Counters::add(&self.counters.metadata_bytes, part.iter().map(|(_, b)| b.bytes.len() as u64).sum());
+            let page_bytes = part.iter().map(|(_, b)| b.bytes.len() as u64).sum();
+            Counters::add(&self.counters.metadata_bytes, page_bytes);
+            Counters::add(&self.map_write_bytes, page_bytes);
             done += take;
         }
         Ok(offsets)

@@ -182,6 +182,7 @@ impl Store {
             counters,
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
+            map_write_bytes: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             durable_seq: AtomicU64::new(0),
             block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),

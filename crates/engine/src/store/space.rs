@@ -209,6 +209,7 @@ impl Inner {
             },
             map_damaged_pages: map.damaged_pages,
             map_page_bytes: page_bytes,
+            map_write_bytes: Counters::get(&self.map_write_bytes),
         }
     }
 }

@@ -112,6 +112,9 @@ pub(crate) struct Inner {
     pub buffered: RwLock<Vec<Arc<SegmentBuffer>>>,
     pub read_cache: FragmentCache,
     pub counters: Counters,
+    /// Bytes of map pages appended since open (the map's share of write amplification;
+    /// not persisted, unlike `counters`).
+    pub map_write_bytes: AtomicU64,
     pub failed: AtomicBool,
     /// A host request was refused for lack of space (`space_flag` 2) and none has
     /// succeeded since.
