@@ -263,23 +263,37 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
     };
     let tty = std::io::stderr().is_terminal();
     let started = Instant::now();
-    let mut last_report = Instant::now() - Duration::from_secs(1);
+    // On a terminal a bar with an ETA; otherwise (logs, CI) one line per 10%, with the ETA.
+    let bar = tty.then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "checking {msg} [{bar:40}] {percent:>3}% ({pos}/{len} pages and segments) ETA {eta}",
+            )
+            .expect("a valid progress template")
+            .progress_chars("=> "),
+        );
+        bar.set_message(args.store.display().to_string());
+        bar
+    });
     let mut last_decile = u64::MAX;
-    let mut progress = |done: u64, total: u64| {
-        let percent = done.saturating_mul(100).checked_div(total).unwrap_or(100);
-        if tty {
-            if last_report.elapsed() >= Duration::from_millis(100) {
-                eprint!("\rchecking {}: {percent:3}% ({done}/{total})", args.store.display());
-                last_report = Instant::now();
+    let mut progress = |done: u64, total: u64| match &bar {
+        Some(bar) => {
+            bar.set_length(total);
+            bar.set_position(done);
+        }
+        None => {
+            let percent = done.saturating_mul(100).checked_div(total).unwrap_or(100);
+            if percent / 10 != last_decile {
+                last_decile = percent / 10;
+                let eta_secs = started.elapsed().as_secs_f64() * (total - done) as f64 / done.max(1) as f64;
+                eprintln!("checking {}: {percent}% ({done}/{total}), ETA {eta_secs:.0} s", args.store.display());
             }
-        } else if percent / 10 != last_decile {
-            last_decile = percent / 10;
-            eprintln!("checking {}: {percent}% ({done}/{total})", args.store.display());
         }
     };
     let report = store.check(&mut progress);
-    if tty {
-        eprintln!();
+    if let Some(bar) = &bar {
+        bar.finish_and_clear();
     }
     let report = report.with_context(|| format!("checking {}", args.store.display()))?;
     drop(store);

@@ -18,7 +18,7 @@ use std::sync::Mutex as StdMutex;
 use super::options::{CheckReport, DamageReport};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, FoundRecord};
-use super::state::{new_buffer, round_up, Inner};
+use super::state::{new_buffer, round_up, AlignedBuf, Inner};
 use crate::error::Result;
 use crate::format::{RecordKind, SegmentState, SegmentUsage};
 use crate::map::page::PageId;
@@ -73,7 +73,9 @@ impl Inner {
         let shared = StdMutex::new(CheckReport::default());
         let next = AtomicU64::new(0);
         let done = AtomicU64::new(0);
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).min(16);
+        // Twice the cores: while one thread of a pair waits for its segment's read, the other
+        // decompresses and checksums, so the disk and the cores are both kept busy.
+        let threads = (2 * std::thread::available_parallelism().map_or(2, |n| n.get())).clamp(4, 32);
         std::thread::scope(|scope| {
             // Each scanner holds a sender; the channel disconnects when the last one is done,
             // so the progress loop below ends without polling.
@@ -82,21 +84,27 @@ impl Inner {
                 let scanning = scanning.clone();
                 let (next, done, segments, scan, shared, buffered) =
                     (&next, &done, &segments, &scan, &shared, &buffered);
-                scope.spawn(move || loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                    let Some(usage) = segments.get(i) else { break };
-                    let id = SegmentId(i as u32);
-                    let used = matches!(usage.state, SegmentState::Sealed | SegmentState::Open) && usage.end_bytes > 0;
-                    if used && !buffered.contains(&id) {
-                        let mut local = CheckReport::default();
-                        self.check_segment(id, usage, scan, &mut local);
-                        let mut shared = shared.lock().expect("check report");
-                        shared.problems.append(&mut local.problems);
-                        shared.damage.append(&mut local.damage);
-                        shared.notes.append(&mut local.notes);
+                scope.spawn(move || {
+                    // One buffer per thread for all its segments: a fresh 4 MiB buffer per
+                    // segment costs a page fault and a zeroed page per 4 KiB read.
+                    let mut image = new_buffer(0);
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                        let Some(usage) = segments.get(i) else { break };
+                        let id = SegmentId(i as u32);
+                        let used =
+                            matches!(usage.state, SegmentState::Sealed | SegmentState::Open) && usage.end_bytes > 0;
+                        if used && !buffered.contains(&id) {
+                            let mut local = CheckReport::default();
+                            self.check_segment(id, usage, scan, &mut image, &mut local);
+                            let mut shared = shared.lock().expect("check report");
+                            shared.problems.append(&mut local.problems);
+                            shared.damage.append(&mut local.damage);
+                            shared.notes.append(&mut local.notes);
+                        }
+                        done.fetch_add(1, Ordering::Relaxed);
                     }
-                    done.fetch_add(1, Ordering::Relaxed);
-                    let _ = &scanning;
+                    drop(scanning);
                 });
             }
             drop(scanning);
@@ -245,14 +253,22 @@ impl Inner {
 
     /// Every record of a used segment, past damage, and every fragment in them; adds the
     /// verified fragments the map points at to the scan totals.
-    fn check_segment(&self, id: SegmentId, usage: &SegmentUsage, scan: &ScanTotals, report: &mut CheckReport) {
+    fn check_segment(
+        &self,
+        id: SegmentId,
+        usage: &SegmentUsage,
+        scan: &ScanTotals,
+        image: &mut AlignedBuf,
+        report: &mut CheckReport,
+    ) {
         let base = self.geometry.segment_base(id);
-        let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
-        if let Err(e) = self.backing.read_at(base, &mut image) {
+        image.resize(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize, 0);
+        if let Err(e) = self.backing.read_at(base, &mut image[..]) {
             report.problem(base, format!("segment {id}: read failed: {e}"), Vec::new());
             return;
         }
-        let (records, damaged) = parse_segment(&image, base, self.geometry.store_tag);
+        let image = &image[..];
+        let (records, damaged) = parse_segment(image, base, self.geometry.store_tag);
         scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
         let damaged_ranges = damaged.len();
         for (start, end) in damaged {
@@ -305,7 +321,7 @@ impl Inner {
                 );
             }
         }
-        self.check_fragments(id, &records, &image, base, scan, report);
+        self.check_fragments(id, &records, image, base, scan, report);
     }
 
     /// Decodes every data fragment of a segment's records, checks its guard and protection
