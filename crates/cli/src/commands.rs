@@ -267,11 +267,9 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
     let bar = tty.then(|| {
         let bar = indicatif::ProgressBar::new(0);
         bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "checking {msg} [{bar:40}] {percent:>3}% ({pos}/{len} pages and segments) ETA {eta}",
-            )
-            .expect("a valid progress template")
-            .progress_chars("=> "),
+            indicatif::ProgressStyle::with_template("checking {msg} [{bar:30}] {percent:>3}% ETA {eta}")
+                .expect("a valid progress template")
+                .progress_chars("=> "),
         );
         bar.set_message(args.store.display().to_string());
         bar
