@@ -22,7 +22,7 @@ pub struct FormatArgs {
     #[arg(long, value_name = "SIZE|Nx")]
     pub logical_size: LogicalSize,
     /// Default codec for new blocks: lz4, zstd[:LEVEL 1-19] or deflate[:LEVEL 1-12].
-    #[arg(long, default_value = "lz4", value_parser = parse_codec)]
+    #[arg(long, default_value_t = Codec::DEFAULT, value_parser = parse_codec)]
     pub codec: Codec,
     /// Segment size, the unit of log writing and garbage collection (a multiple of 64K, at
     /// most 256M); default: the engine's choice.

@@ -33,7 +33,7 @@ pub struct DemoArgs {
     /// Bytes the 2:1 compressible fio job writes.
     #[arg(long, default_value = "512M", value_name = "SIZE")]
     pub fio_size: Size,
-    #[arg(long, default_value = "lz4", value_parser = |s: &str| s.parse::<Codec>())]
+    #[arg(long, default_value_t = Codec::DEFAULT, value_parser = |s: &str| s.parse::<Codec>())]
     pub codec: Codec,
 }
 

@@ -27,7 +27,7 @@ pub(crate) mod store;
 mod types;
 
 pub use backing::{is_locked, Backing, FileBacking, Lock};
-pub use codec::{Codec, CodecTag};
+pub use codec::{decompress_block, looks_incompressible, Codec, CodecTag, MIN_SAVING_BYTES};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::Stats;
 pub use store::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
