@@ -14,7 +14,7 @@
 
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -58,18 +58,20 @@ fn state_path(device: &Path) -> PathBuf {
     attach_dir().join(format!("{name}.json"))
 }
 
-/// Waits for `zdisk serve` of `uuid` to be ready, as long as `pid` lives.
-fn wait_for_serve(uuid: &str, pid: u32, log: &Path) -> Result<ServeState> {
+/// Waits for `zdisk serve` of `uuid` to be ready, as long as `server` runs. The child is
+/// polled with `try_wait`, not by pid: a server that dies stays a zombie of ours until
+/// reaped, and a zombie's pid still answers `kill(pid, 0)`.
+fn wait_for_serve(uuid: &str, server: &mut Child, log: &Path) -> Result<ServeState> {
     let path = runtime::serve_file(uuid);
     loop {
         if let Ok(state) = runtime::read_json::<ServeState>(&path) {
-            if state.pid == pid {
+            if state.pid == server.id() {
                 return Ok(state);
             }
         }
-        if !runtime::process_alive(pid) {
+        if let Some(status) = server.try_wait()? {
             let log = std::fs::read_to_string(log).unwrap_or_default();
-            bail!("zdisk serve exited before serving:\n{}", log.trim());
+            bail!("zdisk serve exited ({status}) before serving:\n{}", log.trim());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -102,11 +104,12 @@ fn start_background_server(store: &Path, uuid: &str) -> Result<ServeState> {
             Ok(())
         });
     }
-    let child = command.spawn().context("starting zdisk serve")?;
-    let pid = child.id();
-    // The child is reaped by init once we exit; we track it by pid.
+    let mut child = command.spawn().context("starting zdisk serve")?;
+    let serve = wait_for_serve(uuid, &mut child, &log_path)?;
+    // Serving: the server outlives us (init reaps it after we exit); from here it is tracked
+    // by pid.
     std::mem::forget(child);
-    wait_for_serve(uuid, pid, &log_path)
+    Ok(serve)
 }
 
 fn stop_background_server(pid: u32) {

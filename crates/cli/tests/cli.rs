@@ -190,3 +190,35 @@ fn engine_warnings_reach_stderr() {
     assert!(output.status.success(), "stat of a store with a damaged newest checkpoint failed: {stderr}");
     assert!(stderr.contains("newest checkpoint unreadable"), "no warning on stderr: {stderr}");
 }
+
+/// A server that dies before serving makes `zdisk attach` fail with its log, promptly. (It
+/// used to wait forever: the dead server stayed a zombie whose pid looked alive.)
+#[test]
+fn attach_fails_promptly_when_the_server_dies_before_serving() {
+    let s = Scratch::new("attach-dies");
+    let store = s.format("s.zdisk", "32M", "1x", &[]);
+    let mut child = s
+        .zdisk()
+        .env("ZDISK_PLUGIN", s.path("no-such-plugin.so"))
+        .args(["attach", store.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("running zdisk attach");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for zdisk attach") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("zdisk attach still waiting 60 s after its server died");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "attach succeeded without a server: {stderr}");
+    assert!(stderr.contains("exited") && stderr.contains("before serving"), "{stderr}");
+    assert!(stderr.contains("no-such-plugin.so"), "the server's own error is shown: {stderr}");
+}
