@@ -119,12 +119,16 @@ pub fn tail_of(path: &Path, n: usize) -> String {
 
 pub fn mysql_install(datadir: &Path) -> Result<()> {
     std::fs::create_dir_all(datadir)?;
-    run(sys::cmd("mariadb-install-db")?.arg("--no-defaults").arg(format!("--datadir={}", datadir.display())).args([
-        "--user=root",
-        "--auth-root-authentication-method=normal",
-        "--skip-test-db",
-        "--skip-name-resolve",
-    ]))
+    // Its own temporary directory, as the server gets: with the default (/tmp) a bootstrap
+    // running beside another test's failed in CI ("Could not remove temporary table
+    // '/tmp/#sql-temptable-…'").
+    let tmp = datadir.with_file_name("tmp");
+    std::fs::create_dir_all(&tmp)?;
+    run(sys::cmd("mariadb-install-db")?
+        .arg("--no-defaults")
+        .arg(format!("--datadir={}", datadir.display()))
+        .args(["--user=root", "--auth-root-authentication-method=normal", "--skip-test-db", "--skip-name-resolve"])
+        .arg(format!("--tmpdir={}", tmp.display())))
     .context("mariadb-install-db")?;
     Ok(())
 }
