@@ -89,83 +89,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         let crash_at = rng.gen_bool(0.7).then(|| rng.gen_range(1..=30));
         disk.set_faults(Faults { crash_at_write: crash_at, ..Faults::default() });
         for op in 0..s.ops_per_cycle {
-            let roll = rng.gen_range(0..100);
-            let failed = |e: zdisk_engine::Error, what: &str| -> Result<bool, String> {
-                if disk.crashed() {
-                    Ok(true)
-                } else if e.kind() == ErrorKind::NoSpace {
-                    Ok(false)
-                } else {
-                    Err(format!("cycle {cycle} op {op}: unexpected error from {what}: {e}"))
-                }
-            };
-            let w = s.write_percent;
-            let crashed = if roll < w + 20 && roll >= w + 14 {
-                match store.flush() {
-                    Ok(()) => {
-                        model.flushed();
-                        false
-                    }
-                    Err(e) => failed(e, "flush")?,
-                }
-            } else if roll < w + 14 {
-                let request = if roll < w {
-                    let (offset, len) = random_range(&mut rng, s.logical_bytes, 16);
-                    Request::Write { offset, data: block_data(&mut rng, len as usize, s.incompressible_percent) }
-                } else if roll < w + 7 {
-                    let (offset, len) = random_range(&mut rng, s.logical_bytes, 64);
-                    Request::Trim { offset, len }
-                } else {
-                    let (offset, len) = random_range(&mut rng, s.logical_bytes, 64);
-                    Request::Zero { offset, len }
-                };
-                let fua = rng.gen_bool(0.1);
-                match request.run(&store, fua) {
-                    Ok(()) => {
-                        model.pending.push(request);
-                        if fua {
-                            model.flushed();
-                        }
-                        false
-                    }
-                    Err(e) => {
-                        let crashed = failed(e, "request")?;
-                        if crashed {
-                            // In flight at the crash: it may or may not have made it.
-                            model.pending.push(request);
-                        } else {
-                            no_space += 1;
-                        }
-                        crashed
-                    }
-                }
-            } else if roll < w + 26 {
-                let (offset, len) = random_range(&mut rng, s.logical_bytes, 32);
-                let mut buf = vec![0u8; len as usize];
-                match store.read(offset, &mut buf) {
-                    Ok(()) => {
-                        let current = model.current();
-                        if buf[..] != current[offset as usize..(offset + len) as usize] {
-                            return Err(format!(
-                                "cycle {cycle} op {op}: read [{offset}, +{len}) does not return the latest write"
-                            ));
-                        }
-                        false
-                    }
-                    Err(e) => failed(e, "read")?,
-                }
-            } else {
-                let result = match roll % 3 {
-                    0 => store.maintain(),
-                    1 => store.checkpoint(),
-                    _ => store.collect_garbage(2).map(|_| ()),
-                };
-                match result {
-                    Ok(()) => false,
-                    Err(e) => failed(e, "maintenance")?,
-                }
-            };
-            if crashed {
+            if run_op(s, &store, &disk, &mut model, &mut rng, (cycle, op), &mut no_space)? {
                 break;
             }
         }
@@ -189,6 +113,97 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         ));
     }
     Ok((crashes, no_space, map_misses))
+}
+
+/// One random operation of a cycle against the store and the model; returns whether the power
+/// cut happened during it.
+fn run_op(
+    s: &Scenario,
+    store: &Store,
+    disk: &SimDisk,
+    model: &mut Model,
+    rng: &mut rand::rngs::StdRng,
+    at: (usize, usize),
+    no_space: &mut usize,
+) -> Result<bool, String> {
+    let (cycle, op) = at;
+    let roll = rng.gen_range(0..100);
+    let failed = |e: zdisk_engine::Error, what: &str| -> Result<bool, String> {
+        if disk.crashed() {
+            Ok(true)
+        } else if e.kind() == ErrorKind::NoSpace {
+            Ok(false)
+        } else {
+            Err(format!("cycle {cycle} op {op}: unexpected error from {what}: {e}"))
+        }
+    };
+    let w = s.write_percent;
+    let crashed = if roll < w + 20 && roll >= w + 14 {
+        match store.flush() {
+            Ok(()) => {
+                model.flushed();
+                false
+            }
+            Err(e) => failed(e, "flush")?,
+        }
+    } else if roll < w + 14 {
+        let request = if roll < w {
+            let (offset, len) = random_range(rng, s.logical_bytes, 16);
+            Request::Write { offset, data: block_data(rng, len as usize, s.incompressible_percent) }
+        } else if roll < w + 7 {
+            let (offset, len) = random_range(rng, s.logical_bytes, 64);
+            Request::Trim { offset, len }
+        } else {
+            let (offset, len) = random_range(rng, s.logical_bytes, 64);
+            Request::Zero { offset, len }
+        };
+        let fua = rng.gen_bool(0.1);
+        match request.run(store, fua) {
+            Ok(()) => {
+                model.pending.push(request);
+                if fua {
+                    model.flushed();
+                }
+                false
+            }
+            Err(e) => {
+                let crashed = failed(e, "request")?;
+                if crashed {
+                    // In flight at the crash: it may or may not have made it.
+                    model.pending.push(request);
+                } else {
+                    *no_space += 1;
+                }
+                crashed
+            }
+        }
+    } else if roll < w + 26 {
+        let (offset, len) = random_range(rng, s.logical_bytes, 32);
+        let mut buf = vec![0u8; len as usize];
+        match store.read(offset, &mut buf) {
+            Ok(()) => {
+                let current = model.current();
+                if buf[..] != current[offset as usize..(offset + len) as usize] {
+                    return Err(format!(
+                        "cycle {cycle} op {op}: read [{offset}, +{len}) does not return the latest write"
+                    ));
+                }
+                false
+            }
+            Err(e) => failed(e, "read")?,
+        }
+    } else {
+        let result = match roll % 3 {
+            0 => store.maintain(),
+            1 => store.checkpoint(),
+            _ => store.collect_garbage(2).map(|_| ()),
+        };
+        match result {
+            Ok(()) => false,
+            Err(e) => failed(e, "maintenance")?,
+        }
+    };
+    Ok(crashed)
 }
 
 fn run_scenario(s: Scenario, seed_count: u64) {
