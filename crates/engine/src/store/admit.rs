@@ -5,7 +5,7 @@
 //! Only host requests come through here. GC and checkpoints call the single append attempt
 //! (`Inner::try_append`) and fail at once when short, so GC never waits on GC.
 //!
-//! Invariants: at most `FOREGROUND_GC_ROUNDS_MAX` rounds per request; one writer runs a
+//! Invariants: rounds continue while they make progress, at most `FOREGROUND_GC_ROUNDS_MAX`; one writer runs a
 //! round at a time (the others wait for it and retry); a refused request has no effect.
 
 use std::sync::atomic::Ordering;
@@ -17,10 +17,16 @@ use super::space::SpaceClass;
 use super::state::Inner;
 use crate::error::{Error, ErrorKind, Result};
 
-/// A write that finds no space runs at most this many rounds of GC before ENOSPC.
-const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
+/// A backstop only: a write that finds no space runs GC rounds for as long as they make
+/// progress (ENOSPC after two that do not). At native capacity with little
+/// over-provisioning a victim gives back as little as OP of a segment, so one large write
+/// may need hundreds of victims (1% OP, 64 KiB segments, a 128 KiB write: ~230), and a
+/// fixed small round count refused writes the store had room for.
+const FOREGROUND_GC_ROUNDS_MAX: usize = 4096;
 /// Victims one foreground GC round may clean (bounds the pause of the write that waits).
-const FOREGROUND_GC_VICTIMS_MAX: usize = 16;
+/// A round must give back more than its checkpoints cost; at native capacity a victim may
+/// give back only the over-provisioning's share of a segment, so that can take many.
+const FOREGROUND_GC_VICTIMS_MAX: usize = 256;
 const EXHAUSTED: &str = "physical space is exhausted";
 
 /// How a host request's group went.
@@ -142,11 +148,15 @@ impl Inner {
         })
     }
 
-    /// Cleans victims until they give back what a writer lacks (no more: every segment GC
-    /// keeps free beyond the reserve raises the utilisation it works at), and frees them.
-    /// Returns (segments cleaned, segments freed).
+    /// Cleans victims until they give back what a writer lacks and what the two
+    /// checkpoints that free them will take (no more: every segment GC keeps free beyond
+    /// the reserve raises the utilisation it works at), and frees them. Returns (segments
+    /// cleaned, segments freed).
     fn clean_for(&self, shortfall_bytes: u64) -> Result<(usize, usize)> {
-        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes);
+        // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
+        // checkpoint is far above a typical one on a large store).
+        let checkpoints_bytes = 2 * self.log.lock().epochs.checkpoint_bytes * 5 / 4;
+        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes) + checkpoints_bytes;
         let mut cleaned = 0;
         let mut gained_bytes = 0;
         let mut freed = 0;
