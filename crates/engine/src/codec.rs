@@ -10,6 +10,15 @@
 //! A block is stored raw when the codec does not save `MIN_SAVING_BYTES`. A cheap test that
 //! skips the codec on incompressible blocks (`looks_incompressible`) is measured by the
 //! codecs bench but not in the store's path (docs/space.md, "Incompressible blocks").
+//!
+//! Adaptive fallback (`write_codec`): a host block is compressed with the store's codec
+//! while a core is free for it, and with LZ4 when every core is already busy compressing
+//! (the write would otherwise queue behind the slow codec and the host would see it). The
+//! load signal is the number of threads inside block compression at the moment the block
+//! arrives, against the cores the process may run on: cheap (one atomic add and subtract a
+//! block), needs no clock or history, and it is high exactly when more blocks want the codec
+//! than there are cores to run it. Every
+//! fragment carries its codec tag, so reads never need to know which codec was chosen.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -38,6 +47,62 @@ pub enum Codec {
 impl Default for Codec {
     fn default() -> Codec {
         Codec::DEFAULT
+    }
+}
+
+/// When the write path may use LZ4 instead of the store's codec (see the module comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CodecFallback {
+    /// LZ4 when every core is already compressing; the store's codec otherwise.
+    #[default]
+    Auto,
+    /// LZ4 always on the write path: capacity comes from GC's recompression only (tests,
+    /// and hosts that want the write path at its cheapest).
+    Always,
+    /// The store's codec always, however loaded the cores are.
+    Never,
+}
+
+impl CodecFallback {
+    /// The variable that overrides the default, for tests and measurements.
+    pub const ENV: &'static str = "ZDISK_CODEC_FALLBACK";
+
+    /// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
+    pub fn from_env() -> CodecFallback {
+        match std::env::var(Self::ENV) {
+            Ok(value) => value.parse().unwrap_or_else(|e| {
+                tracing::warn!("{}: {e}; using auto", Self::ENV);
+                CodecFallback::Auto
+            }),
+            Err(_) => CodecFallback::Auto,
+        }
+    }
+}
+
+impl FromStr for CodecFallback {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<CodecFallback, String> {
+        match s {
+            "auto" => Ok(CodecFallback::Auto),
+            "always" => Ok(CodecFallback::Always),
+            "never" => Ok(CodecFallback::Never),
+            _ => Err(format!("unknown codec fallback {s:?} (expected auto, always or never)")),
+        }
+    }
+}
+
+/// The codec for one host block (the policy of the module comment). `busy_compressors` is
+/// how many other threads are inside block compression as this block arrives; `cores` how
+/// many the process may run on. Pure, so the policy is tested without threads.
+pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors: usize, cores: usize) -> Codec {
+    match fallback {
+        CodecFallback::Never => configured,
+        CodecFallback::Always => Codec::Lz4,
+        // Every core is taken by a compression already: this block would wait for one, and
+        // LZ4 makes the wait (its own and the next block's) about half as long.
+        CodecFallback::Auto if busy_compressors >= cores.max(1) => Codec::Lz4,
+        CodecFallback::Auto => configured,
     }
 }
 
@@ -436,6 +501,36 @@ mod tests {
         assert_eq!(Codec::default(), Codec::Lz4);
         assert_eq!(Codec::DEFAULT.to_string(), "lz4");
         assert_eq!("lz4".parse::<Codec>().unwrap(), Codec::default());
+    }
+
+    #[test]
+    fn the_write_path_falls_back_to_lz4_only_when_every_core_is_compressing() {
+        let zstd = Codec::Zstd { level: 1 };
+        // Auto: the store's codec while a core is free, LZ4 from the moment none is.
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 0, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 1, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 2, 2), Codec::Lz4);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 9, 2), Codec::Lz4);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 7, 8), zstd);
+        // An unknown core count counts as one core: a lone writer still gets zstd.
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 0, 0), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 1, 0), Codec::Lz4);
+        // The knobs ignore the load.
+        assert_eq!(write_codec(zstd, CodecFallback::Never, 100, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Always, 0, 2), Codec::Lz4);
+        // An LZ4 store has nothing faster to fall back to.
+        assert_eq!(write_codec(Codec::Lz4, CodecFallback::Auto, 100, 2), Codec::Lz4);
+        let deflate = Codec::Deflate { level: 6 };
+        assert_eq!(write_codec(deflate, CodecFallback::Auto, 2, 2), Codec::Lz4);
+    }
+
+    #[test]
+    fn the_fallback_knob_parses_and_defaults_to_auto() {
+        assert_eq!("always".parse::<CodecFallback>().unwrap(), CodecFallback::Always);
+        assert_eq!("never".parse::<CodecFallback>().unwrap(), CodecFallback::Never);
+        assert_eq!("auto".parse::<CodecFallback>().unwrap(), CodecFallback::Auto);
+        assert!("sometimes".parse::<CodecFallback>().is_err());
+        assert_eq!(CodecFallback::default(), CodecFallback::Auto);
     }
 
     #[test]

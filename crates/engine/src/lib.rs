@@ -27,9 +27,9 @@ pub(crate) mod store;
 mod types;
 
 pub use backing::{is_locked, Backing, FileBacking, Lock};
-pub use codec::{decompress_block, looks_incompressible, Codec, CodecTag, MIN_SAVING_BYTES};
+pub use codec::{decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, MIN_SAVING_BYTES};
 pub use error::{Error, ErrorKind, Result};
-pub use stats::Stats;
+pub use stats::{CodecStats, Stats};
 pub use store::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
 pub use types::{Lba, SegmentId};
 
