@@ -17,7 +17,8 @@
 //! load signal is the number of threads inside block compression at the moment the block
 //! arrives, against the cores the process may run on: cheap (one atomic add and subtract a
 //! block), needs no clock or history, and it is high exactly when more blocks want the codec
-//! than there are cores to run it. Every
+//! than there are cores to run it. GC recompresses LZ4 fragments with the store's codec when
+//! it moves them, under the same rule (`Store::recompress` does it on request). Every
 //! fragment carries its codec tag, so reads never need to know which codec was chosen.
 
 use std::cell::RefCell;
@@ -104,6 +105,16 @@ pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors:
         CodecFallback::Auto if busy_compressors >= cores.max(1) => Codec::Lz4,
         CodecFallback::Auto => configured,
     }
+}
+
+/// Whether GC, moving a fragment of codec `tag`, recompresses it with `target`: fragments
+/// another codec made (the write path's LZ4 fallback, or a store formatted with another
+/// codec's blocks recompressed into a stronger one), never raw ones (stored raw because no
+/// codec saved enough; trying them again on every move would cost CPU for nothing). With
+/// `same_tag_too` (an explicit stronger level) fragments of the target's own codec are
+/// taken as well: the map does not record levels.
+pub fn recompresses(tag: CodecTag, target: Codec, same_tag_too: bool) -> bool {
+    tag != CodecTag::Raw && (tag != target.tag() || same_tag_too)
 }
 
 /// A block is stored raw unless compression saves at least this many bytes: reading a raw
@@ -522,6 +533,18 @@ mod tests {
         assert_eq!(write_codec(Codec::Lz4, CodecFallback::Auto, 100, 2), Codec::Lz4);
         let deflate = Codec::Deflate { level: 6 };
         assert_eq!(write_codec(deflate, CodecFallback::Auto, 2, 2), Codec::Lz4);
+    }
+
+    #[test]
+    fn gc_recompresses_other_codecs_fragments_but_not_raw_ones() {
+        let zstd = Codec::Zstd { level: 1 };
+        assert!(recompresses(CodecTag::Lz4, zstd, false));
+        assert!(recompresses(CodecTag::Deflate, zstd, false));
+        assert!(!recompresses(CodecTag::Zstd, zstd, false));
+        assert!(!recompresses(CodecTag::Raw, zstd, false));
+        assert!(!recompresses(CodecTag::Raw, zstd, true));
+        assert!(recompresses(CodecTag::Zstd, Codec::Zstd { level: 3 }, true));
+        assert!(!recompresses(CodecTag::Lz4, Codec::Lz4, false));
     }
 
     #[test]

@@ -30,7 +30,9 @@ pub use backing::{is_locked, Backing, FileBacking, Lock};
 pub use codec::{decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, MIN_SAVING_BYTES};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::{CodecStats, Stats};
-pub use store::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, Store, StoreInfo};
+pub use store::{
+    CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, RecompressReport, Store, StoreInfo,
+};
 pub use types::{Lba, SegmentId};
 
 /// The logical block: the unit of compression and of the map.
