@@ -12,12 +12,13 @@
 //! codecs bench but not in the store's path (docs/space.md, "Incompressible blocks").
 //!
 //! Adaptive fallback (`write_codec`): a host block is compressed with the store's codec
-//! while a core is free for it, and with LZ4 when every core is already busy compressing
-//! (the write would otherwise queue behind the slow codec and the host would see it). The
-//! load signal is the number of threads inside block compression at the moment the block
-//! arrives, against the cores the process may run on: cheap (one atomic add and subtract a
-//! block), needs no clock or history, and it is high exactly when more blocks want the codec
-//! than there are cores to run it. GC recompresses LZ4 fragments with the store's codec when
+//! while one of the cores set aside for it is free, and with LZ4 when they are all busy
+//! compressing (the write would otherwise queue behind the slow codec and the host would
+//! see it). The load signal is the number of threads inside block compression at the moment
+//! the block arrives, against `codec_cores` — half the cores the process may run on, the
+//! other half being what the rest of the write path and the client need: cheap (one atomic
+//! add and subtract a block), needs no clock or history, and it is high exactly when more
+//! blocks want the codec than it may have cores. GC recompresses LZ4 fragments with the store's codec when
 //! it moves them, under the same rule (`Store::recompress` does it on request). Every
 //! fragment carries its codec tag, so reads never need to know which codec was chosen.
 
@@ -94,17 +95,35 @@ impl FromStr for CodecFallback {
 }
 
 /// The codec for one host block (the policy of the module comment). `busy_compressors` is
-/// how many other threads are inside block compression as this block arrives; `cores` how
-/// many the process may run on. Pure, so the policy is tested without threads.
-pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors: usize, cores: usize) -> Codec {
+/// how many other threads are inside block compression as this block arrives; `codec_cores`
+/// how many the slow codec may keep busy (`codec_cores`). Pure, so the policy is tested
+/// without threads.
+pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors: usize, codec_cores: usize) -> Codec {
     match fallback {
         CodecFallback::Never => configured,
         CodecFallback::Always => Codec::Lz4,
-        // Every core is taken by a compression already: this block would wait for one, and
-        // LZ4 makes the wait (its own and the next block's) about half as long.
-        CodecFallback::Auto if busy_compressors >= cores.max(1) => Codec::Lz4,
+        // Every core the codec may use is taken by a compression already: this block would
+        // wait for one, and LZ4 makes the wait (its own and the next block's) about half as
+        // long.
+        CodecFallback::Auto if busy_compressors >= codec_cores.max(1) => Codec::Lz4,
         CodecFallback::Auto => configured,
     }
+}
+
+/// The variable that overrides [`codec_cores`] (measurements).
+pub const CODEC_CORES_ENV: &str = "ZDISK_CODEC_CORES";
+
+/// How many cores the store's codec may keep busy before the write path falls back, given
+/// the cores the process may run on: half of them, at least one. Measured on a 2-core
+/// machine (docs/space.md, "Adaptive fallback"): with the threshold at both cores zstd:1 was
+/// still chosen for 97% of blocks under QD32 writes — the protocol, copies, checksums, the
+/// log and the client kept the cores busy outside compression — and 128K sequential writes
+/// ran at 0.69x raw. `ZDISK_CODEC_CORES` overrides it.
+pub fn codec_cores(available_cores: usize) -> usize {
+    if let Some(cores) = std::env::var(CODEC_CORES_ENV).ok().and_then(|v| v.parse::<usize>().ok()) {
+        return cores.max(1);
+    }
+    (available_cores / 2).max(1)
 }
 
 /// Whether GC, moving a fragment of codec `tag`, recompresses it with `target`: fragments
@@ -523,7 +542,7 @@ mod tests {
         assert_eq!(write_codec(zstd, CodecFallback::Auto, 2, 2), Codec::Lz4);
         assert_eq!(write_codec(zstd, CodecFallback::Auto, 9, 2), Codec::Lz4);
         assert_eq!(write_codec(zstd, CodecFallback::Auto, 7, 8), zstd);
-        // An unknown core count counts as one core: a lone writer still gets zstd.
+        // No core for the codec counts as one: a lone writer still gets zstd.
         assert_eq!(write_codec(zstd, CodecFallback::Auto, 0, 0), zstd);
         assert_eq!(write_codec(zstd, CodecFallback::Auto, 1, 0), Codec::Lz4);
         // The knobs ignore the load.
@@ -545,6 +564,17 @@ mod tests {
         assert!(!recompresses(CodecTag::Raw, zstd, true));
         assert!(recompresses(CodecTag::Zstd, Codec::Zstd { level: 3 }, true));
         assert!(!recompresses(CodecTag::Lz4, Codec::Lz4, false));
+    }
+
+    #[test]
+    fn the_codec_may_keep_half_the_cores_busy_and_at_least_one() {
+        if std::env::var_os(CODEC_CORES_ENV).is_some() {
+            return; // overridden for a measurement
+        }
+        assert_eq!(codec_cores(1), 1);
+        assert_eq!(codec_cores(2), 1);
+        assert_eq!(codec_cores(3), 1);
+        assert_eq!(codec_cores(8), 4);
     }
 
     #[test]

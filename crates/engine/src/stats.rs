@@ -149,6 +149,23 @@ pub struct CodecCounters {
     pub recompress_cpu_ns: AtomicU64,
 }
 
+/// Counts the calling thread as inside block compression (the fallback's load signal) until
+/// dropped — also when the compression panics, so the signal never stays high.
+pub struct Compressing<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Compressing<'_> {
+    /// Enters; returns the guard and how many threads were compressing before this one.
+    pub fn enter(counter: &std::sync::atomic::AtomicUsize) -> (Compressing<'_>, usize) {
+        (Compressing(counter), counter.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl Drop for Compressing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 impl CodecCounters {
     pub fn snapshot(&self) -> CodecStats {
         let get = Counters::get;

@@ -40,7 +40,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, RecordBody, PI_BYTES, V2_PREFIX_BYTES};
 use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry, Stored, WalkItem};
-use crate::stats::{thread_cpu_ns, Counters};
+use crate::stats::{thread_cpu_ns, Compressing, Counters};
 use crate::types::{Lba, SegmentId};
 use crate::{Stats, BLOCK_SIZE, SECTOR_SIZE};
 
@@ -96,7 +96,7 @@ impl Inner {
     /// fallback is automatic and every core is compressing now (module comment).
     fn gc_recompress_target(&self) -> Option<RecompressTarget> {
         let busy = self.codec_counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
-        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.cores.max(1);
+        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codec_cores.max(1);
         (!saturated).then_some(RecompressTarget { codec: self.geometry.codec, same_tag_too: false })
     }
 
@@ -368,7 +368,7 @@ impl Inner {
             return (live, Vec::new());
         }
         let counters = &self.codec_counters;
-        counters.compressing.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let compressing = Compressing::enter(&counters.compressing);
         let cpu_before = thread_cpu_ns();
         let (mut verbatim, mut recompressed) = (Vec::new(), Vec::new());
         let mut block = vec![0u8; BLOCK_SIZE];
@@ -399,7 +399,7 @@ impl Inner {
             }
         }
         Counters::add(&counters.recompress_cpu_ns, thread_cpu_ns().saturating_sub(cpu_before));
-        counters.compressing.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        drop(compressing);
         (verbatim, recompressed)
     }
 

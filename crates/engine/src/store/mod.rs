@@ -182,7 +182,7 @@ impl Store {
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             counters,
             codec_counters: Default::default(),
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
             map_write_bytes: AtomicU64::new(0),

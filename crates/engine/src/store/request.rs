@@ -24,7 +24,7 @@ use crate::codec::{write_codec, Codec};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, WalkItem};
-use crate::stats::Counters;
+use crate::stats::{Compressing, Counters};
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
 
@@ -98,11 +98,11 @@ impl Inner {
     /// already compressing (`codec::write_codec`); counts the choice.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
         let counters = &self.codec_counters;
-        let busy = counters.compressing.fetch_add(1, Ordering::Relaxed);
+        let (compressing, busy) = Compressing::enter(&counters.compressing);
         let configured = self.geometry.codec;
-        let codec = write_codec(configured, self.options.codec_fallback, busy, self.cores);
+        let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
         let block = self.compress_with(codec, block, lba, scratch);
-        counters.compressing.fetch_sub(1, Ordering::Relaxed);
+        drop(compressing);
         if !block.entry.is_zero_block(FragmentFormat::V3) {
             Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
             if codec != configured {

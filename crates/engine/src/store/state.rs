@@ -114,9 +114,9 @@ pub(crate) struct Inner {
     pub counters: Counters,
     /// Codec choices and recompression since open, and the fallback's load signal.
     pub codec_counters: CodecCounters,
-    /// Cores the process may run on (`available_parallelism`, read once at open): the
-    /// fallback's threshold.
-    pub cores: usize,
+    /// Cores the store's codec may keep busy before host writes fall back to LZ4
+    /// (`codec::codec_cores`, read once at open).
+    pub codec_cores: usize,
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
     pub map_write_bytes: AtomicU64,
