@@ -63,9 +63,9 @@ enum Cmd {
     Resize(commands::ResizeArgs),
     /// Move the blocks the write path stored with the LZ4 fallback into the store's codec.
     ///
-    /// Offline (the store must not be served), to completion, with a progress bar; prints
-    /// the stored bytes and comp_ratio before and after. --codec recompresses into another
-    /// codec or a stronger level instead.
+    /// Offline or while served (through the server's control socket), to completion, with a
+    /// progress bar; prints the stored bytes and comp_ratio before and after. --codec
+    /// recompresses into another codec or a stronger level instead.
     Recompress(recompress::RecompressArgs),
     /// Print a block device backed by the store's server (starting one if needed).
     ///
