@@ -8,7 +8,8 @@
 #   usage: bash scripts/compare.sh [WORKDIR] [SECONDS_PER_POINT]
 # Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit). Prints a table.
 # ZDISK_BIN runs another build of zdisk (its plugin must sit next to it), to compare builds
-# side by side. ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
+# side by side. ZDISK_FORMAT_ARGS adds arguments to `zdisk format` (e.g. "--codec zstd:1");
+# ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
 # the rows whose names contain one of those words (e.g. ROWS="random read,70/30").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,7 +22,8 @@ pids=()
 trap cleanup EXIT
 rm -f "$dir"/s.zdisk "$dir"/raw.img "$dir"/*.sock
 truncate -s 4G "$dir/raw.img"
-"$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G >/dev/null
+# shellcheck disable=SC2086
+"$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G ${ZDISK_FORMAT_ARGS:-} >/dev/null
 # shellcheck disable=SC2086
 "$zdisk" serve "$dir/s.zdisk" --unix "$dir/z.sock" ${ZDISK_SERVE_ARGS:-} >"$dir/serve.log" 2>&1 & pids+=($!)
 qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 --socket="$dir/r.sock" "$dir/raw.img" >"$dir/qemu.log" 2>&1 & pids+=($!)

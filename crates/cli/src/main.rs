@@ -7,6 +7,7 @@
 mod attach;
 mod commands;
 mod demo;
+mod recompress;
 mod runtime;
 mod serve;
 mod size;
@@ -63,6 +64,12 @@ enum Cmd {
     /// While served: grow only; clients see the new size when they reconnect.
     /// --over-provision moves the native capacity (offline only).
     Resize(commands::ResizeArgs),
+    /// Move the blocks the write path stored with the LZ4 fallback into the store's codec.
+    ///
+    /// Offline or while served (through the server's control socket), to completion, with a
+    /// progress bar; prints the stored bytes and comp_ratio before and after. --codec
+    /// recompresses into another codec or a stronger level instead.
+    Recompress(recompress::RecompressArgs),
     /// Print a block device backed by the store's server (starting one if needed).
     ///
     /// Uses the kernel NBD client where /dev/nbd* exists, otherwise nbdfuse plus a loop device.
@@ -102,6 +109,7 @@ fn main() {
         Cmd::Stat(args) => commands::stat(args).map(|()| 0),
         Cmd::Check(args) => commands::check(args),
         Cmd::Resize(args) => commands::resize(args).map(|()| 0),
+        Cmd::Recompress(args) => recompress::run(args).map(|()| 0),
         Cmd::Attach(args) => attach::attach(args).map(|()| 0),
         Cmd::Detach(args) => attach::detach(args).map(|()| 0),
         Cmd::Demo(args) => demo::run(args).map(|()| 0),

@@ -10,6 +10,17 @@
 //! A block is stored raw when the codec does not save `MIN_SAVING_BYTES`. A cheap test that
 //! skips the codec on incompressible blocks (`looks_incompressible`) is measured by the
 //! codecs bench but not in the store's path (docs/space.md, "Incompressible blocks").
+//!
+//! Adaptive fallback (`write_codec`): a host block is compressed with the store's codec
+//! while one of the cores set aside for it is free, and with LZ4 when they are all busy
+//! compressing (the write would otherwise queue behind the slow codec and the host would
+//! see it). The load signal is the number of threads inside block compression at the moment
+//! the block arrives, against `codec_cores` — half the cores the process may run on, the
+//! other half being what the rest of the write path and the client need: cheap (one atomic
+//! add and subtract a block), needs no clock or history, and it is high exactly when more
+//! blocks want the codec than it may have cores. GC recompresses LZ4 fragments with the store's codec when
+//! it moves them, under the same rule (`Store::recompress` does it on request). Every
+//! fragment carries its codec tag, so reads never need to know which codec was chosen.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -39,6 +50,90 @@ impl Default for Codec {
     fn default() -> Codec {
         Codec::DEFAULT
     }
+}
+
+/// When the write path may use LZ4 instead of the store's codec (see the module comment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CodecFallback {
+    /// LZ4 when every core is already compressing; the store's codec otherwise.
+    #[default]
+    Auto,
+    /// LZ4 always on the write path: capacity comes from GC's recompression only (tests,
+    /// and hosts that want the write path at its cheapest).
+    Always,
+    /// The store's codec always, however loaded the cores are.
+    Never,
+}
+
+impl CodecFallback {
+    /// The variable that overrides the default, for tests and measurements.
+    pub const ENV: &'static str = "ZDISK_CODEC_FALLBACK";
+
+    /// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
+    pub fn from_env() -> CodecFallback {
+        match std::env::var(Self::ENV) {
+            Ok(value) => value.parse().unwrap_or_else(|e| {
+                tracing::warn!("{}: {e}; using auto", Self::ENV);
+                CodecFallback::Auto
+            }),
+            Err(_) => CodecFallback::Auto,
+        }
+    }
+}
+
+impl FromStr for CodecFallback {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<CodecFallback, String> {
+        match s {
+            "auto" => Ok(CodecFallback::Auto),
+            "always" => Ok(CodecFallback::Always),
+            "never" => Ok(CodecFallback::Never),
+            _ => Err(format!("unknown codec fallback {s:?} (expected auto, always or never)")),
+        }
+    }
+}
+
+/// The codec for one host block (the policy of the module comment). `busy_compressors` is
+/// how many other threads are inside block compression as this block arrives; `codec_cores`
+/// how many the slow codec may keep busy (`codec_cores`). Pure, so the policy is tested
+/// without threads.
+pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors: usize, codec_cores: usize) -> Codec {
+    match fallback {
+        CodecFallback::Never => configured,
+        CodecFallback::Always => Codec::Lz4,
+        // Every core the codec may use is taken by a compression already: this block would
+        // wait for one, and LZ4 makes the wait (its own and the next block's) about half as
+        // long.
+        CodecFallback::Auto if busy_compressors >= codec_cores.max(1) => Codec::Lz4,
+        CodecFallback::Auto => configured,
+    }
+}
+
+/// The variable that overrides [`codec_cores`] (measurements).
+pub const CODEC_CORES_ENV: &str = "ZDISK_CODEC_CORES";
+
+/// How many cores the store's codec may keep busy before the write path falls back, given
+/// the cores the process may run on: half of them, at least one. Measured on a 2-core
+/// machine (docs/space.md, "Adaptive fallback"): with the threshold at both cores zstd:1 was
+/// still chosen for 97% of blocks under QD32 writes — the protocol, copies, checksums, the
+/// log and the client kept the cores busy outside compression — and 128K sequential writes
+/// ran at 0.69x raw. `ZDISK_CODEC_CORES` overrides it.
+pub fn codec_cores(available_cores: usize) -> usize {
+    if let Some(cores) = std::env::var(CODEC_CORES_ENV).ok().and_then(|v| v.parse::<usize>().ok()) {
+        return cores.max(1);
+    }
+    (available_cores / 2).max(1)
+}
+
+/// Whether GC, moving a fragment of codec `tag`, recompresses it with `target`: fragments
+/// another codec made (the write path's LZ4 fallback, or a store formatted with another
+/// codec's blocks recompressed into a stronger one), never raw ones (stored raw because no
+/// codec saved enough; trying them again on every move would cost CPU for nothing). With
+/// `same_tag_too` (an explicit stronger level) fragments of the target's own codec are
+/// taken as well: the map does not record levels.
+pub fn recompresses(tag: CodecTag, target: Codec, same_tag_too: bool) -> bool {
+    tag != CodecTag::Raw && (tag != target.tag() || same_tag_too)
 }
 
 /// A block is stored raw unless compression saves at least this many bytes: reading a raw
@@ -436,6 +531,59 @@ mod tests {
         assert_eq!(Codec::default(), Codec::Lz4);
         assert_eq!(Codec::DEFAULT.to_string(), "lz4");
         assert_eq!("lz4".parse::<Codec>().unwrap(), Codec::default());
+    }
+
+    #[test]
+    fn the_write_path_falls_back_to_lz4_only_when_every_core_is_compressing() {
+        let zstd = Codec::Zstd { level: 1 };
+        // Auto: the store's codec while a core is free, LZ4 from the moment none is.
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 0, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 1, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 2, 2), Codec::Lz4);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 9, 2), Codec::Lz4);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 7, 8), zstd);
+        // No core for the codec counts as one: a lone writer still gets zstd.
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 0, 0), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Auto, 1, 0), Codec::Lz4);
+        // The knobs ignore the load.
+        assert_eq!(write_codec(zstd, CodecFallback::Never, 100, 2), zstd);
+        assert_eq!(write_codec(zstd, CodecFallback::Always, 0, 2), Codec::Lz4);
+        // An LZ4 store has nothing faster to fall back to.
+        assert_eq!(write_codec(Codec::Lz4, CodecFallback::Auto, 100, 2), Codec::Lz4);
+        let deflate = Codec::Deflate { level: 6 };
+        assert_eq!(write_codec(deflate, CodecFallback::Auto, 2, 2), Codec::Lz4);
+    }
+
+    #[test]
+    fn gc_recompresses_other_codecs_fragments_but_not_raw_ones() {
+        let zstd = Codec::Zstd { level: 1 };
+        assert!(recompresses(CodecTag::Lz4, zstd, false));
+        assert!(recompresses(CodecTag::Deflate, zstd, false));
+        assert!(!recompresses(CodecTag::Zstd, zstd, false));
+        assert!(!recompresses(CodecTag::Raw, zstd, false));
+        assert!(!recompresses(CodecTag::Raw, zstd, true));
+        assert!(recompresses(CodecTag::Zstd, Codec::Zstd { level: 3 }, true));
+        assert!(!recompresses(CodecTag::Lz4, Codec::Lz4, false));
+    }
+
+    #[test]
+    fn the_codec_may_keep_half_the_cores_busy_and_at_least_one() {
+        if std::env::var_os(CODEC_CORES_ENV).is_some() {
+            return; // overridden for a measurement
+        }
+        assert_eq!(codec_cores(1), 1);
+        assert_eq!(codec_cores(2), 1);
+        assert_eq!(codec_cores(3), 1);
+        assert_eq!(codec_cores(8), 4);
+    }
+
+    #[test]
+    fn the_fallback_knob_parses_and_defaults_to_auto() {
+        assert_eq!("always".parse::<CodecFallback>().unwrap(), CodecFallback::Always);
+        assert_eq!("never".parse::<CodecFallback>().unwrap(), CodecFallback::Never);
+        assert_eq!("auto".parse::<CodecFallback>().unwrap(), CodecFallback::Auto);
+        assert!("sometimes".parse::<CodecFallback>().is_err());
+        assert_eq!(CodecFallback::default(), CodecFallback::Auto);
     }
 
     #[test]

@@ -112,6 +112,95 @@ pub struct Stats {
     /// Bytes of map pages written since open (part of `backing_write_bytes`).
     #[serde(default)]
     pub map_write_bytes: u64,
+    /// Which codecs made the fragments written since open, and what recompression did.
+    #[serde(flatten)]
+    pub codec: CodecStats,
+}
+
+/// Codec choices since the store was opened (not persisted: the checkpoint's counter list
+/// is part of the format). Zero blocks are not compressed and not counted.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CodecStats {
+    /// Host blocks stored raw (no codec saved `MIN_SAVING_BYTES`), and by each codec.
+    #[serde(default)]
+    pub blocks_written_raw: u64,
+    #[serde(default)]
+    pub blocks_written_lz4: u64,
+    #[serde(default)]
+    pub blocks_written_zstd: u64,
+    #[serde(default)]
+    pub blocks_written_deflate: u64,
+    /// Host blocks compressed with LZ4 instead of the store's slower codec because every
+    /// core was already compressing (the adaptive fallback; counted whatever LZ4 then made
+    /// of them, raw included).
+    #[serde(default)]
+    pub codec_fallback_blocks: u64,
+    /// Fragments GC (or `recompress`) moved recompressed with the store's codec.
+    #[serde(default)]
+    pub recompressed_fragments: u64,
+    /// Stored bytes those recompressions saved (old fragments' length less new ones').
+    #[serde(default)]
+    pub recompress_saved_bytes: u64,
+    /// Thread CPU time spent decompressing, checking and recompressing them.
+    #[serde(default)]
+    pub recompress_cpu_ns: u64,
+}
+
+/// The live counters behind [`CodecStats`], and the load signal of the adaptive fallback.
+#[derive(Debug, Default)]
+pub struct CodecCounters {
+    /// Threads inside block compression now (the fallback's load signal, `codec.rs`).
+    pub compressing: std::sync::atomic::AtomicUsize,
+    pub blocks_written: [AtomicU64; 4],
+    pub fallback_blocks: AtomicU64,
+    pub recompressed_fragments: AtomicU64,
+    pub recompress_saved_bytes: AtomicU64,
+    pub recompress_cpu_ns: AtomicU64,
+}
+
+/// Counts the calling thread as inside block compression (the fallback's load signal) until
+/// dropped — also when the compression panics, so the signal never stays high.
+pub struct Compressing<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Compressing<'_> {
+    /// Enters; returns the guard and how many threads were compressing before this one.
+    pub fn enter(counter: &std::sync::atomic::AtomicUsize) -> (Compressing<'_>, usize) {
+        (Compressing(counter), counter.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+impl Drop for Compressing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl CodecCounters {
+    pub fn snapshot(&self) -> CodecStats {
+        let get = Counters::get;
+        CodecStats {
+            blocks_written_raw: get(&self.blocks_written[0]),
+            blocks_written_lz4: get(&self.blocks_written[1]),
+            blocks_written_zstd: get(&self.blocks_written[2]),
+            blocks_written_deflate: get(&self.blocks_written[3]),
+            codec_fallback_blocks: get(&self.fallback_blocks),
+            recompressed_fragments: get(&self.recompressed_fragments),
+            recompress_saved_bytes: get(&self.recompress_saved_bytes),
+            recompress_cpu_ns: get(&self.recompress_cpu_ns),
+        }
+    }
+}
+
+/// CPU time this thread has run, in nanoseconds (what recompression costs, without the
+/// time it waited for a core).
+pub fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant Linux knows.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// Monotonic counters kept live; persisted in each checkpoint so totals survive restarts.

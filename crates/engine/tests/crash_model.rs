@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, ErrorKind, Store};
+use zdisk_engine::{Codec, CodecFallback, ErrorKind, Store};
 
 struct Scenario {
     name: &'static str,
@@ -27,6 +27,12 @@ struct Scenario {
     write_percent: u32,
     /// The map cache's budget; 0 keeps the default (the whole map fits).
     map_cache_bytes: u64,
+    /// The store's codec; None picks one per seed.
+    codec: Option<Codec>,
+    /// The write path's fallback for the whole run. `Always` makes every host block an LZ4
+    /// fragment in a store of another codec, which GC then recompresses as it moves them:
+    /// the run fails if it recompressed none.
+    codec_fallback: CodecFallback,
 }
 
 fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> (u64, u64) {
@@ -47,14 +53,16 @@ fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> 
 
 fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     let mut rng = rng(seed);
-    let codec = match rng.gen_range(0..3) {
+    let random_codec = match rng.gen_range(0..3) {
         0 => Codec::Lz4,
         1 => Codec::Zstd { level: 1 },
         _ => Codec::Deflate { level: 6 },
     };
+    let codec = s.codec.unwrap_or(random_codec);
     let mut disk = new_disk(s.segments, s.segment_bytes, s.logical_bytes, codec, rng.gen());
     let mut model = Model::new(s.logical_bytes);
     let mut options = test_options();
+    options.codec_fallback = s.codec_fallback;
     if s.map_cache_bytes != 0 {
         options.map_cache_bytes = s.map_cache_bytes;
     }
@@ -75,6 +83,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     let mut crashes = 0;
     let mut no_space = 0;
     let mut map_misses = 0;
+    let mut recompressed = 0;
     for cycle in 0..s.cycles {
         // The fault of damage after a crash: single-bit flips in the records recovery must
         // replay, checked on a copy (the run goes on with the undamaged image).
@@ -95,6 +104,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         }
         crashes += disk.crashed() as usize;
         map_misses += store.stats().map_cache_misses;
+        recompressed += store.stats().codec.recompressed_fragments;
         disk.power_off();
         drop(store);
         disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
@@ -112,6 +122,10 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
             s.cycles
         ));
     }
+    if s.codec_fallback == CodecFallback::Always && codec != Codec::Lz4 && recompressed == 0 {
+        return Err(format!("GC recompressed nothing in {} cycles", s.cycles));
+    }
+    eprintln!("{recompressed} fragments recompressed");
     Ok((crashes, no_space, map_misses))
 }
 
@@ -241,6 +255,8 @@ fn mixed_requests_survive_random_crashes() {
             fill: false,
             write_percent: 50,
             map_cache_bytes: 0,
+            codec: None,
+            codec_fallback: CodecFallback::Never,
         },
         12,
     );
@@ -262,6 +278,8 @@ const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
     fill: true,
     write_percent: 70,
     map_cache_bytes: 0,
+    codec: None,
+    codec_fallback: CodecFallback::Never,
 };
 
 #[test]
@@ -294,7 +312,27 @@ fn a_map_cache_of_two_pages_survives_crashes_with_constant_eviction() {
             fill: false,
             write_percent: 50,
             map_cache_bytes: 10 << 10,
+            codec: None,
+            codec_fallback: CodecFallback::Never,
         },
         8,
+    );
+}
+
+/// A zstd store whose host blocks are all LZ4 fallback fragments: GC recompresses them as it
+/// moves them while host overwrites (which win) and power cuts land in between — inside the
+/// recompressed batch records' writes too. The contract and `check`'s accounting must hold.
+#[test]
+fn fallback_fragments_recompressed_by_gc_survive_crashes_and_racing_overwrites() {
+    run_scenario(
+        Scenario {
+            name: "fallback_fragments_recompressed_by_gc_survive_crashes_and_racing_overwrites",
+            incompressible_percent: 20,
+            write_percent: 60,
+            codec: Some(Codec::Zstd { level: 1 }),
+            codec_fallback: CodecFallback::Always,
+            ..OVERWRITES_AT_50_PERCENT
+        },
+        12,
     );
 }

@@ -250,6 +250,7 @@ impl Server for Handle {
             read_only: config.read_only,
             metrics_addr: config.metrics.clone(),
             draining: AtomicBool::new(false),
+            recompress: Default::default(),
         });
         let listener = METRICS_LISTENER.lock().take();
         let service = Service::start(shared.clone(), &config.run_dir, listener).map_err(|e| {

@@ -45,6 +45,75 @@ pub struct Shared {
     /// writes, trims and zeroes fail with ESHUTDOWN, so the flush + checkpoint `drain` did
     /// stays complete even if nbdkit must be killed because a client keeps its connection.
     pub draining: std::sync::atomic::AtomicBool,
+    /// The `recompress` control request's run: it goes on in a thread of its own (it takes
+    /// as long as the store is big) while `recompress-status` reports on it.
+    pub recompress: Arc<parking_lot::Mutex<RecompressRun>>,
+}
+
+/// The state of the served store's recompression, as `recompress-status` reports it.
+#[derive(Debug, Default)]
+pub struct RecompressRun {
+    pub running: bool,
+    pub done: u64,
+    pub total: u64,
+    /// Of the last finished run: the error, or the result (`segments`, `segments_cleaned`,
+    /// `before`, `after`).
+    pub error: Option<String>,
+    pub report: Option<serde_json::Value>,
+}
+
+/// Starts recompressing the served store into `codec` (the store's when None) in a thread
+/// of its own; refused while one runs.
+fn start_recompress(shared: &Shared, codec: Option<zdisk_engine::Codec>) -> String {
+    if shared.read_only {
+        return "error the store is served read-only".to_string();
+    }
+    {
+        let mut run = shared.recompress.lock();
+        if run.running {
+            return "error a recompression is already running".to_string();
+        }
+        *run = RecompressRun { running: true, ..RecompressRun::default() };
+    }
+    let (store, run) = (Arc::clone(&shared.store), Arc::clone(&shared.recompress));
+    let spawned = std::thread::Builder::new().name("zdisk-recompress".into()).spawn(move || {
+        let result = store.recompress(codec, &mut |done, total| {
+            let mut run = run.lock();
+            (run.done, run.total) = (done, total);
+        });
+        let mut run = run.lock();
+        run.running = false;
+        match result {
+            Ok(report) => {
+                run.report = Some(serde_json::json!({
+                    "segments": report.segments,
+                    "segments_cleaned": report.segments_cleaned,
+                    "before": report.before,
+                    "after": report.after,
+                }))
+            }
+            Err(e) => run.error = Some(e.to_string()),
+        }
+    });
+    match spawned {
+        Ok(_) => "ok".to_string(),
+        Err(e) => {
+            shared.recompress.lock().running = false;
+            format!("error cannot start the recompression thread: {e}")
+        }
+    }
+}
+
+fn recompress_status(shared: &Shared) -> String {
+    let run = shared.recompress.lock();
+    serde_json::json!({
+        "running": run.running,
+        "done": run.done,
+        "total": run.total,
+        "error": run.error,
+        "report": run.report,
+    })
+    .to_string()
 }
 
 pub struct Service {
@@ -168,7 +237,8 @@ fn live_loop(shared: &Shared, stop: &AtomicBool, live: &Path, control: &Path, li
 
 /// One line in, one line out: `resize BYTES` → `ok BYTES` | `error MESSAGE`;
 /// `stats` → the JSON snapshot on one line; `drain` → refuse further writes, flush and
-/// checkpoint → `ok` | `error MESSAGE`.
+/// checkpoint → `ok` | `error MESSAGE`; `recompress [CODEC]` → starts it, `ok` | `error
+/// MESSAGE`; `recompress-status` → `{"running", "done", "total", "error", "report"}`.
 fn serve_control(shared: &Shared, control: &Path, stream: UnixStream) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(PEER_TIMEOUT))?;
@@ -201,7 +271,15 @@ fn serve_control(shared: &Shared, control: &Path, stream: UnixStream) -> std::io
                 Err(e) => format!("error {e}"),
             },
         },
-        _ => format!("error unknown request {:?} (expected `stats`, `drain` or `resize BYTES`)", line.trim()),
+        (Some("recompress"), codec, None) => match codec.map(str::parse::<zdisk_engine::Codec>).transpose() {
+            Ok(codec) => start_recompress(shared, codec),
+            Err(e) => format!("error {e}"),
+        },
+        (Some("recompress-status"), None, None) => recompress_status(shared),
+        _ => format!(
+            "error unknown request {:?} (expected `stats`, `drain`, `resize BYTES`, `recompress [CODEC]` or `recompress-status`)",
+            line.trim()
+        ),
     };
     let mut writer = &stream;
     writer.write_all(reply.as_bytes())?;

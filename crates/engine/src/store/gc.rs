@@ -15,20 +15,34 @@
 //! - A relocation must fit one fresh segment: GC may count on one beyond its reserve, and a
 //!   victim that gives back less than it takes would eat the reserves trims and checkpoints
 //!   need.
+//! - Recompression (`codec.rs`, "Adaptive fallback"): a live fragment of another codec than
+//!   the target (the store's, unless `recompress` names a stronger one) is decompressed,
+//!   its guard and protection information checked, and recompressed; the new fragment is
+//!   kept only if it is smaller. A fragment that fails its check is moved as it is (never
+//!   laundered into a fragment with a fresh, valid guard). Recompressed fragments go into
+//!   batch records, not relocate records — a relocate entry derives the old fragment's
+//!   length and codec from the new one, which recompression changes — and each goes in only
+//!   if the map still points at its old place, checked under the log lock as the record is
+//!   appended (`log.rs`), so a concurrent overwrite still wins. Replay applies batch records
+//!   unconditionally, in log order, which is the order those checks were made in. In `Auto`
+//!   fallback mode GC does not recompress while every core is compressing (the host's
+//!   writes come first; the fragments are recompressed the next time they move).
 
 use super::apply::Live;
 use super::log::Attempt;
-use super::op::{relocation_bytes, Block, LiveFragment, Op};
+use super::op::{recompressed_bytes, relocation_bytes, Block, LiveFragment, Op};
+use super::read::verify_fragment;
 use super::scan::parse_segment;
 use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
+use crate::codec::{recompresses, Codec, CodecFallback};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, RecordBody, PI_BYTES, V2_PREFIX_BYTES};
 use crate::map::page::PageId;
-use crate::map::PackedEntry;
-use crate::stats::Counters;
+use crate::map::{Entry, PackedEntry, Stored, WalkItem};
+use crate::stats::{thread_cpu_ns, Compressing, Counters};
 use crate::types::{Lba, SegmentId};
-use crate::SECTOR_SIZE;
+use crate::{Stats, BLOCK_SIZE, SECTOR_SIZE};
 
 /// Leaves a victim's liveness check pins at once.
 const LEAVES_PER_BATCH: usize = 256;
@@ -39,6 +53,25 @@ const LEAVES_PER_BATCH: usize = 256;
 pub(crate) enum GcMode {
     Background,
     Foreground,
+}
+
+/// The codec GC recompresses fragments into, and whether fragments already tagged with it
+/// are taken too (an explicit stronger level: the map does not record levels).
+pub(crate) struct RecompressTarget {
+    pub codec: Codec,
+    pub same_tag_too: bool,
+}
+
+/// What [`Inner::recompress`] did.
+#[derive(Debug, Clone, Default)]
+pub struct RecompressReport {
+    /// Segments that held fragments to recompress when it started.
+    pub segments: u64,
+    /// Of those, segments cleaned (their live fragments moved, recompressed where smaller).
+    pub segments_cleaned: u64,
+    /// Statistics before and after (after: once the cleaned segments are freed).
+    pub before: Stats,
+    pub after: Stats,
 }
 
 /// The victim GC chose, and whether the reuse horizon has passed it.
@@ -55,16 +88,33 @@ impl Inner {
         let _gc = self.gc_lock.lock();
         self.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
+        let target = self.gc_recompress_target();
+        self.clean_victim(victim, target.as_ref())
+    }
+
+    /// What background and foreground GC recompress into: the store's codec, unless the
+    /// fallback is automatic and every core is compressing now (module comment).
+    fn gc_recompress_target(&self) -> Option<RecompressTarget> {
+        let busy = self.codec_counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
+        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codec_cores.max(1);
+        (!saturated).then_some(RecompressTarget { codec: self.geometry.codec, same_tag_too: false })
+    }
+
+    /// Cleans `victim` (held under the checkpoint and GC locks): moves its live fragments,
+    /// recompressing those `target` takes, and marks it cleaned when nothing in it is live.
+    /// Returns the bytes it gives back once freed, or None when its relocation does not fit.
+    fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>) -> Result<Option<u64>> {
         let live = self.collect_live(victim.segment)?;
+        let (verbatim, recompressed) = self.recompress_live(live, target);
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
-        let relocated_bytes = relocation_bytes(&live);
+        let relocated_bytes = relocation_bytes(&verbatim) + recompressed_bytes(&recompressed);
         if relocated_bytes > self.geometry.segment_capacity() {
             return Ok(None);
         }
-        if !live.is_empty() {
+        if !verbatim.is_empty() || !recompressed.is_empty() {
             let class = if victim.settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
-            self.relocate(live, class)?;
+            self.relocate(verbatim, recompressed, class)?;
         }
         // A trim that replaced a whole subtree owes its old entries until the checkpoint
         // walks it: they may point into the victim.
@@ -93,6 +143,104 @@ impl Inner {
         log.segments.mark_cleaned(victim.segment, cleaned_seq);
         Counters::add(&self.counters.gc_segments_cleaned, 1);
         Ok(Some(self.geometry.segment_size_bytes - relocated_bytes))
+    }
+
+    /// Recompresses, to completion, every fragment `target` takes: each segment holding one
+    /// is cleaned as GC would clean it, whatever its live share. When the log runs short of
+    /// room for a relocation, two checkpoints move the reuse horizon past the segments
+    /// cleaned so far and they are freed; then the segment is tried once more. (A segment
+    /// that still cannot be taken — its relocation does not fit one segment — keeps its
+    /// fragments; `segments_cleaned` says how many were.)
+    /// `progress(done, total)` counts segments.
+    pub(crate) fn recompress(
+        &self,
+        target: RecompressTarget,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<RecompressReport> {
+        self.check_writable()?;
+        // Sealed segments still only in memory are not GC's to take: write them out first.
+        self.flush()?;
+        let before = self.stats();
+        let segments = self.segments_holding(&target)?;
+        let total = segments.len() as u64;
+        let mut report = RecompressReport { segments: total, ..RecompressReport::default() };
+        let mut done = 0;
+        progress(done, total);
+        // A segment holding a retained checkpoint's chunks is not GC's to take until two
+        // newer checkpoints retire it: such segments are tried again after those.
+        let mut skipped = Vec::new();
+        for pass in 0..2 {
+            let todo = if pass == 0 { segments.clone() } else { std::mem::take(&mut skipped) };
+            for segment in todo {
+                let cleaned = match self.recompress_segment(segment, &target) {
+                    Err(e) if e.kind() == ErrorKind::NoSpace => {
+                        self.make_cleaned_free()?;
+                        self.recompress_segment(segment, &target)?
+                    }
+                    other => other?,
+                };
+                if cleaned || pass == 1 {
+                    report.segments_cleaned += cleaned as u64;
+                    done += 1;
+                    progress(done, total);
+                } else {
+                    skipped.push(segment);
+                }
+            }
+            self.make_cleaned_free()?;
+        }
+        report.before = before;
+        report.after = self.stats();
+        Ok(report)
+    }
+
+    /// Two checkpoints (the reuse horizon is the older retained one) and the freeing they
+    /// allow: every segment cleaned before becomes free.
+    fn make_cleaned_free(&self) -> Result<()> {
+        self.checkpoint_now()?;
+        self.checkpoint_now()?;
+        self.free_cleaned().map(|_| ())
+    }
+
+    /// Cleans `segment` recompressing into `target`; false when it is not a victim GC may
+    /// take (open, unwritten, waiting for its pages) or its relocation does not fit.
+    fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
+        let _checkpoint = self.checkpoint.lock();
+        let _gc = self.gc_lock.lock();
+        self.check_writable()?;
+        let victim = {
+            let log = self.log.lock();
+            let unwritten = self.unwritten_segments();
+            if !log.segments.is_victim_candidate(segment, &unwritten) {
+                return Ok(false);
+            }
+            let settled = log.segments.get(segment).last_seq <= log.epochs.reuse_horizon_seq;
+            Victim { segment, settled }
+        };
+        Ok(self.clean_victim(victim, Some(target))?.is_some())
+    }
+
+    /// The segments holding a fragment the map points at that `target` recompresses, in
+    /// order (found by walking the current map: the segment table does not know codecs).
+    fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
+        let mut found = std::collections::BTreeSet::new();
+        let mut note = |value: PackedEntry| {
+            if let Ok(Entry::Stored(s)) = value.unpack() {
+                if recompresses(s.codec, target.codec, target.same_tag_too) {
+                    found.insert(self.geometry.segment_of(s.offset_bytes));
+                }
+            }
+        };
+        let map = self.map.read();
+        map.walk_current(0, map.block_count(), self, &mut |item| {
+            match item {
+                WalkItem::Leaf(_, body) => body.iter().for_each(|&value| note(PackedEntry(value))),
+                WalkItem::Constant(_, _, value) => note(value),
+                WalkItem::Page(_) => {}
+            }
+            Ok(())
+        })?;
+        Ok(found.into_iter().collect())
     }
 
     /// Chooses a victim: cost-benefit in the background, the emptiest in the foreground,
@@ -208,9 +356,58 @@ impl Inner {
         Ok(())
     }
 
-    /// Appends the relocation of `live` (GC's single append attempt: no foreground GC).
-    fn relocate(&self, live: Vec<LiveFragment>, class: SpaceClass) -> Result<()> {
-        match self.try_append(&[Op::Relocate { fragments: live }], class)? {
+    /// Splits `live` into fragments moved as they are and fragments recompressed with
+    /// `target` (those it takes whose new fragment is smaller; module comment).
+    fn recompress_live(
+        &self,
+        live: Vec<LiveFragment>,
+        target: Option<&RecompressTarget>,
+    ) -> (Vec<LiveFragment>, Vec<LiveFragment>) {
+        let Some(target) = target else { return (live, Vec::new()) };
+        if !live.iter().any(|f| recompresses(f.block.entry.codec, target.codec, target.same_tag_too)) {
+            return (live, Vec::new());
+        }
+        let counters = &self.codec_counters;
+        let compressing = Compressing::enter(&counters.compressing);
+        let cpu_before = thread_cpu_ns();
+        let (mut verbatim, mut recompressed) = (Vec::new(), Vec::new());
+        let mut block = vec![0u8; BLOCK_SIZE];
+        let mut scratch = Vec::with_capacity(2 * BLOCK_SIZE);
+        for fragment in live {
+            let entry = fragment.block.entry;
+            if !recompresses(entry.codec, target.codec, target.same_tag_too) {
+                verbatim.push(fragment);
+                continue;
+            }
+            // (The bytes are a version 3 fragment: `collect_live` converted older ones.)
+            let stored = Stored {
+                offset_bytes: 0,
+                stored_len: entry.stored_len,
+                codec: entry.codec,
+                format: FragmentFormat::V3,
+            };
+            if let Err(why) = verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block) {
+                tracing::warn!("GC: block {} fails its check ({why}); moved as it is, not recompressed", fragment.lba);
+                verbatim.push(fragment);
+                continue;
+            }
+            let new = self.compress_with(target.codec, &block, fragment.lba, &mut scratch);
+            if new.bytes.len() < fragment.block.bytes.len() && !new.entry.is_zero_block(FragmentFormat::V3) {
+                recompressed.push(LiveFragment { block: new, ..fragment });
+            } else {
+                verbatim.push(fragment);
+            }
+        }
+        Counters::add(&counters.recompress_cpu_ns, thread_cpu_ns().saturating_sub(cpu_before));
+        drop(compressing);
+        (verbatim, recompressed)
+    }
+
+    /// Appends the relocation of `verbatim` and `recompressed` (GC's single append attempt:
+    /// no foreground GC).
+    fn relocate(&self, verbatim: Vec<LiveFragment>, recompressed: Vec<LiveFragment>, class: SpaceClass) -> Result<()> {
+        let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
+        match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),
             Attempt::Short { .. } => Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted")),
             Attempt::Conflict => unreachable!("relocations carry no expectations"),

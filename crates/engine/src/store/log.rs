@@ -247,6 +247,7 @@ impl Inner {
                     self.apply(log, &map, &body, payload_at)?;
                 }
                 Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
+                Op::Recompress { fragments } => self.append_recompressed_records(log, &map, fragments, &mut flags)?,
                 Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
                 Op::MapPages { pages } => page_offsets.extend(self.append_page_records(log, pages, &mut flags)?),
             }
@@ -326,6 +327,47 @@ impl Inner {
                 Counters::add(&self.counters.gc_bytes_moved, relocated_bytes);
                 done += take;
             }
+        }
+        Ok(())
+    }
+
+    /// Batch records for GC's recompressed fragments, each a group of its own. A fragment
+    /// goes in only if the map still points at its old place — checked here, under the log
+    /// lock, so nothing changes the entry before the record is applied: a concurrent
+    /// overwrite wins, as with relocate records. (Replay applies batch records
+    /// unconditionally, in log order, which is the order these checks were made in.)
+    fn append_recompressed_records(
+        &self,
+        log: &mut Log,
+        map: &PagedMap,
+        fragments: &[LiveFragment],
+        flags: &mut GroupFlags,
+    ) -> Result<()> {
+        let mut current = Vec::with_capacity(fragments.len());
+        for fragment in fragments {
+            if fragment.lba.0 < map.block_count() && map.get(fragment.lba, self)? == fragment.old {
+                current.push(fragment);
+            }
+        }
+        let mut done = 0;
+        while done < current.len() {
+            let sizes = current[done..].iter().take(RECORD_BLOCKS_MAX).map(|f| f.block.bytes.len());
+            let take = fragments_fitting(self.room(log), BATCH_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment(log)?;
+                continue;
+            }
+            let part = &current[done..done + take];
+            let entries = part.iter().map(|f| BatchEntry { lba: f.lba, fragment: f.block.entry }).collect();
+            let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
+            let (payload_at, body) = self.put_record(log, flags.alone(), RecordBody::Batch { entries }, &payload);
+            self.apply(log, map, &body, payload_at)?;
+            let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
+            let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
+            Counters::add(&self.counters.gc_bytes_moved, new_bytes);
+            Counters::add(&self.codec_counters.recompressed_fragments, take as u64);
+            Counters::add(&self.codec_counters.recompress_saved_bytes, old_bytes.saturating_sub(new_bytes));
+            done += take;
         }
         Ok(())
     }

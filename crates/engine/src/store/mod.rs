@@ -54,6 +54,7 @@ mod tests;
 mod worker;
 mod writeout;
 
+pub use gc::RecompressReport;
 pub use options::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
 
 use std::collections::VecDeque;
@@ -181,6 +182,8 @@ impl Store {
             checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             counters,
+            codec_counters: Default::default(),
+            codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
             map_write_bytes: AtomicU64::new(0),
@@ -337,6 +340,20 @@ impl Store {
         }
         self.inner.free_cleaned()?;
         Ok(cleaned)
+    }
+
+    /// Moves every live fragment another codec made (the write path's LZ4 fallback) into
+    /// the store's codec, or into `codec` when given (a stronger level of the same codec
+    /// takes that codec's fragments too), to completion: GC's cleaning with recompression
+    /// over every segment holding one, then two checkpoints and the freeing they allow.
+    /// `progress(done, total)` counts segments.
+    pub fn recompress(&self, codec: Option<Codec>, progress: &mut dyn FnMut(u64, u64)) -> Result<RecompressReport> {
+        let configured = self.inner.geometry.codec;
+        let target = gc::RecompressTarget {
+            codec: codec.unwrap_or(configured),
+            same_tag_too: codec.is_some_and(|c| c != configured),
+        };
+        self.inner.recompress(target, progress)
     }
 
     /// One round of the background work (write-out, GC when space is short, a checkpoint

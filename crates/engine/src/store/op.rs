@@ -33,6 +33,14 @@ pub(crate) struct LiveFragment {
 }
 
 impl LiveFragment {
+    /// The stored length of the fragment being moved away from (what its segment loses).
+    pub fn old_stored_len(&self) -> u64 {
+        match self.old.unpack() {
+            Ok(Entry::Stored(old)) => old.stored_len as u64,
+            _ => 0,
+        }
+    }
+
     /// The relocate entry for this fragment's copy.
     pub fn relocate_entry(&self) -> RelocateEntry {
         let Ok(Entry::Stored(old)) = self.old.unpack() else {
@@ -74,6 +82,9 @@ pub(crate) enum Op {
     Range { kind: RangeKind, start_lba: Lba, block_count: u64 },
     /// GC copies; each record of them is a group of its own.
     Relocate { fragments: Vec<LiveFragment> },
+    /// GC's recompressed copies: batch records (each a group of its own) holding those
+    /// whose map entry is still `old` when they are appended (`gc.rs`).
+    Recompress { fragments: Vec<LiveFragment> },
     /// A checkpoint image, cut into chunk records (each a group of its own).
     Checkpoint { bytes: Vec<u8> },
     /// Map pages a checkpoint rewrote (records of their own; they change no map entry).
@@ -87,7 +98,7 @@ impl Op {
         match self {
             Op::Write { start_lba, blocks, .. } => Some((*start_lba, blocks.len() as u64)),
             Op::Range { start_lba, block_count, .. } => Some((*start_lba, *block_count)),
-            Op::Relocate { .. } | Op::Checkpoint { .. } | Op::MapPages { .. } => None,
+            Op::Relocate { .. } | Op::Recompress { .. } | Op::Checkpoint { .. } | Op::MapPages { .. } => None,
         }
     }
 
@@ -104,6 +115,7 @@ impl Op {
                     + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * header
             }
             Op::Relocate { fragments } => relocation_bytes(fragments),
+            Op::Recompress { fragments } => recompressed_bytes(fragments),
             Op::Range { .. } => header,
             Op::Checkpoint { bytes } => bytes.len() as u64 + (bytes.len() as u64 / segment_capacity_bytes + 1) * header,
             Op::MapPages { pages } => {
@@ -128,6 +140,18 @@ pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
     payload
         + 2 * fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
         + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + 8) as u64
+}
+
+/// Log bytes the batch records holding recompressed `fragments` take: the fragments, an
+/// entry each, and a header per record.
+pub(crate) fn recompressed_bytes(fragments: &[LiveFragment]) -> u64 {
+    if fragments.is_empty() {
+        return 0;
+    }
+    let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
+    payload
+        + fragments.len() as u64 * BATCH_ENTRY_BYTES as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * RECORD_MIN_BYTES as u64
 }
 
 /// Whether a group is only trim and zero records: fixed-size headers, no fragments.

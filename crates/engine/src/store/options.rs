@@ -1,7 +1,7 @@
 //! What a caller passes to the store and gets back besides data: format and open options,
 //! the superblock summary, extents, and the check report.
 
-use crate::codec::Codec;
+use crate::codec::{Codec, CodecFallback};
 
 /// Options for [`super::Store::format`].
 #[derive(Debug, Clone)]
@@ -51,6 +51,9 @@ pub struct OpenOptions {
     /// older contents. Without it such a store opens read-only and reads every block not
     /// provably newer than the loss as EIO.
     pub accept_data_loss: bool,
+    /// When host writes may be compressed with LZ4 instead of the store's codec
+    /// (`codec.rs`, "Adaptive fallback"). Defaults to `ZDISK_CODEC_FALLBACK`, else `Auto`.
+    pub codec_fallback: CodecFallback,
 }
 
 impl Default for OpenOptions {
@@ -65,6 +68,7 @@ impl Default for OpenOptions {
             map_cache_bytes: DEFAULT_MAP_CACHE_BYTES,
             background: true,
             accept_data_loss: false,
+            codec_fallback: CodecFallback::from_env(),
         }
     }
 }

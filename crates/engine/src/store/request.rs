@@ -20,10 +20,11 @@ use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
+use crate::codec::{write_codec, Codec};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{FragmentEntry, Protection, PI_BYTES};
+use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, WalkItem};
-use crate::stats::Counters;
+use crate::stats::{Compressing, Counters};
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
 
@@ -93,16 +94,34 @@ impl Inner {
         Ok(())
     }
 
-    /// Compresses block `lba`: its protection information (guard, LBA, length and codec),
-    /// then the codec's output (or the block raw when compression does not pay). An
-    /// all-zero block stores its protection information alone.
+    /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
+    /// already compressing (`codec::write_codec`); counts the choice.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
+        let counters = &self.codec_counters;
+        let (compressing, busy) = Compressing::enter(&counters.compressing);
+        let configured = self.geometry.codec;
+        let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
+        let block = self.compress_with(codec, block, lba, scratch);
+        drop(compressing);
+        if !block.entry.is_zero_block(FragmentFormat::V3) {
+            Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
+            if codec != configured {
+                Counters::add(&counters.fallback_blocks, 1);
+            }
+        }
+        block
+    }
+
+    /// Compresses block `lba` with `codec`: its protection information (guard, LBA, length
+    /// and codec), then the codec's output (or the block raw when compression does not
+    /// pay). An all-zero block stores its protection information alone.
+    pub(crate) fn compress_with(&self, codec: Codec, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
         let guard = crc32c::crc32c(block);
         let entry = if block.iter().all(|&b| b == 0) {
             scratch.clear();
             FragmentEntry::ZERO_BLOCK
         } else {
-            let codec = self.geometry.codec.compress_block(block, scratch);
+            let codec = codec.compress_block(block, scratch);
             FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec }
         };
         let mut bytes = Vec::with_capacity(entry.stored_len as usize);

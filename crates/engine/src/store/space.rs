@@ -173,6 +173,7 @@ impl Inner {
             padding_bytes: Counters::get(&c.padding_bytes),
             metadata_bytes: Counters::get(&c.metadata_bytes),
             data_bytes: Counters::get(&c.data_bytes),
+            codec: self.codec_counters.snapshot(),
             checksum_errors: Counters::get(&c.checksum_errors),
             gc_bytes_moved: Counters::get(&c.gc_bytes_moved),
             gc_segments_cleaned: Counters::get(&c.gc_segments_cleaned),

@@ -23,7 +23,7 @@ use crate::codec::Codec;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Superblock, DATA_START_BYTES};
 use crate::map::PagedMap;
-use crate::stats::Counters;
+use crate::stats::{CodecCounters, Counters};
 use crate::types::SegmentId;
 use crate::BLOCK_SIZE;
 
@@ -117,6 +117,11 @@ pub(crate) struct Inner {
     pub buffered: RwLock<Vec<Arc<SegmentBuffer>>>,
     pub read_cache: FragmentCache,
     pub counters: Counters,
+    /// Codec choices and recompression since open, and the fallback's load signal.
+    pub codec_counters: CodecCounters,
+    /// Cores the store's codec may keep busy before host writes fall back to LZ4
+    /// (`codec::codec_cores`, read once at open).
+    pub codec_cores: usize,
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
     pub map_write_bytes: AtomicU64,

@@ -1,0 +1,233 @@
+//! The adaptive codec fallback and recompression: host blocks written with the LZ4 fallback
+//! in a zstd store read back identical, GC and `Store::recompress` move them into zstd
+//! (comp_ratio rises, `check`'s accounting stays exact), and a host overwrite racing a
+//! recompression always wins.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use rand::rngs::StdRng;
+use rand::Rng;
+use zdisk_engine::{Codec, CodecFallback, FormatOptions, OpenOptions, Store};
+
+const ZSTD: Codec = Codec::Zstd { level: 1 };
+
+/// Text-like blocks (words from a small vocabulary), where zstd stores clearly fewer bytes
+/// than LZ4 — what recompression is for.
+fn text_data(rng: &mut StdRng, len: usize) -> Vec<u8> {
+    const WORDS: [&str; 12] = [
+        "the ",
+        "block ",
+        "segment ",
+        "zdisk ",
+        "of ",
+        "checkpoint\n",
+        "map ",
+        "compress ",
+        "GC ",
+        "and ",
+        "log ",
+        "replay ",
+    ];
+    let mut out = Vec::with_capacity(len + 16);
+    while out.len() < len {
+        out.extend_from_slice(WORDS[rng.gen_range(0..WORDS.len())].as_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn options(fallback: CodecFallback) -> OpenOptions {
+    OpenOptions { codec_fallback: fallback, ..test_options() }
+}
+
+fn assert_clean(store: &Store) {
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "check: {:?}", report.problems);
+}
+
+/// A zstd:1 store whose whole logical range (1 MiB) was written with the fallback forced.
+fn store_of_fallback_blocks(seed: u64) -> (Arc<zdisk_engine::sim::SimDisk>, Vec<u8>) {
+    let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, seed);
+    let store = Store::open_backing(disk.clone(), &options(CodecFallback::Always)).unwrap();
+    let mut rng = rng(seed);
+    let image = text_data(&mut rng, 1 << 20);
+    for (i, chunk) in image.chunks(64 << 10).enumerate() {
+        store.write((i as u64) << 16, chunk, false).unwrap();
+    }
+    let stats = store.stats();
+    assert_eq!(stats.codec.codec_fallback_blocks, 256, "{stats:?}");
+    assert_eq!(stats.codec.blocks_written_lz4, 256, "{stats:?}");
+    assert_eq!(stats.codec.blocks_written_zstd, 0, "{stats:?}");
+    assert!(read_all(&store) == image, "fallback blocks read back different");
+    store.close().unwrap();
+    (disk, image)
+}
+
+#[test]
+fn fallback_blocks_are_lz4_fragments_counted_and_read_back_identical() {
+    // (`store_of_fallback_blocks` asserts the counts and the contents, before and after reopening.)
+    let (disk, image) = store_of_fallback_blocks(5);
+    let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
+    assert!(read_all(&store) == image, "differs after reopen");
+    assert_clean(&store);
+}
+
+#[test]
+fn a_lone_writer_in_auto_mode_uses_the_stores_codec() {
+    let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, 7);
+    let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
+    let data = text_data(&mut rng(7), 256 << 10);
+    store.write(0, &data, false).unwrap();
+    let stats = store.stats();
+    // One thread compresses at a time: a core is always free for zstd.
+    assert_eq!((stats.codec.blocks_written_zstd, stats.codec.codec_fallback_blocks), (64, 0), "{stats:?}");
+}
+
+#[test]
+fn gc_recompresses_fallback_fragments_it_moves_and_keeps_the_accounting_exact() {
+    let (disk, image) = store_of_fallback_blocks(11);
+    let store = Store::open_backing(disk.clone(), &options(CodecFallback::Never)).unwrap();
+    let before = store.stats();
+    // Trim every other 64 KiB: every segment becomes half garbage, worth cleaning.
+    let mut model = image.clone();
+    for offset in (0..1u64 << 20).step_by(128 << 10) {
+        store.trim(offset, 64 << 10, false).unwrap();
+        model[offset as usize..(offset + (64 << 10)) as usize].fill(0);
+    }
+    store.checkpoint().unwrap();
+    store.checkpoint().unwrap();
+    assert!(store.collect_garbage(100).unwrap() > 0, "GC cleaned nothing");
+    let after = store.stats();
+    assert!(after.codec.recompressed_fragments > 0, "{after:?}");
+    assert!(after.codec.recompress_saved_bytes > 0, "{after:?}");
+    assert!(after.comp_ratio > before.comp_ratio, "comp_ratio {} -> {}", before.comp_ratio, after.comp_ratio);
+    assert!(read_all(&store) == model, "recompressed blocks read back different");
+    assert_clean(&store);
+    store.close().unwrap();
+    let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
+    assert!(read_all(&store) == model, "differs after reopen");
+    assert_clean(&store);
+}
+
+#[test]
+fn recompress_moves_every_fallback_fragment_and_raises_comp_ratio() {
+    let (disk, image) = store_of_fallback_blocks(12);
+    let store = Store::open_backing(disk.clone(), &options(CodecFallback::Never)).unwrap();
+    let mut calls = Vec::new();
+    let report = store.recompress(None, &mut |done, total| calls.push((done, total))).unwrap();
+    assert!(report.segments > 0 && report.segments_cleaned == report.segments, "{report:?}");
+    assert_eq!(calls.last(), Some(&(report.segments, report.segments)), "progress ends at the total");
+    assert_eq!(report.after.codec.recompressed_fragments, 256, "{:?}", report.after);
+    // LZ4 stores these text blocks in about 1.7x the bytes zstd does.
+    assert!(
+        report.after.comp_ratio > 1.3 * report.before.comp_ratio,
+        "comp_ratio {} -> {}",
+        report.before.comp_ratio,
+        report.after.comp_ratio
+    );
+    assert!(read_all(&store) == image, "recompressed blocks read back different");
+    assert_clean(&store);
+    // Nothing is left to do: a second run finds no segment.
+    let again = store.recompress(None, &mut |_, _| {}).unwrap();
+    assert_eq!(again.segments, 0, "{again:?}");
+    store.close().unwrap();
+    let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
+    assert!(read_all(&store) == image, "differs after reopen");
+    assert!(store.stats().comp_ratio > 1.3 * report.before.comp_ratio);
+    assert_clean(&store);
+}
+
+#[test]
+fn recompress_into_a_stronger_level_takes_the_stores_own_codec_too() {
+    let disk = new_disk(48, 64 << 10, 1 << 20, Codec::Lz4, 13);
+    let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
+    let image = text_data(&mut rng(13), 1 << 20);
+    store.write(0, &image, false).unwrap();
+    // An LZ4 store has nothing in another codec...
+    assert_eq!(store.recompress(None, &mut |_, _| {}).unwrap().segments, 0);
+    // ...but can be moved into zstd on request.
+    let report = store.recompress(Some(Codec::Zstd { level: 3 }), &mut |_, _| {}).unwrap();
+    assert_eq!(report.after.codec.recompressed_fragments, 256, "{:?}", report.after);
+    assert!(report.after.comp_ratio > report.before.comp_ratio);
+    assert!(read_all(&store) == image);
+    assert_clean(&store);
+}
+
+/// Writers overwrite their regions (LZ4 fallback always) while the background GC and a
+/// thread running `recompress` move and recompress the same blocks: every thread reads back
+/// its own last writes, before and after reopening, and the accounting is exact.
+#[test]
+fn host_overwrites_racing_recompression_always_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let logical = 8u64 << 20;
+    Store::format(
+        &path,
+        &FormatOptions {
+            physical_size_bytes: 16 << 20,
+            logical_size_bytes: logical,
+            codec: ZSTD,
+            segment_size_bytes: Some(256 << 10),
+            force: false,
+        },
+    )
+    .unwrap();
+    let open_options = OpenOptions {
+        checkpoint_interval_bytes: 2 << 20,
+        read_cache_bytes: 4 << 20,
+        codec_fallback: CodecFallback::Always,
+        ..OpenOptions::default()
+    };
+    let store = Arc::new(Store::open(&path, &open_options).unwrap());
+    let done = Arc::new(AtomicBool::new(false));
+    let recompressor = {
+        let (store, done) = (Arc::clone(&store), Arc::clone(&done));
+        std::thread::spawn(move || {
+            let mut runs = 0;
+            while !done.load(Ordering::Relaxed) {
+                store.recompress(None, &mut |_, _| {}).unwrap();
+                runs += 1;
+            }
+            runs
+        })
+    };
+    let region = logical / 4;
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let mut rng = rng(t + 300);
+                let mut model = vec![0u8; region as usize];
+                for i in 0..2500 {
+                    let offset = rng.gen_range(0..region / 4096 - 4) * 4096;
+                    let len = rng.gen_range(1..=4) * 4096;
+                    let data = text_data(&mut rng, len as usize);
+                    store.write(t * region + offset, &data, i % 200 == 0).unwrap();
+                    model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
+                    if i % 10 == 0 {
+                        let at = rng.gen_range(0..region - 16384);
+                        let mut back = vec![0u8; 16384];
+                        store.read(t * region + at, &mut back).unwrap();
+                        assert!(back[..] == model[at as usize..at as usize + 16384], "thread {t} read a stale range");
+                    }
+                }
+                model
+            })
+        })
+        .collect();
+    let models: Vec<Vec<u8>> = writers.into_iter().map(|t| t.join().unwrap()).collect();
+    done.store(true, Ordering::Relaxed);
+    let runs = recompressor.join().unwrap();
+    let stats = store.stats();
+    assert!(runs > 0 && stats.codec.recompressed_fragments > 0, "nothing recompressed in {runs} runs: {stats:?}");
+    assert!(read_all(&store) == models.concat(), "a write was lost to a recompression");
+    assert_clean(&store);
+    Arc::try_unwrap(store).ok().unwrap().close().unwrap();
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    assert!(read_all(&store) == models.concat(), "differs after reopen");
+    assert_clean(&store);
+}
