@@ -354,6 +354,24 @@ fn recovery_time(logical_written_bytes: u64) {
     store.close().unwrap();
 }
 
+impl std::str::FromStr for Pattern {
+    type Err = String;
+    fn from_str(text: &str) -> Result<Pattern, String> {
+        match text {
+            "uniform" => Ok(Pattern::Uniform),
+            "80/20" => Ok(Pattern::HotCold),
+            zipf => zipf.strip_prefix("zipf:").and_then(|t| t.parse().ok()).map(Pattern::Zipf).ok_or(text.to_string()),
+        }
+    }
+}
+
+/// A comma-separated list from the environment (empty: none), or None when unset.
+fn env_list<T: std::str::FromStr>(name: &str, expected: &str) -> Option<Vec<T>> {
+    let list = std::env::var(name).ok()?;
+    let parse = |item: &str| item.parse().unwrap_or_else(|_| panic!("{name}: {item:?} is not one of: {expected}"));
+    Some(list.split(',').filter(|item| !item.is_empty()).map(parse).collect())
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         println!("space: benchmark");
@@ -368,30 +386,10 @@ fn main() {
     );
     println!("| util | pattern | working set MiB | WA | worst write ms | ratio | segs cleaned | ENOSPC |");
     println!("|---|---|---|---|---|---|---|---|");
-    let points: Vec<f64> = match std::env::var("ZDISK_BENCH_UTIL") {
-        Ok(list) => list
-            .split(',')
-            .filter(|p| !p.is_empty())
-            .map(|p| p.parse().expect("ZDISK_BENCH_UTIL: comma-separated fractions"))
-            .collect(),
-        Err(_) => vec![0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9],
-    };
-    let patterns: Vec<Pattern> = match std::env::var("ZDISK_BENCH_PATTERNS").as_deref() {
-        Ok("") => Vec::new(),
-        Ok(list) => list
-            .split(',')
-            .map(|p| match p {
-                "uniform" => Pattern::Uniform,
-                "80/20" => Pattern::HotCold,
-                zipf => Pattern::Zipf(
-                    zipf.strip_prefix("zipf:")
-                        .and_then(|t| t.parse().ok())
-                        .expect("ZDISK_BENCH_PATTERNS: uniform, 80/20, zipf:THETA"),
-                ),
-            })
-            .collect(),
-        Err(_) => vec![Pattern::Uniform],
-    };
+    let points: Vec<f64> = env_list("ZDISK_BENCH_UTIL", "comma-separated fractions")
+        .unwrap_or_else(|| vec![0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9]);
+    let patterns: Vec<Pattern> =
+        env_list("ZDISK_BENCH_PATTERNS", "uniform, 80/20, zipf:THETA").unwrap_or_else(|| vec![Pattern::Uniform]);
     for utilisation in &points {
         for &pattern in &patterns {
             wa_point(physical, *utilisation, pattern, quick);
@@ -409,16 +407,11 @@ fn main() {
     );
     println!("| OP | native MiB | of physical | WA | median ms | p99.9 ms | worst ms | ENOSPC |");
     println!("|---|---|---|---|---|---|---|---|");
-    let ops: Vec<u32> = match std::env::var("ZDISK_BENCH_OP") {
-        Ok(list) => list
-            .split(',')
-            .filter(|p| !p.is_empty())
-            .map(|p| {
-                zdisk_engine::over_provision_ppm_from_percent(p.parse().expect("ZDISK_BENCH_OP: percentages")).unwrap()
-            })
-            .collect(),
-        Err(_) => vec![70_000, 100_000, 150_000, 280_000],
-    };
+    let ops: Vec<u32> = env_list::<f64>("ZDISK_BENCH_OP", "percentages")
+        .map(|percents| {
+            percents.into_iter().map(|p| zdisk_engine::over_provision_ppm_from_percent(p).unwrap()).collect()
+        })
+        .unwrap_or_else(|| vec![70_000, 100_000, 150_000, 280_000]);
     for op in ops {
         native_point(physical, op);
     }

@@ -14,7 +14,7 @@
 
 use super::create::default_segment_size;
 use super::op::RECORD_BLOCKS_MAX;
-use super::space::checkpoint_room_for;
+use super::space::{checkpoint_room_for, host_reserve_for};
 use crate::format::{BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -71,8 +71,8 @@ pub fn native_capacity(segment_size_bytes: u64, segment_count: u64, over_provisi
     let map_pages = map_page_count(logical_bytes);
     let metadata_bytes =
         2 * map_pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64 + 2 * image_bytes(segment_count);
-    // The host reserve (space.rs: 2 segments' capacity and 2 checkpoints), the open segment.
-    let reserve_bytes = 2 * capacity + 2 * checkpoint;
+    // The host reserve and (below) the open segment.
+    let reserve_bytes = host_reserve_for(capacity, checkpoint);
     let kept_segments = (reserve_bytes + metadata_bytes).div_ceil(capacity) + 1;
     let data_segments = segment_count.saturating_sub(kept_segments);
     let slots = data_segments * blocks_per_segment;

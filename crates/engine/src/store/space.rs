@@ -69,7 +69,7 @@ impl Inner {
         let capacity = self.geometry.segment_capacity();
         let checkpoint = self.checkpoint_room_bytes(log);
         match class {
-            SpaceClass::Host => 2 * capacity + 2 * checkpoint,
+            SpaceClass::Host => host_reserve_for(capacity, checkpoint),
             SpaceClass::HostShrinking | SpaceClass::HostMetadata => capacity + 2 * checkpoint,
             // Trim and zero records are a fixed header each, and every one that unmaps data
             // makes garbage: they may go below the metadata reserve when GC cannot give it
@@ -212,6 +212,13 @@ impl Inner {
             map_write_bytes: Counters::get(&self.map_write_bytes),
         }
     }
+}
+
+/// The host reserve: room for GC to relocate a victim into a fresh segment and for the two
+/// checkpoints that make it reusable (docs/space.md, "Reserves"). Native capacity leaves it
+/// out of the data segments (`capacity.rs`).
+pub(crate) fn host_reserve_for(segment_capacity_bytes: u64, checkpoint_room_bytes: u64) -> u64 {
+    2 * segment_capacity_bytes + 2 * checkpoint_room_bytes
 }
 
 /// Room one checkpoint takes in the log, conservatively: the map pages it may rewrite — at
