@@ -37,6 +37,31 @@ pub struct DemoArgs {
     pub codec: Codec,
 }
 
+/// Formats the demo store at `args`' sizes (`Nx` of the native capacity) and says so.
+fn format_store(args: &DemoArgs, store: &Path) -> Result<zdisk_engine::StoreInfo> {
+    step(&format!("formatting {} ({} physical)", store.display(), args.physical_size));
+    let physical = args.physical_size.0;
+    let over_provision_ppm = zdisk_engine::OVER_PROVISION_DEFAULT_PPM;
+    let native = zdisk_engine::native_capacity_of_physical(physical, None, over_provision_ppm);
+    let options = FormatOptions {
+        physical_size_bytes: physical,
+        logical_size_bytes: args.logical_size.resolve(native),
+        codec: args.codec,
+        segment_size_bytes: None,
+        force: true,
+        over_provision_ppm,
+    };
+    let info = Store::format(store, &options).context("formatting the demo store")?;
+    eprintln!(
+        "    uuid {}, {} logical on {} physical, codec {}",
+        info.uuid,
+        human_bytes(info.logical_size_bytes),
+        human_bytes(info.physical_size_bytes),
+        info.codec
+    );
+    Ok(info)
+}
+
 fn step(text: &str) {
     eprintln!("\n==> {text}");
 }
@@ -165,31 +190,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     let store = scratch.join("demo.zdisk");
     let socket = scratch.join("demo.sock");
 
-    step(&format!("formatting {} ({} physical)", store.display(), args.physical_size));
-    let physical = args.physical_size.0;
-    let info = Store::format(
-        &store,
-        &FormatOptions {
-            physical_size_bytes: physical,
-            logical_size_bytes: args.logical_size.resolve(zdisk_engine::native_capacity_of_physical(
-                physical,
-                None,
-                zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
-            )),
-            codec: args.codec,
-            segment_size_bytes: None,
-            force: true,
-            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
-        },
-    )
-    .context("formatting the demo store")?;
-    eprintln!(
-        "    uuid {}, {} logical on {} physical, codec {}",
-        info.uuid,
-        human_bytes(info.logical_size_bytes),
-        human_bytes(info.physical_size_bytes),
-        info.codec
-    );
+    let info = format_store(args, &store)?;
 
     step("serving it with nbdkit (zdisk serve)");
     let mut server = ServeChild::start(&store, &socket)?;

@@ -16,7 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::nbd::{self, NbdClient};
-use common::{assert_success, fio, require, run_ok, sha256, tar_of, Scratch, Server};
+use common::{
+    assert_success, fio, require, require_libnbd_python, run_ok, sha256, tar_of, Scratch, Server, LIBNBD_PYTHON,
+};
 use serde_json::Value;
 
 const BASIC_TOOLS: &[&str] = &["nbdkit"];
@@ -369,16 +371,6 @@ fn version_of(seed: u64, data: &[u8], block: usize) -> Option<u64> {
     (block_content(seed, version, block) == data).then_some(version)
 }
 
-/// Debian's python3 with libnbd's bindings (python3-libnbd): a python3 earlier in PATH
-/// (pyenv) would not see them.
-const LIBNBD_PYTHON: &str = "/usr/bin/python3";
-
-/// Whether that python3 imports libnbd's bindings (a missing package fails the test in CI).
-fn require_libnbd_python() -> bool {
-    let import = std::process::Command::new(LIBNBD_PYTHON).args(["-c", "import nbd"]).status();
-    import.is_ok_and(|s| s.success()) || require(&["python3-libnbd"])
-}
-
 /// Concurrent partial-block requests through NBD, two in flight on one connection with
 /// libnbd's asynchronous calls, every pairing of write, write-zeroes and trim: no update is
 /// lost (`tests/scripts/partial_block_races.py`).
@@ -400,45 +392,6 @@ fn concurrent_partial_block_requests_through_libnbd_never_lose_each_other() {
         .unwrap();
     assert_success(&output, &format!("partial_block_races.py (seed {seed})"));
     server.stop();
-}
-
-/// Native capacity is a promise (docs/space.md, "Native capacity and over-provisioning"): a
-/// store formatted at the default `1x` is filled completely with incompressible data through
-/// NBD, then overwritten twice at random, in 4 KiB and in 128 KiB writes, 32 requests in
-/// flight — not one ENOSPC, and every block reads back its last write
-/// (`tests/scripts/fill_and_overwrite.py`). The same at 2x with data that compresses 2:1.
-#[test]
-fn a_store_at_native_capacity_is_filled_and_overwritten_through_nbd() {
-    if !require(BASIC_TOOLS) || !require_libnbd_python() {
-        return;
-    }
-    let s = Scratch::new("native");
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/fill_and_overwrite.py");
-    for (logical, data) in [("1x", "incompressible"), ("2x", "2to1")] {
-        let store = s.format(&format!("{data}.zdisk"), "64M", logical, &[]);
-        let server = Server::start(&s, &store, &[]);
-        let seed: u64 = rand::random::<u32>() as u64;
-        println!("{logical} {data}: seed {seed}");
-        let output = std::process::Command::new(LIBNBD_PYTHON)
-            .arg(&script)
-            .args([&server.uri, &seed.to_string(), data])
-            .output()
-            .unwrap();
-        println!("{}", String::from_utf8_lossy(&output.stdout));
-        assert_success(&output, &format!("fill_and_overwrite.py at {logical} with {data} data (seed {seed})"));
-        server.stop();
-        let stat = s.stat_json(&store);
-        let times = if logical == "2x" { 2 } else { 1 };
-        assert_eq!(stat["provisioned_cap"], stat["native_capacity"].as_u64().unwrap() * times, "{stat}");
-        // At native capacity a full store is not "low": it cannot run out.
-        assert_eq!(
-            stat["space_flag"],
-            if times == 1 { 0 } else { stat["space_flag"].as_u64().unwrap().min(1) },
-            "{stat}"
-        );
-        let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
-        assert!(out.contains("clean"), "{out}");
-    }
 }
 
 /// The scenario of "never wrong data": a store written in 256 KiB writes, each flushed, its

@@ -354,7 +354,7 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
 /// single ENOSPC, and reads back every block — at the smallest over-provisioning allowed and
 /// the default, with the smallest segments (where a block's worst cost weighs most) and
 /// larger ones; and the same at 2x with data that compresses 2:1. (The NBD version, with
-/// real clients at QD32, is `interop::a_store_at_native_capacity_is_filled_and_overwritten_through_nbd`.)
+/// real clients at QD32, is `capacity::a_store_at_native_capacity_is_filled_and_overwritten_through_nbd`.)
 #[test]
 fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
     let cases = [

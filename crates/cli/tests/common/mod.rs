@@ -310,3 +310,13 @@ pub fn fio(uri: &str, args: &[String]) -> serde_json::Value {
     let start = out.find('{').expect("fio printed JSON");
     serde_json::from_str(&out[start..]).expect("fio JSON")
 }
+
+/// Debian's python3 with libnbd's bindings (python3-libnbd): a python3 earlier in PATH
+/// (pyenv) would not see them.
+pub const LIBNBD_PYTHON: &str = "/usr/bin/python3";
+
+/// Whether that python3 imports libnbd's bindings (a missing package fails the test in CI).
+pub fn require_libnbd_python() -> bool {
+    let import = std::process::Command::new(LIBNBD_PYTHON).args(["-c", "import nbd"]).status();
+    import.is_ok_and(|s| s.success()) || require(&["python3-libnbd"])
+}
