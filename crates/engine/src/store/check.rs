@@ -174,10 +174,11 @@ impl Inner {
     fn report_recovery(&self, report: &mut CheckReport) {
         for damaged in self.recovery.get().map_or(&[][..], |r| &r.damaged[..]) {
             if damaged.torn_tail || damaged.maps_nothing {
-                report.notes.push(format!(
-                    "the last record before a crash was written in part, nothing lost: {}",
-                    damaged.what
-                ));
+                let why = match damaged.torn_tail {
+                    true => "the last record before a crash was written in part",
+                    false => "a record that maps no block is damaged",
+                };
+                report.notes.push(format!("{why}, nothing lost: {}", damaged.what));
                 continue;
             }
             let lbas = damaged.lbas.iter().map(|(lba, n)| (lba.0, *n)).collect();

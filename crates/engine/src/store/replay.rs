@@ -9,17 +9,19 @@
 //!
 //! - a record found through a surviving copy (head or tail) or with a bad payload CRC is
 //!   applied — its fragments carry their own guards, so a damaged block reads as EIO;
-//! - a record none of whose copies survives is *lost*: replay goes on past it (its later
-//!   records are newer), and the store opens degraded — read-only, and every block not
-//!   provably written after the loss reads as EIO, because it might be older than what the
-//!   lost record wrote.
+//! - a record none of whose copies survives is *lost*: replay goes on past it to the first
+//!   later record whose own chain proves every record before it durable (its later records
+//!   are newer) — or ends there if none does — and the store opens degraded: read-only, and
+//!   every block not provably written after the loss reads as EIO, because it might be
+//!   older than what the lost record wrote.
 //!
 //! Without such proof the damage is a torn tail and the log ends there, as it always did.
 //!
 //! Invariants: replay follows one history (sequence numbers and the chain of head CRCs; a
-//! record found past damage is accepted only with proof, which a stale record of an
-//! earlier run cannot give); a group is applied only when its LAST record is found, except
-//! that a loss inside a durable-proven group applies what survives of it.
+//! record found past a loss is accepted only if its chain proves every record before it
+//! durable, which a record a crashed run left past a never-durable gap cannot); a group is
+//! applied only when its LAST record is found, except that a loss inside a durable-proven
+//! group applies what survives of it.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -114,6 +116,17 @@ enum Choice {
     Missing,
 }
 
+/// What replay finds past a record it could not read at all.
+enum PastLoss {
+    /// The record that continues the log: every record before it is proven durable.
+    Successor(FoundRecord),
+    /// The lost record was durable, but no record found after it provably continues this
+    /// log (those found may be a crashed run's records past a gap that was never durable).
+    ProvenDurable,
+    /// Nothing proves the lost record durable: a torn write, the end of the log.
+    End,
+}
+
 /// What is wrong with a payload that fails its CRC.
 enum PayloadState {
     /// It does not fail.
@@ -188,7 +201,7 @@ impl Inner {
                 }
                 Choice::Torn => break,
                 Choice::Missing => match self.look_past(&mut cache, &mut starts, cursor) {
-                    Some(next) => {
+                    PastLoss::Successor(next) => {
                         let lost = DamagedRecord {
                             torn_tail: false,
                             maps_nothing: false,
@@ -209,7 +222,26 @@ impl Inner {
                         self.apply_group(&map, log, &mut group, &mut findings)?;
                         next
                     }
-                    None => break, // the end of the log
+                    PastLoss::ProvenDurable => {
+                        let lost = DamagedRecord {
+                            torn_tail: false,
+                            maps_nothing: false,
+                            offset_bytes: cursor.offset,
+                            what: format!(
+                                "record {} lost (no copy of its description survives); a later record proves it was durable, and no record after it can be shown to continue this log",
+                                cursor.seq
+                            ),
+                            lbas: Vec::new(),
+                        };
+                        tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
+                        findings.damaged.push(lost);
+                        findings
+                            .degraded
+                            .get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
+                        self.apply_group(&map, log, &mut group, &mut findings)?;
+                        break;
+                    }
+                    PastLoss::End => break, // the end of the log
                 },
             };
             let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
@@ -445,11 +477,19 @@ impl Inner {
     }
 
     /// Past a record that could not be read at all: the first later record (by sequence
-    /// number) that a record from it on proves durable. Candidates come from the damaged
-    /// segment itself, scanned forward, from the segment its link names, and — once the
-    /// index is built — from segments whose first head is damaged (the lost record may have
-    /// started one) and from segment starts.
-    fn look_past(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Option<FoundRecord> {
+    /// number) whose own chain proves every record before it durable. Candidates come from
+    /// the damaged segment itself, scanned forward, from the segment its link names, and —
+    /// once the index is built — from segments whose first head is damaged (the lost record
+    /// may have started one) and from segment starts.
+    ///
+    /// Proof that only the lost record was durable is not enough for a successor: a run
+    /// that crashed leaves records past a gap that was never durable (recovery ended the
+    /// log before the gap, and later runs wrote on from there), and those records still
+    /// prove the lost one durable. Taking one would apply writes recovery had already
+    /// dropped, over blocks later flushes made durable again. Its chain proves nothing past
+    /// the gap, so it is refused; the lost record still counts as durable (any record's
+    /// durable sequence number is a true statement about the syncs of the history up to it).
+    fn look_past(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> PastLoss {
         let lost_seq = cursor.seq;
         let wanted = lost_seq + 1..=lost_seq + LOOKAHEAD_RECORDS;
         let mut candidates: Vec<(u64, u64)> = Vec::new(); // (seq, offset)
@@ -472,14 +512,22 @@ impl Inner {
         }
         candidates.sort_unstable();
         candidates.dedup();
+        let mut lost_was_durable = false;
         for (seq, offset) in candidates {
             let Some(record) = cache.record_near(self, offset, |r| r.header.seq == seq) else { continue };
+            debug_assert!(seq > lost_seq);
             // Proof may come from this record or one chained after it.
-            if record.header.durable_seq >= lost_seq || self.proof_from(cache, starts, &record, lost_seq) {
-                return Some(record);
+            let proven = self.durable_claim(cache, starts, &record, seq - 1);
+            if proven >= seq - 1 {
+                return PastLoss::Successor(record);
             }
+            lost_was_durable |= proven >= lost_seq;
         }
-        None
+        if lost_was_durable {
+            PastLoss::ProvenDurable
+        } else {
+            PastLoss::End
+        }
     }
 
     /// The records with sequence numbers in `wanted` that start after `from` in a segment
@@ -569,18 +617,35 @@ impl Inner {
     /// everything up to `target` was durable, so what does not verify there is damage, not
     /// a torn tail).
     fn proof_from(&self, cache: &mut SegmentCache, starts: &mut Starts, from: &FoundRecord, target: u64) -> bool {
+        self.chained_claim(cache, starts, from, target) >= target
+    }
+
+    /// The highest durable sequence number `record` or a record chained after it claims,
+    /// looking no further once one reaches `target`.
+    fn durable_claim(&self, cache: &mut SegmentCache, starts: &mut Starts, record: &FoundRecord, target: u64) -> u64 {
+        match record.header.durable_seq {
+            own if own >= target => own,
+            own => own.max(self.chained_claim(cache, starts, record, target)),
+        }
+    }
+
+    /// The highest `durable_seq` among the records chained after `from`, looking no
+    /// further once one reaches `target` (0 if none is found).
+    fn chained_claim(&self, cache: &mut SegmentCache, starts: &mut Starts, from: &FoundRecord, target: u64) -> u64 {
         let mut cursor = Cursor::after(from, self.geometry.segment_of(from.offset_bytes));
+        let mut claim = 0;
         for _ in 0..PROOF_RECORDS_MAX {
-            let Some(next) = self.next_record(cache, starts, cursor) else { return false };
-            if next.header.durable_seq >= target {
-                return true;
+            let Some(next) = self.next_record(cache, starts, cursor) else { break };
+            claim = claim.max(next.header.durable_seq);
+            if claim >= target {
+                break;
             }
             if let RecordBody::Link { next_segment } = next.header.body {
                 starts.links.insert(self.geometry.segment_of(next.offset_bytes), next_segment.map(SegmentId));
             }
             cursor = Cursor::after(&next, self.geometry.segment_of(next.offset_bytes));
         }
-        false
+        claim
     }
 }
 

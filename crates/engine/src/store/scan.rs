@@ -106,11 +106,14 @@ fn from_head(image: &[u8], base: u64, at: usize, head: Head, mut damage: Damage)
 }
 
 /// A record's body when its tail fails its CRC: from the head for records without entries,
-/// from the payload's protection information for data records, from the surviving copy of
-/// a relocation's entries. None when nothing says what it did (the record is lost).
+/// from the payload's protection information for data and map-pages records, from the
+/// surviving copy of a relocation's entries. None when nothing says what it did (the record
+/// is lost).
 fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8]) -> Option<RecordBody> {
     match head.kind {
-        RecordKind::Write | RecordKind::Batch => {
+        // A map page's protection information names its page where a block's names its
+        // LBA, so map-pages records are walked like batches.
+        RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
             let walked = walk_fragments(payload)?;
             if walked.len() as u64 != head.count {
                 return None;
@@ -126,6 +129,7 @@ fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8]) -> Option<RecordB
                         fragments: walked.iter().map(|e| e.fragment).collect(),
                     }
                 }
+                RecordKind::MapPages => RecordBody::MapPages { entries: walked },
                 _ => RecordBody::Batch { entries: walked },
             })
         }
