@@ -230,9 +230,10 @@ impl DataMode {
         }
     }
 
-    /// Percentage of `--size` every target exposes. Incompressible data cannot fit zdisk's
-    /// logical = physical format (record headers, checkpoints and the GC reserve need room when
-    /// nothing shrinks), so that mode runs all targets on 80% of the size: the same bytes of
+    /// Percentage of `--size` every target exposes. Incompressible data can fill only zdisk's
+    /// native capacity (about 87% of a 4 GiB store with the default 10% over-provisioning:
+    /// record headers, checkpoints, the GC reserve and the spare area need the rest), so that
+    /// mode runs all targets on 80% of the size: within native capacity, the same bytes of
     /// backing and the same range for everyone, like a drive's hidden over-provisioning.
     pub fn usable_pct(self) -> u32 {
         match self {

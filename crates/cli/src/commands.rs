@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use zdisk_engine::{Codec, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
 
 use crate::runtime;
-use crate::size::{human_bytes, LogicalSize, Size};
+use crate::size::{human_bytes, LogicalSize, OverProvision, Size};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FormatArgs {
@@ -18,9 +18,17 @@ pub struct FormatArgs {
     /// Bytes of backing store, e.g. 64G. Ignored for a block device (its size is used).
     #[arg(long, value_name = "SIZE")]
     pub physical_size: Option<Size>,
-    /// Capacity the clients see: a size (e.g. 300G) or a multiple of the physical size (e.g. 3x).
-    #[arg(long, value_name = "SIZE|Nx")]
+    /// Capacity the clients see: a size (e.g. 300G) or a multiple of the native capacity
+    /// (e.g. 3x). Native capacity (1x) is what incompressible data can always fill and
+    /// overwrite without ENOSPC; above it, the extra capacity holds only while data
+    /// compresses that well.
+    #[arg(long, value_name = "SIZE|Nx", default_value = "1x")]
     pub logical_size: LogicalSize,
+    /// Share of the data area kept spare beyond native capacity, in percent (1-75). More
+    /// spare area means less GC work and steadier latency when the store is full; less
+    /// means more native capacity. See docs/space.md for the measured trade-off.
+    #[arg(long, value_name = "PCT", default_value = "10")]
+    pub over_provision: OverProvision,
     /// Default codec for new blocks: lz4, zstd[:LEVEL 1-19] or deflate[:LEVEL 1-12].
     #[arg(long, default_value_t = Codec::DEFAULT, value_parser = parse_codec)]
     pub codec: Codec,
@@ -57,24 +65,34 @@ pub fn format(args: &FormatArgs) -> Result<()> {
             None => bail!("--physical-size is required when STORE is a file"),
         }
     };
-    let logical = args.logical_size.resolve(physical);
+    let segment_size_bytes = args.segment_size.map(|s| s.0);
+    let native = zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0);
+    let logical = args.logical_size.resolve(native);
     let options = FormatOptions {
         physical_size_bytes: physical,
         logical_size_bytes: logical,
         codec: args.codec,
-        segment_size_bytes: args.segment_size.map(|s| s.0),
+        segment_size_bytes,
         force: args.force,
+        over_provision_ppm: args.over_provision.0,
     };
     let info = Store::format(&args.store, &options).with_context(|| format!("formatting {}", args.store.display()))?;
     println!("formatted {}", args.store.display());
     println!("  uuid             {}", info.uuid);
     println!("  physical size    {} ({} bytes)", human_bytes(info.physical_size_bytes), info.physical_size_bytes);
     println!(
-        "  logical size     {} ({} bytes, {:.2}x physical)",
+        "  native capacity  {} ({} bytes): incompressible data can always fill and overwrite it",
+        human_bytes(info.native_capacity_bytes),
+        info.native_capacity_bytes
+    );
+    println!(
+        "  logical size     {} ({} bytes, {:.2}x native, {:.2}x physical)",
         human_bytes(info.logical_size_bytes),
         info.logical_size_bytes,
+        info.logical_size_bytes as f64 / info.native_capacity_bytes.max(1) as f64,
         info.logical_size_bytes as f64 / info.physical_size_bytes.max(1) as f64
     );
+    println!("  over-provision   {}% of the data area kept spare", info.over_provision_ppm as f64 / 10_000.0);
     println!("  segment size     {}", human_bytes(info.segment_size_bytes));
     println!("  codec            {}", info.codec);
     Ok(())
@@ -192,6 +210,12 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
         _ => "full: writes needing space get ENOSPC",
     };
     println!("  provisioned_cap  {:>12}  capacity the clients see", human_bytes(stats.provisioned_cap));
+    println!(
+        "  native_capacity  {:>12}  what incompressible data can always fill (provisioned = {:.2}x; {}% over-provisioned)",
+        human_bytes(stats.native_capacity),
+        stats.provisioned_cap as f64 / stats.native_capacity.max(1) as f64,
+        stats.over_provision_percent
+    );
     println!("  logical_size     {:>12}  written by clients and not trimmed", human_bytes(stats.logical_size));
     println!(
         "  physical_size    {:>12}  backing bytes holding live data and metadata",
@@ -335,29 +359,64 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ResizeArgs {
     pub store: PathBuf,
-    /// New capacity: a size (e.g. 500G) or a multiple of the physical size (e.g. 4x).
-    #[arg(long, value_name = "SIZE|Nx")]
-    pub logical_size: LogicalSize,
+    /// New capacity: a size (e.g. 500G) or a multiple of the native capacity (e.g. 4x; with
+    /// --over-provision, of the native capacity that leaves).
+    #[arg(long, value_name = "SIZE|Nx", required_unless_present = "over_provision")]
+    pub logical_size: Option<LogicalSize>,
+    /// New over-provisioning in percent (1-75), which moves the native capacity. Offline
+    /// only; refused when the data stored now would not fit the native capacity it leaves.
+    #[arg(long, value_name = "PCT")]
+    pub over_provision: Option<OverProvision>,
 }
 
 pub fn resize(args: &ResizeArgs) -> Result<()> {
     let info = Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
-    let logical = args.logical_size.resolve(info.physical_size_bytes);
+    let over_provision_ppm = args.over_provision.map_or(info.over_provision_ppm, |op| op.0);
+    let native = zdisk_engine::native_capacity_of_physical(
+        info.physical_size_bytes,
+        Some(info.segment_size_bytes),
+        over_provision_ppm,
+    );
+    let logical = args.logical_size.map(|size| size.resolve(native));
     match Store::open(&args.store, &OpenOptions::default()) {
         Ok(store) => {
-            let before = store.logical_size_bytes();
-            store.resize(logical).with_context(|| format!("resizing {}", args.store.display()))?;
+            let context = || format!("resizing {}", args.store.display());
+            if let Some(op) = args.over_provision {
+                store.set_over_provision(op.0).with_context(context)?;
+                println!(
+                    "{}: over-provisioning {}% -> {op}; native capacity {} -> {} ({native} bytes)",
+                    args.store.display(),
+                    info.over_provision_ppm as f64 / 10_000.0,
+                    human_bytes(info.native_capacity_bytes),
+                    human_bytes(native)
+                );
+            }
+            if let Some(logical) = logical {
+                let before = store.logical_size_bytes();
+                store.resize(logical).with_context(context)?;
+                let after = store.logical_size_bytes();
+                println!(
+                    "{}: logical size {} -> {} ({after} bytes)",
+                    args.store.display(),
+                    human_bytes(before),
+                    human_bytes(after)
+                );
+            }
             let after = store.logical_size_bytes();
             store.close().with_context(|| format!("closing {}", args.store.display()))?;
-            println!(
-                "{}: logical size {} -> {} ({after} bytes)",
-                args.store.display(),
-                human_bytes(before),
-                human_bytes(after)
-            );
+            if after > native {
+                println!(
+                    "  provisioned {:.2}x native capacity: writes of data that compresses less than that may get ENOSPC",
+                    after as f64 / native.max(1) as f64
+                );
+            }
             Ok(())
         }
+        Err(e) if e.kind() == ErrorKind::Locked && args.over_provision.is_some() => {
+            bail!("{} is being served: over-provisioning can only be changed offline", args.store.display())
+        }
         Err(e) if e.kind() == ErrorKind::Locked => {
+            let logical = logical.expect("clap requires --logical-size without --over-provision");
             // Served: grow through the plugin's control socket. Shrinking is refused there,
             // because connected clients keep the size they negotiated.
             let socket = runtime::control_socket(&info.uuid);

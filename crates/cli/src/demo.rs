@@ -171,10 +171,15 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         &store,
         &FormatOptions {
             physical_size_bytes: physical,
-            logical_size_bytes: args.logical_size.resolve(physical),
+            logical_size_bytes: args.logical_size.resolve(zdisk_engine::native_capacity_of_physical(
+                physical,
+                None,
+                zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            )),
             codec: args.codec,
             segment_size_bytes: None,
             force: true,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .context("formatting the demo store")?;

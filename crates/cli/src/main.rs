@@ -22,7 +22,9 @@ use clap::{Parser, Subcommand};
     long_about = "zdisk turns a file or block device into a compressed, thin-provisioned, \
                   log-structured, crash-safe block store, and serves it over NBD through nbdkit.\n\n\
                   Sizes take K/M/G/T suffixes (binary: 1K = 1024). A logical size may also be \
-                  written Nx: N times the physical size.\n\n\
+                  written Nx: N times the native capacity, the bytes incompressible data can \
+                  always fill and overwrite (the data area less reserves, metadata and the \
+                  --over-provision spare area; `zdisk format` prints it). 1x is the default.\n\n\
                   Quick start:\n  \
                   zdisk format disk.zdisk --physical-size 10G --logical-size 3x\n  \
                   zdisk serve disk.zdisk --unix /tmp/zdisk.sock\n  \
@@ -56,10 +58,11 @@ enum Cmd {
     /// Progress goes to stderr. Exit 0 when clean, 3 with the list of problems otherwise.
     /// The store must not be being served.
     Check(commands::CheckArgs),
-    /// Change the logical size (capacity multiplier).
+    /// Change the logical size (capacity multiplier) or the over-provisioning.
     ///
     /// Offline: grow or shrink (a shrink is refused while data is mapped past the new end).
     /// While served: grow only; clients see the new size when they reconnect.
+    /// --over-provision moves the native capacity (offline only).
     Resize(commands::ResizeArgs),
     /// Move the blocks the write path stored with the LZ4 fallback into the store's codec.
     ///

@@ -1,5 +1,7 @@
 //! Sizes on the command line: `4096`, `64K`, `256M`, `1.5G`, `2T` (binary units, an
-//! optional `B`/`iB` suffix), and for logical sizes also `Nx` = N × the physical size.
+//! optional `B`/`iB` suffix), for logical sizes also `Nx` = N × the native capacity (what
+//! incompressible data can always fill: the engine's `native_capacity_of_physical`), and
+//! percentages for over-provisioning.
 
 use std::fmt;
 use std::str::FromStr;
@@ -55,7 +57,7 @@ impl fmt::Display for Size {
     }
 }
 
-/// A logical size: absolute, or a multiple of the physical size.
+/// A logical size: absolute, or a multiple of the native capacity.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LogicalSize {
     Bytes(u64),
@@ -78,16 +80,36 @@ impl FromStr for LogicalSize {
     }
 }
 
+/// An over-provisioning share: `PCT` or `PCT%`, e.g. `7`, `12.5%`; kept as parts per million.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverProvision(pub u32);
+
+impl FromStr for OverProvision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<OverProvision, String> {
+        let t = s.trim();
+        let number = t.strip_suffix('%').unwrap_or(t).trim();
+        let percent: f64 = number.parse().map_err(|_| format!("bad percentage {s:?}: expected e.g. 7 or 12.5%"))?;
+        zdisk_engine::over_provision_ppm_from_percent(percent).map(OverProvision)
+    }
+}
+
+impl fmt::Display for OverProvision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}%", self.0 as f64 / 10_000.0)
+    }
+}
+
 /// The logical block (4 KiB): logical sizes are multiples of it.
 pub const BLOCK_BYTES: u64 = 4096;
 
 impl LogicalSize {
-    /// Resolves against the physical size; `Nx` rounds down to a whole 4 KiB block.
-    pub fn resolve(self, physical_bytes: u64) -> u64 {
+    /// Resolves against the native capacity; `Nx` rounds down to a whole 4 KiB block.
+    pub fn resolve(self, native_bytes: u64) -> u64 {
         match self {
             LogicalSize::Bytes(bytes) => bytes,
             LogicalSize::Times(factor) => {
-                let bytes = (physical_bytes as f64 * factor) as u64;
+                let bytes = (native_bytes as f64 * factor) as u64;
                 bytes / BLOCK_BYTES * BLOCK_BYTES
             }
         }
@@ -138,5 +160,15 @@ mod tests {
         assert_eq!("1.0001x".parse::<LogicalSize>().unwrap().resolve(1 << 20) % 4096, 0);
         assert!("0x".parse::<LogicalSize>().is_err());
         assert!("ax".parse::<LogicalSize>().is_err());
+    }
+
+    #[test]
+    fn over_provisioning_is_a_percentage() {
+        assert_eq!("7".parse::<OverProvision>().unwrap().0, 70_000);
+        assert_eq!("12.5%".parse::<OverProvision>().unwrap().0, 125_000);
+        assert_eq!("28%".parse::<OverProvision>().unwrap().to_string(), "28%");
+        for bad in ["", "x", "0.1", "90", "-5", "nan"] {
+            assert!(bad.parse::<OverProvision>().is_err(), "{bad:?} should be refused");
+        }
     }
 }

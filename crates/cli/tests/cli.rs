@@ -4,6 +4,7 @@
 mod common;
 
 use common::Scratch;
+use rand::SeedableRng;
 
 fn fails(scratch: &Scratch, args: &[&str]) -> (i32, String) {
     let output = scratch.zdisk().args(args).output().expect("running zdisk");
@@ -114,7 +115,7 @@ fn format_refuses_an_existing_store_without_force() {
     assert_eq!(code, 1);
     s.format("s.zdisk", "32M", "3x", &["--force", "--codec", "zstd:3"]);
     let stat = s.stat_json(&store);
-    assert_eq!(stat["provisioned_cap"], 3 * (32 << 20));
+    assert_eq!(stat["provisioned_cap"], 3 * stat["native_capacity"].as_u64().unwrap());
 }
 
 #[test]
@@ -122,14 +123,15 @@ fn stat_json_has_the_capacity_stat_keys_and_engine_names() {
     let s = Scratch::new("statjson");
     let store = s.format("s.zdisk", "32M", "4x", &["--codec", "deflate:6"]);
     let stat = s.stat_json(&store);
-    for key in ["free_space", "physical_size", "logical_size", "provisioned_cap", "space_flag"] {
+    for key in ["free_space", "physical_size", "logical_size", "provisioned_cap", "space_flag", "native_capacity"] {
         assert!(stat[key].is_u64(), "{key} should be a byte count: {stat}");
     }
     assert!(stat["comp_ratio"].is_number());
     for key in ["host_write_bytes", "backing_write_bytes", "write_amplification", "checksum_errors", "padding_bytes"] {
         assert!(stat.get(key).is_some(), "{key} missing: {stat}");
     }
-    assert_eq!(stat["provisioned_cap"], 128 << 20);
+    assert_eq!(stat["provisioned_cap"], 4 * stat["native_capacity"].as_u64().unwrap());
+    assert_eq!(stat["over_provision_percent"], 10.0);
     assert_eq!(stat["source"], "offline");
     let human = s.zdisk_ok(&["stat", store.to_str().unwrap()]);
     assert!(human.contains("offline"));
@@ -153,10 +155,64 @@ fn check_reports_a_fresh_store_clean() {
 fn resize_grows_offline() {
     let s = Scratch::new("resize");
     let store = s.format("s.zdisk", "32M", "2x", &[]);
+    let native = s.stat_json(&store)["native_capacity"].as_u64().unwrap();
     s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "10x"]);
-    assert_eq!(s.stat_json(&store)["provisioned_cap"], 320 << 20);
+    assert_eq!(s.stat_json(&store)["provisioned_cap"], 10 * native);
     s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "100M"]);
     assert_eq!(s.stat_json(&store)["provisioned_cap"], 100 << 20);
+}
+
+/// Native capacity is 1x, the default; the over-provisioning moves it, at format and by
+/// resize; a setting out of range, or one whose native capacity the stored data would not
+/// fit, is refused with the store unchanged.
+#[test]
+fn native_capacity_follows_the_over_provisioning() {
+    let s = Scratch::new("native");
+    let store = s.path("s.zdisk");
+    let path = store.to_str().unwrap();
+    let out = s.zdisk_ok(&["format", path, "--physical-size", "64M", "--over-provision", "7"]);
+    assert!(out.contains("native capacity") && out.contains("1.00x native"), "{out}");
+    let stat = s.stat_json(&store);
+    let native_7 = stat["native_capacity"].as_u64().unwrap();
+    assert_eq!(stat["provisioned_cap"], native_7);
+    assert_eq!(stat["over_provision_percent"], 7.0);
+    // Native capacity: below the physical size by the OP and reserves, not by much more.
+    assert!(native_7 < (64 << 20) * 93 / 100 && native_7 > (64 << 20) * 80 / 100, "{native_7}");
+
+    let out = s.zdisk_ok(&["resize", path, "--over-provision", "28"]);
+    assert!(out.contains("7% -> 28%"), "{out}");
+    assert!(out.contains("ENOSPC"), "provisioned above the new native capacity must be said: {out}");
+    let stat = s.stat_json(&store);
+    let native_28 = stat["native_capacity"].as_u64().unwrap();
+    let expected = native_7 as f64 * 72.0 / 93.0;
+    assert!((native_28 as f64 - expected).abs() < expected * 0.01, "{native_28} vs {expected}");
+    assert_eq!(stat["provisioned_cap"], native_7, "resizing the OP leaves the logical size");
+    s.zdisk_ok(&["resize", path, "--logical-size", "1x"]);
+    assert_eq!(s.stat_json(&store)["provisioned_cap"], native_28);
+
+    for bad in ["0.5", "80", "lots"] {
+        let (code, stderr) = fails(&s, &["resize", path, "--over-provision", bad]);
+        assert_eq!(code, 2, "{bad}: {stderr}");
+        assert!(stderr.contains("over-provision"), "{stderr}");
+    }
+    let (code, stderr) =
+        fails(&s, &["format", s.path("t.zdisk").to_str().unwrap(), "--physical-size", "64M", "--over-provision", "90"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("between 1% and 75%"), "{stderr}");
+    let (code, stderr) = fails(&s, &["resize", path]);
+    assert_eq!(code, 2, "resize needs --logical-size or --over-provision: {stderr}");
+
+    // Fill most of the native capacity (incompressible), then ask for an OP that would
+    // leave less.
+    let mut random = vec![0u8; 40 << 20];
+    rand::Rng::fill(&mut rand::rngs::StdRng::seed_from_u64(1), &mut random[..]);
+    let store_open = zdisk_engine::Store::open(&store, &zdisk_engine::OpenOptions::default()).unwrap();
+    store_open.write(0, &random, true).unwrap();
+    store_open.close().unwrap();
+    let (code, stderr) = fails(&s, &["resize", path, "--over-provision", "60"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("native capacity it would leave"), "{stderr}");
+    assert_eq!(s.stat_json(&store)["over_provision_percent"], 28.0, "a refused change changes nothing");
 }
 
 #[test]

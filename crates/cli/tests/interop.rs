@@ -33,7 +33,7 @@ fn nbdinfo_shows_size_allocation_and_capabilities() {
         return;
     }
     let s = Scratch::new("nbdinfo");
-    let store = s.format("s.zdisk", "64M", "4x", &[]);
+    let store = s.format("s.zdisk", "64M", "256M", &[]);
     let server = Server::start(&s, &store, &[]);
 
     let export = nbdinfo_json(&server.uri);
@@ -98,7 +98,7 @@ fn nbdcopy_round_trips_a_real_file_tree() {
     let archive = s.path("tree.tar");
     let bytes = tar_of(&tree, &archive);
     eprintln!("tree {} -> {bytes} bytes", tree.display());
-    let store = s.format("s.zdisk", "256M", "2x", &[]);
+    let store = s.format("s.zdisk", "256M", "512M", &[]);
     let server = Server::start(&s, &store, &[]);
     run_ok(Command::new("nbdcopy").arg("--flush").arg(&archive).arg(&server.uri));
     let readback = s.path("readback.img");
@@ -397,6 +397,46 @@ fn concurrent_partial_block_requests_through_libnbd_never_lose_each_other() {
     server.stop();
 }
 
+/// Native capacity is a promise (docs/space.md, "Native capacity and over-provisioning"): a
+/// store formatted at the default `1x` is filled completely with incompressible data through
+/// NBD, then overwritten twice at random, in 4 KiB and in 128 KiB writes, 32 requests in
+/// flight — not one ENOSPC, and every block reads back its last write
+/// (`tests/scripts/fill_and_overwrite.py`). The same at 2x with data that compresses 2:1.
+#[test]
+fn a_store_at_native_capacity_is_filled_and_overwritten_through_nbd() {
+    let libnbd = std::process::Command::new(LIBNBD_PYTHON).args(["-c", "import nbd"]).status();
+    if !require(BASIC_TOOLS) || !libnbd.is_ok_and(|s| s.success()) && !require(&["python3-libnbd"]) {
+        return;
+    }
+    let s = Scratch::new("native");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/scripts/fill_and_overwrite.py");
+    for (logical, data) in [("1x", "incompressible"), ("2x", "2to1")] {
+        let store = s.format(&format!("{data}.zdisk"), "64M", logical, &[]);
+        let server = Server::start(&s, &store, &[]);
+        let seed: u64 = rand::random::<u32>() as u64;
+        println!("{logical} {data}: seed {seed}");
+        let output = std::process::Command::new(LIBNBD_PYTHON)
+            .arg(&script)
+            .args([&server.uri, &seed.to_string(), data])
+            .output()
+            .unwrap();
+        println!("{}", String::from_utf8_lossy(&output.stdout));
+        assert_success(&output, &format!("fill_and_overwrite.py at {logical} with {data} data (seed {seed})"));
+        server.stop();
+        let stat = s.stat_json(&store);
+        let times = if logical == "2x" { 2 } else { 1 };
+        assert_eq!(stat["provisioned_cap"], stat["native_capacity"].as_u64().unwrap() * times, "{stat}");
+        // At native capacity a full store is not "low": it cannot run out.
+        assert_eq!(
+            stat["space_flag"],
+            if times == 1 { 0 } else { stat["space_flag"].as_u64().unwrap().min(1) },
+            "{stat}"
+        );
+        let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+        assert!(out.contains("clean"), "{out}");
+    }
+}
+
 /// The scenario of "never wrong data": a store written in 256 KiB writes, each flushed, its
 /// server killed; one bit flipped at a quarter, a half and three quarters of the replay
 /// window (records after the newest checkpoint, `docs/format.md`). `zdisk check` exits 3 and
@@ -614,7 +654,7 @@ fn bad_requests_get_nbd_errors_and_the_server_keeps_serving() {
         return;
     }
     let s = Scratch::new("badinput");
-    let store = s.format("s.zdisk", "64M", "1x", &[]);
+    let store = s.format("s.zdisk", "64M", "64M", &[]);
     let server = Server::start(&s, &store, &[]);
     let mut c = NbdClient::connect(&server.socket).unwrap();
     let size = c.size;
@@ -782,8 +822,9 @@ fn stat_is_live_while_served_and_metrics_are_served() {
     assert!(!check.status.success());
 
     // Grow while served: new connections see the new size; shrinking is refused.
+    let native = s.stat_json(&store)["native_capacity"].as_u64().unwrap();
     s.zdisk_ok(&["resize", store.to_str().unwrap(), "--logical-size", "4x"]);
-    assert_eq!(NbdClient::connect(&server.socket).unwrap().size, 256 << 20);
+    assert_eq!(NbdClient::connect(&server.socket).unwrap().size, 4 * native);
     let shrink = s.zdisk().args(["resize", store.to_str().unwrap(), "--logical-size", "1x"]).output().unwrap();
     assert!(!shrink.status.success());
     assert!(String::from_utf8_lossy(&shrink.stderr).contains("shrink"), "{shrink:?}");
@@ -791,7 +832,7 @@ fn stat_is_live_while_served_and_metrics_are_served() {
     server.stop();
     let stat = s.stat_json(&store);
     assert_eq!(stat["source"], "offline");
-    assert_eq!(stat["provisioned_cap"], 256u64 << 20);
+    assert_eq!(stat["provisioned_cap"], 4 * native);
     assert_eq!(stat["logical_size"], 4u64 << 20);
     let leftovers: Vec<_> =
         std::fs::read_dir(s.run_dir()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();

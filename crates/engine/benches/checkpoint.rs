@@ -45,6 +45,7 @@ fn point(dir: &std::path::Path, mapped_bytes: u64, random_bytes: usize) {
             codec: Codec::Lz4,
             segment_size_bytes: None,
             force: true,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap();

@@ -23,6 +23,7 @@ fn main() {
             codec: Codec::Lz4,
             segment_size_bytes: None,
             force: true,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap();

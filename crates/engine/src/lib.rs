@@ -30,6 +30,10 @@ pub use backing::{is_locked, Backing, FileBacking, Lock};
 pub use codec::{decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, MIN_SAVING_BYTES};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::{CodecStats, Stats};
+pub use store::capacity::{
+    native_capacity_of_physical, over_provision_ppm_from_percent, OVER_PROVISION_DEFAULT_PPM, OVER_PROVISION_MAX_PPM,
+    OVER_PROVISION_MIN_PPM,
+};
 pub use store::{
     CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, RecompressReport, Store, StoreInfo,
 };

@@ -20,7 +20,16 @@ pub struct Stats {
     pub comp_ratio: f64,
     /// The logical capacity the client sees.
     pub provisioned_cap: u64,
-    /// 0 normal, 1 low (free space under the low watermark), 2 full (writes get ENOSPC).
+    /// The logical bytes incompressible data can always fill and overwrite without ENOSPC
+    /// (the data area less reserves, metadata at its worst and the over-provisioning).
+    /// Capacity provisioned above it holds only as long as data compresses.
+    #[serde(default)]
+    pub native_capacity: u64,
+    /// Share of the data area kept spare beyond native capacity, in percent.
+    #[serde(default)]
+    pub over_provision_percent: f64,
+    /// 0 normal, 1 low (free space under the low watermark on a store provisioned above its
+    /// native capacity), 2 full (writes get ENOSPC).
     pub space_flag: u8,
     pub host_write_bytes: u64,
     pub host_read_bytes: u64,

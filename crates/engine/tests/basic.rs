@@ -12,6 +12,7 @@ fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) ->
             codec,
             segment_size_bytes: None,
             force: false,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap();
@@ -121,6 +122,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
             codec: Codec::Lz4,
             segment_size_bytes: None,
             force: false,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap_err();

@@ -173,6 +173,7 @@ fn host_overwrites_racing_recompression_always_win() {
             codec: ZSTD,
             segment_size_bytes: Some(256 << 10),
             force: false,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap();

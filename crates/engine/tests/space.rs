@@ -209,6 +209,7 @@ fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
             codec: Codec::Lz4,
             segment_size_bytes: Some(1 << 20),
             force: false,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .unwrap();
@@ -250,6 +251,7 @@ fn steady_overwrites_at_high_utilisation_never_run_out_of_space() {
                 codec: Codec::Lz4,
                 segment_size_bytes: Some(segment),
                 force: false,
+                over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             },
         )
         .unwrap();
@@ -345,4 +347,106 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
         }
         Arc::try_unwrap(store).ok().unwrap().close().unwrap();
     }
+}
+
+/// Native capacity is a promise: a store formatted at it (`1x`), filled completely with
+/// incompressible data, takes random overwrites of any size from many writers without a
+/// single ENOSPC, and reads back every block — at the smallest over-provisioning allowed and
+/// the default, with the smallest segments (where a block's worst cost weighs most) and
+/// larger ones; and the same at 2x with data that compresses 2:1. (The NBD version, with
+/// real clients at QD32, is `interop::a_store_at_native_capacity_is_filled_and_overwritten_through_nbd`.)
+#[test]
+fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
+    let cases = [
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 64u64 << 10, 1u64, false),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false),
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 512 << 10, 1, false),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 512 << 10, 2, true),
+    ];
+    for seed in seeds(1) {
+        for (over_provision_ppm, segment, times, two_to_one) in cases {
+            eprintln!("seed {seed}: OP {over_provision_ppm} ppm, {segment}-byte segments, {times}x");
+            fill_and_overwrite_at_native_capacity(seed, over_provision_ppm, segment, times, two_to_one);
+        }
+    }
+}
+
+fn fill_and_overwrite_at_native_capacity(
+    seed: u64,
+    over_provision_ppm: u32,
+    segment: u64,
+    times: u64,
+    two_to_one: bool,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let physical = 32u64 << 20;
+    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm);
+    let big = 128u64 << 10;
+    let logical = native * times / big * big;
+    Store::format(
+        &path,
+        &zdisk_engine::FormatOptions {
+            physical_size_bytes: physical,
+            logical_size_bytes: logical,
+            codec: Codec::Lz4,
+            segment_size_bytes: Some(segment),
+            force: false,
+            over_provision_ppm,
+        },
+    )
+    .unwrap();
+    let store = Arc::new(Store::open(&path, &zdisk_engine::OpenOptions::default()).unwrap());
+    let contents = move |rng: &mut rand::rngs::StdRng, len: u64| -> Vec<u8> {
+        let mut data = vec![0u8; len as usize];
+        for block in data.chunks_mut(BLOCK as usize) {
+            let random = if two_to_one { 2000 } else { block.len() };
+            rng.fill(&mut block[..random]);
+        }
+        data
+    };
+    let mut rng = rng(seed);
+    for at in (0..logical).step_by(big as usize) {
+        store.write(at, &contents(&mut rng, big), false).unwrap();
+    }
+    // Each writer owns a slice of the store and overwrites it twice over: once in random
+    // 4 KiB writes, once in random 128 KiB ones.
+    let writers = 8u64;
+    let share = logical / writers / big * big;
+    let threads: Vec<_> = (0..writers)
+        .map(|w| {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let mut rng = common::rng(seed ^ (w + 1));
+                let mut expected = std::collections::BTreeMap::new();
+                for len in [BLOCK, big] {
+                    for i in 0..share / len {
+                        let at = w * share + rng.gen_range(0..share / len) * len;
+                        let data = contents(&mut rng, len);
+                        if let Err(e) = store.write(at, &data, false) {
+                            panic!(
+                                "seed {seed}: writer {w}: write {i} of {len} bytes at {at} failed: {e}; {:?}",
+                                store.stats()
+                            );
+                        }
+                        for (k, block) in data.chunks(BLOCK as usize).enumerate() {
+                            expected.insert(at / BLOCK + k as u64, block.to_vec());
+                        }
+                    }
+                }
+                expected
+            })
+        })
+        .collect();
+    let mut back = vec![0u8; BLOCK as usize];
+    for thread in threads {
+        for (lba, data) in thread.join().unwrap() {
+            store.read(lba * BLOCK, &mut back).unwrap();
+            assert!(back == data, "seed {seed}: block {lba} reads back wrong");
+        }
+    }
+    let stats = store.stats();
+    assert_eq!(stats.native_capacity, native);
+    assert!(stats.logical_size > logical * 99 / 100, "the store was not full: {stats:?}");
+    Arc::try_unwrap(store).ok().unwrap().close().unwrap();
 }

@@ -25,8 +25,9 @@ const CHECKPOINT_SEQ_OFFSET: usize = FEATURE_FLAGS_OFFSET + 8;
 const REPLAY_OFFSET_OFFSET: usize = CHECKPOINT_SEQ_OFFSET + 8;
 const REPLAY_PREV_CRC_OFFSET: usize = REPLAY_OFFSET_OFFSET + 8;
 const CHUNK_COUNT_OFFSET: usize = REPLAY_PREV_CRC_OFFSET + 4;
-const RESERVED_OFFSET: usize = CHUNK_COUNT_OFFSET + 4;
-const CHUNK_REFS_OFFSET: usize = RESERVED_OFFSET + 16;
+const OVER_PROVISION_OFFSET: usize = CHUNK_COUNT_OFFSET + 4;
+const RESERVED_OFFSET: usize = OVER_PROVISION_OFFSET + 4;
+const CHUNK_REFS_OFFSET: usize = RESERVED_OFFSET + 12;
 const CHUNK_REF_BYTES: usize = 16;
 const CRC_OFFSET: usize = SUPERBLOCK_SLOT_BYTES - 4;
 /// Checkpoint chunks one slot can list.
@@ -62,6 +63,10 @@ pub struct Superblock {
     pub replay_offset_bytes: u64,
     /// Header CRC of record `checkpoint_seq` (the chain anchor; 0 at format).
     pub replay_prev_crc: u32,
+    /// Share of the data area kept spare beyond native capacity, in parts per million
+    /// (`store/capacity.rs`). Advisory: it sets what `1x` means and what `stat` reports; 0
+    /// in stores formatted before it existed. Older code ignores it (it was reserved).
+    pub over_provision_ppm: u32,
     pub checkpoint_chunks: Vec<ChunkRef>,
 }
 
@@ -88,7 +93,9 @@ impl Superblock {
         w.u64(self.replay_offset_bytes);
         w.u32(self.replay_prev_crc);
         w.u32(self.checkpoint_chunks.len() as u32);
-        w.u64(0); // reserved
+        debug_assert_eq!(w.buf.len(), OVER_PROVISION_OFFSET);
+        w.u32(self.over_provision_ppm);
+        w.u32(0); // reserved
         w.u64(0); // reserved
         debug_assert_eq!(w.buf.len(), CHUNK_REFS_OFFSET);
         for chunk in &self.checkpoint_chunks {
@@ -139,7 +146,11 @@ impl Superblock {
         let replay_offset_bytes = r.u64()?;
         let replay_prev_crc = r.u32()?;
         let chunk_count = r.u32()? as usize;
-        r.bytes(16)?;
+        let over_provision_ppm = r.u32()?;
+        r.bytes(12)?;
+        if over_provision_ppm >= 1_000_000 {
+            return Err(corrupt(format!("over-provisioning of {over_provision_ppm} ppm")));
+        }
         if chunk_count > CHUNK_REFS_MAX {
             return Err(corrupt(format!("superblock lists {chunk_count} checkpoint chunks")));
         }
@@ -170,6 +181,7 @@ impl Superblock {
             checkpoint_seq,
             replay_offset_bytes,
             replay_prev_crc,
+            over_provision_ppm,
             checkpoint_chunks,
         })
     }
@@ -198,6 +210,7 @@ mod tests {
             checkpoint_seq: 42,
             replay_offset_bytes: 5 << 20,
             replay_prev_crc: 99,
+            over_provision_ppm: 70_000,
             checkpoint_chunks: vec![ChunkRef { offset_bytes: 2 << 20, length_bytes: 100, crc: 5 }],
         }
     }
@@ -212,6 +225,7 @@ mod tests {
         assert_eq!(bytes[GENERATION_OFFSET], 3);
         assert_eq!(super::super::u64_at(&bytes, CHECKPOINT_SEQ_OFFSET), 42);
         assert_eq!(super::super::u32_at(&bytes, CHUNK_COUNT_OFFSET), 1);
+        assert_eq!(super::super::u32_at(&bytes, 104), 70_000);
     }
 
     proptest! {

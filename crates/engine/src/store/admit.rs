@@ -5,7 +5,7 @@
 //! Only host requests come through here. GC and checkpoints call the single append attempt
 //! (`Inner::try_append`) and fail at once when short, so GC never waits on GC.
 //!
-//! Invariants: at most `FOREGROUND_GC_ROUNDS_MAX` rounds per request; one writer runs a
+//! Invariants: rounds continue while they make progress, at most `FOREGROUND_GC_ROUNDS_MAX`; one writer runs a
 //! round at a time (the others wait for it and retry); a refused request has no effect.
 
 use std::sync::atomic::Ordering;
@@ -17,10 +17,17 @@ use super::space::SpaceClass;
 use super::state::Inner;
 use crate::error::{Error, ErrorKind, Result};
 
-/// A write that finds no space runs at most this many rounds of GC before ENOSPC.
-const FOREGROUND_GC_ROUNDS_MAX: usize = 16;
+/// A backstop only: a write that finds no space runs GC rounds for as long as they make
+/// progress (ENOSPC after two that do not). At native capacity with little
+/// over-provisioning a victim gives back as little as OP of a segment, so one large write
+/// may need hundreds of victims (1% OP, 64 KiB segments, a 128 KiB write: ~230), and a
+/// fixed small round count refused writes the store had room for.
+const FOREGROUND_GC_ROUNDS_MAX: usize = 4096;
 /// Victims one foreground GC round may clean (bounds the pause of the write that waits).
 const FOREGROUND_GC_VICTIMS_MAX: usize = 16;
+/// The same for a round that must also pay for its checkpoints (see `clean_for`): at native
+/// capacity a victim may give back only the over-provisioning's share of a segment.
+const PAYING_GC_VICTIMS_MAX: usize = 256;
 const EXHAUSTED: &str = "physical space is exhausted";
 
 /// How a host request's group went.
@@ -101,7 +108,8 @@ impl Inner {
             let log = self.log.lock();
             (self.available_bytes(&log), self.unused_bytes(&log))
         };
-        let (cleaned, mut freed) = self.clean_for(shortfall_bytes)?;
+        // After a round that gained nothing, clean enough to pay for the checkpoints too.
+        let (cleaned, mut freed) = self.clean_for(shortfall_bytes, *stalled_rounds > 0)?;
         // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
         // the previous one, so two free everything cleaned before the first.
         for _ in 0..2 {
@@ -144,13 +152,23 @@ impl Inner {
 
     /// Cleans victims until they give back what a writer lacks (no more: every segment GC
     /// keeps free beyond the reserve raises the utilisation it works at), and frees them.
-    /// Returns (segments cleaned, segments freed).
-    fn clean_for(&self, shortfall_bytes: u64) -> Result<(usize, usize)> {
-        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes);
+    /// With `pay_checkpoints`, also what the two checkpoints that free them will take: at
+    /// native capacity with small segments and little over-provisioning, the victims of a
+    /// round may give back less than those checkpoints cost (16 victims at 10% of a 64 KiB
+    /// segment give ~91 KiB; two checkpoints may take ~190 KiB), and the writer got ENOSPC
+    /// with a fifth of the store garbage. Only after a round that gained nothing: every
+    /// segment cleaned beyond need raises the utilisation GC works at. Returns (segments
+    /// cleaned, segments freed).
+    fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool) -> Result<(usize, usize)> {
+        // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
+        // checkpoint is far above a typical one on a large store).
+        let checkpoints_bytes = if pay_checkpoints { 2 * self.log.lock().epochs.checkpoint_bytes * 5 / 4 } else { 0 };
+        let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes) + checkpoints_bytes;
+        let victims_max = if pay_checkpoints { PAYING_GC_VICTIMS_MAX } else { FOREGROUND_GC_VICTIMS_MAX };
         let mut cleaned = 0;
         let mut gained_bytes = 0;
         let mut freed = 0;
-        while cleaned < FOREGROUND_GC_VICTIMS_MAX && gained_bytes < want_bytes {
+        while cleaned < victims_max && gained_bytes < want_bytes {
             match self.gc_once(GcMode::Foreground) {
                 Ok(Some(bytes)) => {
                     cleaned += 1;

@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use super::capacity::{native_capacity, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
 use super::options::{FormatOptions, StoreInfo};
 use super::recovery::read_superblocks;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
@@ -46,11 +47,13 @@ pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
         physical_size_bytes: sb.physical_size_bytes,
         segment_size_bytes: sb.segment_size_bytes,
         codec,
+        over_provision_ppm: sb.over_provision_ppm,
+        native_capacity_bytes: native_capacity(sb.segment_size_bytes, sb.segment_count(), sb.over_provision_ppm).bytes,
     }
 }
 
 /// Default segment size: 4 MiB, smaller on small stores so there are at least 64 segments.
-fn default_segment_size(physical_size_bytes: u64) -> u64 {
+pub(crate) fn default_segment_size(physical_size_bytes: u64) -> u64 {
     let mut size = SEGMENT_BYTES_DEFAULT;
     while size > SEGMENT_BYTES_MIN && physical_size_bytes.saturating_sub(DATA_START_BYTES) / size < SEGMENTS_PREFERRED {
         size /= 2;
@@ -67,6 +70,22 @@ pub(crate) fn validate_logical_size(logical_size_bytes: u64) -> Result<()> {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 64 TiB"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks an over-provisioning setting.
+pub(crate) fn validate_over_provision(ppm: u32) -> Result<()> {
+    if !(OVER_PROVISION_MIN_PPM..=OVER_PROVISION_MAX_PPM).contains(&ppm) {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "over-provisioning {}% must be between {}% and {}%",
+                ppm as f64 / 10_000.0,
+                OVER_PROVISION_MIN_PPM / 10_000,
+                OVER_PROVISION_MAX_PPM / 10_000
+            ),
         ));
     }
     Ok(())
@@ -152,6 +171,15 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
         return Err(Error::new(ErrorKind::InvalidArgument, "physical size above 64 TiB"));
     }
     validate_logical_size(options.logical_size_bytes)?;
+    validate_over_provision(options.over_provision_ppm)?;
+    if native_capacity(segment_size_bytes, segment_count, options.over_provision_ppm).bytes == 0 {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "physical size {physical_size_bytes} is too small: with {segment_size_bytes}-byte segments its reserves and metadata leave no native capacity"
+            ),
+        ));
+    }
     let sb = Superblock {
         format_version: FORMAT_VERSION,
         uuid: *uuid::Uuid::new_v4().as_bytes(),
@@ -165,6 +193,7 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
         checkpoint_seq: 0,
         replay_offset_bytes: DATA_START_BYTES,
         replay_prev_crc: 0,
+        over_provision_ppm: options.over_provision_ppm,
         checkpoint_chunks: Vec::new(),
     };
     // Purge: old log records must not be mistaken for ours (they would not chain anyway,

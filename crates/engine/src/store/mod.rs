@@ -31,6 +31,7 @@
 
 mod admit;
 mod apply;
+pub(crate) mod capacity;
 mod check;
 mod checkpoint;
 mod create;
@@ -58,7 +59,7 @@ pub use options::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, 
 
 use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -187,6 +188,7 @@ impl Store {
             space_exhausted: AtomicBool::new(false),
             map_write_bytes: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
+            over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
             durable_seq: AtomicU64::new(0),
             block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
             signal: Mutex::new(Rank::Signal, WorkerSignal { stop: false, kick: false, kick_writer: false }),
@@ -255,6 +257,30 @@ impl Store {
             self.inner.map.write().resize(new_blocks);
             self.inner.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
         }
+        self.inner.checkpoint_now()
+    }
+
+    /// Sets the over-provisioning (and with it the native capacity). Refused when the data
+    /// stored now would not fit the new native capacity: the spare area it promises would
+    /// not exist. The new setting is durable when this returns (a checkpoint writes it).
+    pub fn set_over_provision(&self, over_provision_ppm: u32) -> Result<()> {
+        self.inner.check_writable()?;
+        create::validate_over_provision(over_provision_ppm)?;
+        let geometry = &self.inner.geometry;
+        let native = capacity::native_capacity(geometry.segment_size_bytes, geometry.segment_count, over_provision_ppm);
+        let stored = self.inner.stats().physical_size;
+        if stored > native.bytes {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "cannot set over-provisioning to {}%: the store holds {stored} bytes, more than the {} bytes of native capacity it would leave (trim data first)",
+                    over_provision_ppm as f64 / 10_000.0,
+                    native.bytes
+                ),
+            ));
+        }
+        self.inner.checkpoint.lock().over_provision_ppm = over_provision_ppm;
+        self.inner.over_provision_ppm.store(over_provision_ppm, Ordering::Release);
         self.inner.checkpoint_now()
     }
 

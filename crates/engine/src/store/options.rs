@@ -15,6 +15,9 @@ pub struct FormatOptions {
     pub segment_size_bytes: Option<u64>,
     /// Overwrite something that already looks like a zdisk store (or any data).
     pub force: bool,
+    /// Share of the data area kept spare beyond native capacity, in parts per million
+    /// (`OVER_PROVISION_MIN_PPM..=OVER_PROVISION_MAX_PPM`).
+    pub over_provision_ppm: u32,
 }
 
 /// The map cache's default: the map of 128 GiB of logical space stays cached (2 MiB of
@@ -79,6 +82,12 @@ pub struct StoreInfo {
     pub physical_size_bytes: u64,
     pub segment_size_bytes: u64,
     pub codec: String,
+    /// Spare share of the data area, in parts per million (0 in stores formatted before
+    /// over-provisioning was recorded).
+    pub over_provision_ppm: u32,
+    /// The logical bytes incompressible data can always fill and overwrite
+    /// (`store/capacity.rs`).
+    pub native_capacity_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

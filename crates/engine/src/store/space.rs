@@ -8,6 +8,7 @@
 
 use std::sync::atomic::Ordering;
 
+use super::capacity::{image_bytes, map_page_count, native_capacity};
 use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
@@ -46,24 +47,13 @@ impl SpaceClass {
 }
 
 impl Inner {
-    /// Room one checkpoint takes in the log, conservatively: the map pages it may rewrite
-    /// — at most the pages writers may dirty before they wait for a checkpoint, with their
-    /// ancestors, or every page of the map if that is fewer — each raw in the worst case;
-    /// the image (the segment table, uncompressed); and what each segment boundary it
-    /// crosses may waste.
+    /// Room one checkpoint takes in the log (see [`checkpoint_room_for`]).
     pub(crate) fn checkpoint_room_bytes(&self, _log: &Log) -> u64 {
-        let capacity = self.geometry.segment_capacity();
-        let mut level_pages = self.logical_size_bytes.load(Ordering::Relaxed).div_ceil(BLOCK_SIZE as u64 * 512).max(1);
-        let mut pages_total = level_pages;
-        while level_pages > 1 {
-            level_pages = level_pages.div_ceil(512);
-            pages_total += level_pages;
-        }
-        let pages = pages_total.min(2 * DIRTY_PAGES_HARD as u64 + 8);
-        let page_bytes = pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64;
-        let image_bytes = 4096 + self.geometry.segment_count * 61;
-        let estimate = page_bytes + image_bytes;
-        estimate + (estimate / capacity + 1) * (RECORD_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
+        checkpoint_room_for(
+            self.logical_size_bytes.load(Ordering::Relaxed),
+            self.geometry.segment_count,
+            self.geometry.segment_capacity(),
+        )
     }
 
     /// The reserve of a class in bytes: what an append of that class must leave unused in
@@ -145,9 +135,16 @@ impl Inner {
         let map = self.map.read().stats();
         let findings = self.recovery.get();
         let damaged = self.degraded().is_some();
+        let over_provision_ppm = self.over_provision_ppm.load(Ordering::Acquire);
+        let native = native_capacity(self.geometry.segment_size_bytes, self.geometry.segment_count, over_provision_ppm);
+        let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
+        // A store provisioned at or below native capacity cannot run out of space, however
+        // full: its low free space is the over-provisioning at work, not a warning.
+        let thin = provisioned_cap > native.bytes;
         let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
             2
-        } else if (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64 {
+        } else if thin && (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64
+        {
             1
         } else {
             0
@@ -160,7 +157,9 @@ impl Inner {
             physical_size,
             logical_size,
             comp_ratio: if logical_size == 0 { 1.0 } else { logical_size as f64 / physical_size as f64 },
-            provisioned_cap: self.logical_size_bytes.load(Ordering::Acquire),
+            provisioned_cap,
+            native_capacity: native.bytes,
+            over_provision_percent: over_provision_ppm as f64 / 10_000.0,
             space_flag,
             host_write_bytes,
             host_read_bytes: Counters::get(&c.host_read_bytes),
@@ -213,6 +212,18 @@ impl Inner {
             map_write_bytes: Counters::get(&self.map_write_bytes),
         }
     }
+}
+
+/// Room one checkpoint takes in the log, conservatively: the map pages it may rewrite — at
+/// most the pages writers may dirty before they wait for a checkpoint, with their
+/// ancestors, or every page of the map if that is fewer — each raw in the worst case; the
+/// image (the segment table, uncompressed); and what each segment boundary it crosses may
+/// waste.
+pub(crate) fn checkpoint_room_for(logical_size_bytes: u64, segment_count: u64, segment_capacity_bytes: u64) -> u64 {
+    let pages = map_page_count(logical_size_bytes).min(2 * DIRTY_PAGES_HARD as u64 + 8);
+    let page_bytes = pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64;
+    let estimate = page_bytes + image_bytes(segment_count);
+    estimate + (estimate / segment_capacity_bytes + 1) * (RECORD_MIN_BYTES as u64 + FRAGMENT_END_WASTE_BYTES)
 }
 
 /// What the segment table holds, summed for the statistics.

@@ -7,7 +7,7 @@
 //!   any more, because no later flush could vouch for what the failed one lost.
 //! - `durable_seq` only grows, and every record up to it is on stable media.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use aligned_vec::{AVec, ConstAlign};
@@ -47,6 +47,11 @@ pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 =
     (BLOCK_SIZE + crate::format::PI_BYTES + crate::format::RECORD_MIN_BYTES + crate::format::RELOCATE_ENTRY_BYTES)
         as u64;
 
+/// Bytes a full segment of this size can hold for records, conservatively.
+pub(crate) fn segment_capacity_of(segment_size_bytes: u64) -> u64 {
+    segment_size_bytes - 2 * FRAGMENT_END_WASTE_BYTES
+}
+
 /// The fixed facts of an open store.
 pub(crate) struct Geometry {
     pub store_tag: u32,
@@ -68,7 +73,7 @@ impl Geometry {
 
     /// Bytes a full segment can hold for records, conservatively.
     pub fn segment_capacity(&self) -> u64 {
-        self.segment_size_bytes - 2 * FRAGMENT_END_WASTE_BYTES
+        segment_capacity_of(self.segment_size_bytes)
     }
 
     /// Bytes of all segments together.
@@ -125,6 +130,9 @@ pub(crate) struct Inner {
     /// succeeded since.
     pub space_exhausted: AtomicBool,
     pub logical_size_bytes: AtomicU64,
+    /// The over-provisioning the superblock records (`capacity.rs`; changed by
+    /// `Store::set_over_provision`).
+    pub over_provision_ppm: AtomicU32,
     pub durable_seq: AtomicU64,
     /// Rank 0: stripes serialising read-modify-write of partial blocks.
     pub block_locks: Vec<Mutex<()>>,

@@ -19,6 +19,7 @@ fn small_store(seed: u64) -> Store {
         codec: Codec::Lz4,
         segment_size_bytes: Some(segment_bytes),
         force: true,
+        over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
     Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()

@@ -279,6 +279,7 @@ pub fn new_disk(segments: u64, segment_bytes: u64, logical_bytes: u64, codec: Co
             codec,
             segment_size_bytes: Some(segment_bytes),
             force: true,
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
         },
     )
     .expect("format");

@@ -1,0 +1,168 @@
+//! Native capacity: the largest logical size that incompressible data can fill completely
+//! and overwrite in any pattern, forever, without ENOSPC (docs/space.md, "Native capacity
+//! and over-provisioning").
+//!
+//! It is what is left of the data area after the host reserve, the open segment, metadata
+//! at its worst and the operator's over-provisioning (OP), counted in incompressible blocks
+//! as densely as GC packs them. Why that suffices: GC can always run (the reserves of `space.rs`),
+//! and with live data at most `1 - OP` of the data segments' block slots, the emptiest
+//! segment holds at most that share live, so cleaning it gives back at least OP of a
+//! segment for the relocations it costs — every GC step makes room.
+//!
+//! Native capacity is a function of the geometry and the OP alone (not of the logical
+//! size), so `Nx` means the same bytes before and after a resize.
+
+use super::create::default_segment_size;
+use super::op::RECORD_BLOCKS_MAX;
+use super::space::checkpoint_room_for;
+use crate::format::{BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES};
+use crate::{BLOCK_SIZE, SECTOR_SIZE};
+
+/// Parts per million: the unit of the over-provisioning setting.
+pub const PPM: u32 = 1_000_000;
+/// The default over-provisioning, 10%: at native capacity, full of incompressible data,
+/// uniform random overwrites then run GC at ≤ 90% utilisation (docs/space.md has the
+/// measured curve of OP against write amplification and latency).
+pub const OVER_PROVISION_DEFAULT_PPM: u32 = 100_000;
+/// Below 1%, GC at native capacity would copy ~99 bytes for each byte it frees.
+pub const OVER_PROVISION_MIN_PPM: u32 = 10_000;
+pub const OVER_PROVISION_MAX_PPM: u32 = 750_000;
+
+/// Bytes one relocated incompressible block takes: the raw block with its protection
+/// information, and its relocate entry (written twice).
+const RELOCATED_BLOCK_BYTES: u64 = (BLOCK_SIZE + PI_BYTES + 2 * RELOCATE_ENTRY_BYTES) as u64;
+/// A relocate record's header (with its extra 8 bytes).
+const RELOCATE_HEADER_BYTES: u64 = (RECORD_MIN_BYTES + 8) as u64;
+
+/// How many incompressible blocks a segment holds when GC has packed it: its capacity (which
+/// already leaves room for a fragment that does not fit at the end), less a relocate header
+/// per 512 blocks and one more for a victim's relocation split across two segments.
+///
+/// This, not a host write's density, bounds what the store can hold: a host write of one
+/// block costs a 132-byte record header of its own, but that header is dead at once and GC
+/// reclaims it; what stays live is the fragment, and GC repacks fragments this densely.
+fn blocks_per_packed_segment(segment_capacity_bytes: u64) -> u64 {
+    let estimate = segment_capacity_bytes / RELOCATED_BLOCK_BYTES;
+    let headers = estimate.div_ceil(RECORD_BLOCKS_MAX as u64) + 1;
+    segment_capacity_bytes.saturating_sub(headers * RELOCATE_HEADER_BYTES) / RELOCATED_BLOCK_BYTES
+}
+
+/// How a store's data area divides, for a given over-provisioning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NativeCapacity {
+    /// Logical bytes of incompressible data the store can always hold and overwrite.
+    pub bytes: u64,
+    /// Segments that may hold data (the rest: reserve, open segment, metadata).
+    pub data_segments: u64,
+    /// Incompressible blocks one segment holds, packed by GC.
+    pub blocks_per_segment: u64,
+}
+
+/// The native capacity of a store with this geometry and over-provisioning.
+pub fn native_capacity(segment_size_bytes: u64, segment_count: u64, over_provision_ppm: u32) -> NativeCapacity {
+    debug_assert!(over_provision_ppm < PPM);
+    let capacity = super::state::segment_capacity_of(segment_size_bytes);
+    let blocks_per_segment = blocks_per_packed_segment(capacity);
+    // Metadata at its worst, for a map as large as the data area at 1x: every map page raw,
+    // twice (the current version and the one the older retained checkpoint still needs),
+    // and two checkpoint images.
+    let logical_bytes = segment_count * segment_size_bytes;
+    let checkpoint = checkpoint_room_for(logical_bytes, segment_count, capacity);
+    let map_pages = map_page_count(logical_bytes);
+    let metadata_bytes =
+        2 * map_pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64 + 2 * image_bytes(segment_count);
+    // The host reserve (space.rs: 2 segments' capacity and 2 checkpoints), the open segment.
+    let reserve_bytes = 2 * capacity + 2 * checkpoint;
+    let kept_segments = (reserve_bytes + metadata_bytes).div_ceil(capacity) + 1;
+    let data_segments = segment_count.saturating_sub(kept_segments);
+    let slots = data_segments * blocks_per_segment;
+    let blocks = slots - (slots as u128 * over_provision_ppm as u128).div_ceil(PPM as u128) as u64;
+    NativeCapacity { bytes: blocks * BLOCK_SIZE as u64, data_segments, blocks_per_segment }
+}
+
+/// Native capacity from what a format is given (`None`: the default segment size), with the
+/// data area laid out as `format` lays it out: what `--logical-size 1x` resolves to.
+pub fn native_capacity_of_physical(
+    physical_size_bytes: u64,
+    segment_size_bytes: Option<u64>,
+    over_provision_ppm: u32,
+) -> u64 {
+    let physical_size_bytes = physical_size_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
+    let segment_size_bytes = segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
+    if segment_size_bytes == 0 {
+        return 0;
+    }
+    let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
+    native_capacity(segment_size_bytes, segment_count, over_provision_ppm).bytes
+}
+
+/// Pages of a map covering `logical_bytes` (leaves and every level above them).
+pub(crate) fn map_page_count(logical_bytes: u64) -> u64 {
+    let mut level_pages = logical_bytes.div_ceil(BLOCK_SIZE as u64 * 512).max(1);
+    let mut pages = level_pages;
+    while level_pages > 1 {
+        level_pages = level_pages.div_ceil(512);
+        pages += level_pages;
+    }
+    pages
+}
+
+/// Bytes of a checkpoint image, at most (the segment table uncompressed and its header).
+pub(crate) fn image_bytes(segment_count: u64) -> u64 {
+    4096 + segment_count * 61
+}
+
+/// Parses and checks an over-provisioning percentage (`7`, `12.5`).
+pub fn over_provision_ppm_from_percent(percent: f64) -> Result<u32, String> {
+    let ppm = (percent * 10_000.0).round();
+    if !percent.is_finite() || ppm < OVER_PROVISION_MIN_PPM as f64 || ppm > OVER_PROVISION_MAX_PPM as f64 {
+        return Err(format!(
+            "over-provisioning {percent}% must be between {}% and {}%",
+            OVER_PROVISION_MIN_PPM / 10_000,
+            OVER_PROVISION_MAX_PPM / 10_000
+        ));
+    }
+    Ok(ppm as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn native_capacity_leaves_the_over_provisioning_spare() {
+        // 4 GiB of 4 MiB segments.
+        let segments = ((4u64 << 30) - DATA_START_BYTES) / (4 << 20);
+        let none = native_capacity(4 << 20, segments, 0);
+        let ten = native_capacity(4 << 20, segments, 100_000);
+        assert_eq!(none.data_segments, ten.data_segments);
+        let ratio = ten.bytes as f64 / none.bytes as f64;
+        assert!((0.899..=0.901).contains(&ratio), "{ratio}");
+        // Without OP, reserves, metadata and relocation records take 1.5-3%.
+        let share = none.bytes as f64 / (4u64 << 30) as f64;
+        assert!((0.97..0.985).contains(&share), "{share}");
+        assert!(ten.bytes.is_multiple_of(BLOCK_SIZE as u64));
+    }
+
+    #[test]
+    fn small_segments_hold_fewer_blocks_at_their_worst() {
+        let big = native_capacity(4 << 20, 64, 0);
+        let small = native_capacity(64 << 10, 64 * 64, 0);
+        assert!(small.blocks_per_segment * 64 < big.blocks_per_segment);
+        assert!(small.bytes < big.bytes);
+    }
+
+    #[test]
+    fn a_store_too_small_for_its_reserves_has_no_native_capacity() {
+        assert_eq!(native_capacity(64 << 10, 3, 0).bytes, 0);
+    }
+
+    #[test]
+    fn over_provisioning_percentages_are_checked() {
+        assert_eq!(over_provision_ppm_from_percent(7.0), Ok(70_000));
+        assert_eq!(over_provision_ppm_from_percent(12.5), Ok(125_000));
+        assert!(over_provision_ppm_from_percent(0.5).is_err());
+        assert!(over_provision_ppm_from_percent(80.0).is_err());
+        assert!(over_provision_ppm_from_percent(f64::NAN).is_err());
+    }
+}
