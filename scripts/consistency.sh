@@ -34,7 +34,10 @@ d, op = sys.argv[1], sys.argv[2]
 iops = [int(l.split(",")[1]) for f in glob.glob(f"{d}/iops*.log") for l in open(f) if l.strip()]
 steady = iops[len(iops) // 3:]
 mean = sum(steady) / len(steady)
-job = json.load(open(f"{d}/steady.json"))["jobs"][0]["write"]
+def fio_json(path):  # fio's nbd engine prints a line before the JSON
+    text = open(path).read()
+    return json.loads(text[text.index("{"):])
+job = fio_json(f"{d}/steady.json")["jobs"][0]["write"]
 p = job["clat_ns"]["percentile"]
 p50, p999 = p["50.000000"] / 1e6, p["99.900000"] / 1e6
 stat = json.load(open(f"{d}/stat.json"))

@@ -112,6 +112,12 @@ pub struct Stats {
     /// Bytes of map pages written since open (part of `backing_write_bytes`).
     #[serde(default)]
     pub map_write_bytes: u64,
+    /// Host writes paced against GC since open (docs/space.md, "Pacing"), and their
+    /// total wait.
+    #[serde(default)]
+    pub paced_writes: u64,
+    #[serde(default)]
+    pub paced_wait_ns: u64,
     /// Which codecs made the fragments written since open, and what recompression did.
     #[serde(flatten)]
     pub codec: CodecStats,

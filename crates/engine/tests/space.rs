@@ -358,26 +358,33 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
 #[test]
 fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
     let cases = [
-        (zdisk_engine::OVER_PROVISION_MIN_PPM, 64u64 << 10, 1u64, false),
-        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false),
-        (zdisk_engine::OVER_PROVISION_MIN_PPM, 512 << 10, 1, false),
-        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 512 << 10, 2, true),
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 64u64 << 10, 1u64, false, false),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false, false),
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 512 << 10, 1, false, false),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 512 << 10, 2, true, false),
+        // With pacing (opt-in): writes wait for their slots, and still none fails.
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false, true),
     ];
     for seed in seeds(1) {
-        for (over_provision_ppm, segment, times, two_to_one) in cases {
-            eprintln!("seed {seed}: OP {over_provision_ppm} ppm, {segment}-byte segments, {times}x");
-            fill_and_overwrite_at_native_capacity(seed, over_provision_ppm, segment, times, two_to_one);
+        for (over_provision_ppm, segment, times, two_to_one, pacing) in cases {
+            eprintln!("seed {seed}: OP {over_provision_ppm} ppm, {segment}-byte segments, {times}x, pacing {pacing}");
+            let shape = Shape { over_provision_ppm, segment, times, two_to_one, pacing };
+            fill_and_overwrite_at_native_capacity(seed, shape);
         }
     }
 }
 
-fn fill_and_overwrite_at_native_capacity(
-    seed: u64,
+/// One case of the test above.
+struct Shape {
     over_provision_ppm: u32,
     segment: u64,
     times: u64,
     two_to_one: bool,
-) {
+    pacing: bool,
+}
+
+fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
+    let Shape { over_provision_ppm, segment, times, two_to_one, pacing } = shape;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let physical = 32u64 << 20;
@@ -396,7 +403,7 @@ fn fill_and_overwrite_at_native_capacity(
         },
     )
     .unwrap();
-    let store = Arc::new(Store::open(&path, &zdisk_engine::OpenOptions::default()).unwrap());
+    let store = Arc::new(Store::open(&path, &zdisk_engine::OpenOptions { pacing, ..Default::default() }).unwrap());
     let contents = move |rng: &mut rand::rngs::StdRng, len: u64| -> Vec<u8> {
         let mut data = vec![0u8; len as usize];
         for block in data.chunks_mut(BLOCK as usize) {
@@ -448,5 +455,6 @@ fn fill_and_overwrite_at_native_capacity(
     let stats = store.stats();
     assert_eq!(stats.native_capacity, native);
     assert!(stats.logical_size > logical * 99 / 100, "the store was not full: {stats:?}");
+    assert_eq!(stats.paced_writes > 0, pacing, "paced writes: {stats:?}");
     Arc::try_unwrap(store).ok().unwrap().close().unwrap();
 }

@@ -80,6 +80,24 @@ impl Inner {
         }
     }
 
+    /// Waits for a host write's slot when the free space above the host reserve is in the
+    /// pacing band, the background worker's cushion (`pacing.rs`). Takes no lock while it
+    /// waits.
+    pub(crate) fn pace_host_write(&self, bytes: u64) {
+        if !self.options.pacing || self.pacer.gc_ps_per_byte() == 0 {
+            return;
+        }
+        let slack_bytes = {
+            let log = self.log.lock();
+            self.available_bytes(&log).saturating_sub(self.reserve_bytes(&log, SpaceClass::Host))
+        };
+        let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
+        let wait = self.pacer.wait_for(bytes, slack_bytes, band_bytes);
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+    }
+
     /// When the map's changes reached their memory limit (the background checkpoint fell
     /// behind, or there is no background thread), a writer writes the checkpoint itself
     /// before it adds more.

@@ -10,6 +10,7 @@
 //! | `read` | fetching and verifying blocks |
 //! | `op` | the operations a record group carries |
 //! | `admit` | a host request's wait for space and foreground GC |
+//! | `pacing` | host writes slowed to GC's pace as free space runs low |
 //! | `space` | space classes, reserves, space statistics |
 //! | `log` | one append attempt; records and batches |
 //! | `apply` | the one rule for what a record does to the map |
@@ -40,6 +41,7 @@ pub(crate) mod lock;
 mod log;
 mod op;
 mod options;
+mod pacing;
 mod pages;
 pub(crate) mod read;
 mod recovery;
@@ -197,6 +199,7 @@ impl Store {
             gc_lock: Mutex::new(Rank::Gc, ()),
             foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
             foreground_rounds: AtomicU64::new(0),
+            pacer: pacing::Pacer::new(),
             recovery: std::sync::OnceLock::new(),
         };
         let broken_link;

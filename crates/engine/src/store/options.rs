@@ -54,6 +54,10 @@ pub struct OpenOptions {
     /// When host writes may be compressed with LZ4 instead of the store's codec
     /// (`codec.rs`, "Adaptive fallback"). Defaults to `ZDISK_CODEC_FALLBACK`, else `Auto`.
     pub codec_fallback: CodecFallback,
+    /// Pace host writes against GC as free space runs low (`pacing.rs`). Off unless
+    /// `ZDISK_PACING=on`: it cuts the tail of writes at native capacity but, as measured so
+    /// far, costs throughput (docs/space.md, "Pacing").
+    pub pacing: bool,
 }
 
 impl Default for OpenOptions {
@@ -69,6 +73,7 @@ impl Default for OpenOptions {
             background: true,
             accept_data_loss: false,
             codec_fallback: CodecFallback::from_env(),
+            pacing: std::env::var("ZDISK_PACING").is_ok_and(|v| v == "on"),
         }
     }
 }

@@ -146,6 +146,7 @@ impl Inner {
         if data.is_empty() {
             return self.make_durable(None, durability);
         }
+        self.pace_host_write(data.len() as u64);
         let first_lba = Lba::of_byte(offset);
         let last_lba = Lba::of_byte(offset + data.len() as u64 - 1);
         let head = (offset % BLOCK_SIZE as u64) as usize;

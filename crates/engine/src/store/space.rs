@@ -210,6 +210,8 @@ impl Inner {
             map_damaged_pages: map.damaged_pages,
             map_page_bytes: page_bytes,
             map_write_bytes: Counters::get(&self.map_write_bytes),
+            paced_writes: self.pacer.paced_writes(),
+            paced_wait_ns: self.pacer.paced_wait_ns(),
         }
     }
 }

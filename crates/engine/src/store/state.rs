@@ -145,6 +145,8 @@ pub(crate) struct Inner {
     /// Rank 1: one foreground GC round at a time; `foreground_rounds` counts finished rounds.
     pub foreground_gc: Mutex<()>,
     pub foreground_rounds: AtomicU64,
+    /// Host writes' pace against GC (no lock: atomics).
+    pub pacer: super::pacing::Pacer,
     /// What recovery found damaged (set once, at open).
     pub recovery: OnceLock<RecoveryFindings>,
 }
