@@ -107,7 +107,7 @@ impl Row {
             (Path::FreshContext, CodecTag::Deflate) => {
                 libdeflater::Decompressor::new().deflate_decompress(input, block).ok()
             }
-            _ => decompress_block(tag, input, block).ok().map(|()| BLOCK),
+            _ => decompress_block(tag, input, block, &zdisk_engine::NO_DICTIONARIES).ok().map(|()| BLOCK),
         };
         assert_eq!(len, Some(BLOCK), "{}: a fragment did not decode", self.label());
     }

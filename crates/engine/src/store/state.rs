@@ -145,6 +145,9 @@ pub(crate) struct Inner {
     /// Rank 1: one foreground GC round at a time; `foreground_rounds` counts finished rounds.
     pub foreground_gc: Mutex<()>,
     pub foreground_rounds: AtomicU64,
+    /// The trained dictionaries (`dictionaries.rs`). Outside the lock order: held only to
+    /// read or swap `Arc`s, never while taking another lock.
+    pub dictionaries: parking_lot::RwLock<super::dictionaries::DictionaryState>,
     /// What recovery found damaged (set once, at open).
     pub recovery: OnceLock<RecoveryFindings>,
 }
