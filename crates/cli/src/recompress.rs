@@ -31,8 +31,9 @@ pub struct RecompressArgs {
     /// (docs/cli.md, docs/format.md "Dictionaries").
     #[arg(long)]
     pub train: bool,
-    /// The zstd level fragments are recompressed at with the new dictionary (docs/space.md,
-    /// "Trained dictionaries").
+    /// The zstd level fragments are recompressed at with the new dictionary, by this run
+    /// and by GC from then on (docs/space.md, "Trained dictionaries": 6 stores 5–8% less on
+    /// text, files and VM images than the default 3, for 2.7 times the CPU).
     #[arg(long, requires = "train", default_value_t = zdisk_engine::DICTIONARY_LEVEL_DEFAULT,
           value_parser = clap::value_parser!(i32).range(1..=19))]
     pub level: i32,

@@ -190,7 +190,11 @@ fn dictionary_rows(corpus: &Corpus) -> (Vec<Row>, String) {
             samples.len(),
             started.elapsed().as_millis()
         );
-        let levels: &[i32] = if size_bytes == 64 << 10 { &[1, 3, 6, 9, 19] } else { &[3] };
+        let levels: &[i32] = match size_bytes >> 10 {
+            64 => &[1, 3, 6, 9, 19],
+            112 => &[3, 6],
+            _ => &[3],
+        };
         for &level in levels {
             let dictionary = Arc::new(Dictionary::new(1, level, trained.bytes.clone()).expect("just trained"));
             let set = DictionarySet::new(vec![Arc::clone(&dictionary)]);

@@ -41,8 +41,9 @@ use crate::map::{Entry, PackedEntry, Stored, WalkItem};
 use crate::types::{Lba, SegmentId};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
-/// Blocks sampled for training at most: 4 MiB of blocks (zstd's guidance is about 100 times
-/// the dictionary's size; 4 MiB for 64 KiB trained in about a second here, docs/space.md).
+/// Blocks sampled for training at most: 4 MiB of blocks, picked across the store (zstd
+/// suggests about 100 times the dictionary's size; 4 MiB trained a 112 KiB dictionary in
+/// 0.3–0.5 s here and gave the ratios of docs/space.md, "Trained dictionaries").
 pub const TRAINING_SAMPLE_BLOCKS_MAX: usize = 1024;
 
 /// How `Store::recompress_with_new_dictionary` trains its dictionary.
@@ -66,10 +67,12 @@ impl Default for DictionaryOptions {
     }
 }
 
-/// The level `recompress --train` uses unless told: docs/space.md, "Trained dictionaries"
-/// (zstd:6 with a dictionary gained a few percent over zstd:3 for twice the CPU; 9 and up
-/// gained less than 1% more).
-pub const DICTIONARY_LEVEL_DEFAULT: i32 = 6;
+/// The level `recompress --train` uses unless told, and so GC from then on: docs/space.md,
+/// "Trained dictionaries". With a 112 KiB dictionary, zstd:3 took 2.34 on text lines and
+/// 2.87 on the tablespace (zstd:1 alone 1.64, 2.14) at about 35 µs a block; zstd:6 gained
+/// 5–8% on text, files and the VM image (lost 2% on the tablespace) for 2.7 times the CPU
+/// — too much for GC, which recompresses at this level in the background on every move.
+pub const DICTIONARY_LEVEL_DEFAULT: i32 = 3;
 
 #[derive(Debug, Default)]
 pub(crate) struct DictionaryState {
