@@ -97,8 +97,14 @@ fn a_trained_dictionary_shrinks_text_further_and_every_block_reads_back() {
     assert_clean(&store);
     // Both slots name checkpoints that carry it: zdisk without dictionaries refuses the store.
     assert_eq!(feature_flags(&disk), [1, 1]);
+    // A plain recompress into the dictionary looks only at segments written before it was
+    // GC's (the open one of the start): not at every segment again — nor after a reopen.
+    let again = store.recompress(None, &mut |_, _| {}).unwrap();
+    assert!(again.segments <= 1, "{again:?}");
     store.close().unwrap();
     let store = Store::open_backing(disk, &options()).unwrap();
+    let again = store.recompress(None, &mut |_, _| {}).unwrap();
+    assert!(again.segments <= 1, "after reopen: {again:?}");
     assert!(read_all(&store) == image, "differs after reopen");
     assert_eq!(store.stats().codec.dictionary_newest_id, 1);
     assert!(store.stats().comp_ratio > 1.15 * report.before.comp_ratio);

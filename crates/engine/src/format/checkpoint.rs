@@ -48,8 +48,9 @@ const SUPERSEDED_BYTES: u64 = 12;
 const FIXED_BYTES: u64 = 4 * 8 + 4 + 8 * COUNTER_COUNT as u64;
 /// Map height u8, root u64, stored and zero block counts u64.
 const MAP_ROOT_BYTES: u64 = 25;
-/// Before each dictionary's bytes: id u32, level i32, length u32, CRC32C of the bytes u32.
-const DICTIONARY_HEAD_BYTES: u64 = 16;
+/// Before each dictionary's bytes: id u32, level i32, since sequence number u64, length
+/// u32, CRC32C of the bytes u32.
+const DICTIONARY_HEAD_BYTES: u64 = 24;
 /// The dictionary table's count u32, then its dictionaries at their largest.
 const DICTIONARY_TABLE_BYTES_MAX: u64 =
     4 + crate::codec::DICTIONARIES_MAX as u64 * (DICTIONARY_HEAD_BYTES + crate::codec::DICTIONARY_BYTES_MAX as u64);
@@ -60,6 +61,9 @@ pub struct DictionaryEntry {
     pub id: u32,
     /// The zstd level fragments are recompressed at with it.
     pub level: i32,
+    /// The log's sequence number from which every segment first used holds no fragment of
+    /// an older dictionary (it became GC's then); 0: not known (not yet GC's).
+    pub since_seq: u64,
     pub bytes: Vec<u8>,
 }
 
@@ -199,6 +203,7 @@ impl Checkpoint {
             for d in &self.dictionaries {
                 w.u32(d.id);
                 w.u32(d.level as u32);
+                w.u64(d.since_seq);
                 w.u32(d.bytes.len() as u32);
                 w.u32(crc32c::crc32c(&d.bytes));
                 w.buf.extend_from_slice(&d.bytes);
@@ -299,6 +304,7 @@ fn decode_dictionaries(r: &mut Reader<'_>) -> Result<Vec<DictionaryEntry>> {
     for _ in 0..count {
         let id = r.u32()?;
         let level = r.u32()? as i32;
+        let since_seq = r.u64()?;
         let length = r.u32()? as usize;
         let crc = r.u32()?;
         if length > crate::codec::DICTIONARY_BYTES_MAX || length > r.remaining() {
@@ -311,7 +317,7 @@ fn decode_dictionaries(r: &mut Reader<'_>) -> Result<Vec<DictionaryEntry>> {
         if id == 0 || out.last().is_some_and(|last| last.id >= id) {
             return Err(corrupt("checkpoint dictionary ids not ascending from 1"));
         }
-        out.push(DictionaryEntry { id, level, bytes });
+        out.push(DictionaryEntry { id, level, since_seq, bytes });
     }
     Ok(out)
 }
@@ -405,8 +411,8 @@ mod tests {
     #[test]
     fn a_checkpoint_with_dictionaries_round_trips_under_its_own_magic() {
         let dictionaries = vec![
-            DictionaryEntry { id: 1, level: 3, bytes: vec![7; 1000] },
-            DictionaryEntry { id: 4, level: -1, bytes: vec![9; 10] },
+            DictionaryEntry { id: 1, level: 3, since_seq: 0, bytes: vec![7; 1000] },
+            DictionaryEntry { id: 4, level: -1, since_seq: 77, bytes: vec![9; 10] },
         ];
         let cp = Checkpoint { dictionaries, ..sample() };
         let encoded = cp.encode();
@@ -420,8 +426,10 @@ mod tests {
 
     #[test]
     fn a_damaged_dictionary_fails_the_checkpoint() {
-        let cp =
-            Checkpoint { dictionaries: vec![DictionaryEntry { id: 1, level: 3, bytes: vec![7; 100] }], ..sample() };
+        let cp = Checkpoint {
+            dictionaries: vec![DictionaryEntry { id: 1, level: 3, since_seq: 5, bytes: vec![7; 100] }],
+            ..sample()
+        };
         let mut raw = zstd::bulk::decompress(&cp.encode(), 1 << 20).unwrap();
         let last = raw.len() - 1;
         raw[last] ^= 1;

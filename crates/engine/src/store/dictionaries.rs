@@ -88,7 +88,11 @@ pub(crate) struct DictionaryState {
     /// The log's next sequence number when `newest` became GC's (and every GC that began
     /// before had finished): a segment first used from then on holds no fragment of an
     /// older dictionary, but a damaged one GC moved as it is (which reads fail anyway).
+    /// Carried by the checkpoint (0 there: not known), so a later run need not look at the
+    /// segments written since.
     pub newest_since_seq: u64,
+    /// The `since_seq` each dictionary of the table had when loaded (0: not known).
+    pub loaded_since_seq: std::collections::BTreeMap<u32, u64>,
 }
 
 impl DictionaryState {
@@ -101,12 +105,30 @@ impl DictionaryState {
             .collect::<Result<Vec<_>>>()?;
         let next_id = table.last().map_or(1, |d| d.id + 1);
         let known = Arc::new(DictionarySet::new(table.clone()));
-        Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0 })
+        let loaded_since_seq = entries.iter().map(|e| (e.id, e.since_seq)).collect();
+        Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0, loaded_since_seq })
     }
 
     /// The table as the checkpoint writes it.
     pub fn entries(&self) -> Vec<DictionaryEntry> {
-        self.table.iter().map(|d| DictionaryEntry { id: d.id, level: d.level, bytes: d.bytes.clone() }).collect()
+        self.table
+            .iter()
+            .map(|d| DictionaryEntry {
+                id: d.id,
+                level: d.level,
+                since_seq: self.since_seq_of(d.id),
+                bytes: d.bytes.clone(),
+            })
+            .collect()
+    }
+
+    /// The sequence number from which segments hold no fragment of a dictionary older than
+    /// `id` (0: not known).
+    pub fn since_seq_of(&self, id: u32) -> u64 {
+        match &self.newest {
+            Some(newest) if newest.id == id => self.newest_since_seq,
+            _ => self.loaded_since_seq.get(&id).copied().unwrap_or(0),
+        }
     }
 }
 

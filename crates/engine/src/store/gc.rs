@@ -279,12 +279,23 @@ impl Inner {
 
     /// The segments holding a fragment the map points at that `target` recompresses, in
     /// order (found by walking the current map: the segment table does not know codecs).
+    /// Into a dictionary: a dictionary fragment in a segment first used since that
+    /// dictionary became GC's is one of its own (`dictionaries.rs`), so not a reason.
     fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
+        let since_seq = target.dictionary.as_ref().map_or(0, |d| self.dictionaries.read().since_seq_of(d.id));
+        let first_seqs: Vec<u64> = {
+            let log = self.log.lock();
+            (0..self.geometry.segment_count).map(|s| log.segments.get(SegmentId(s as u32)).first_seq).collect()
+        };
         let mut found = std::collections::BTreeSet::new();
         let mut note = |value: PackedEntry| {
             if let Ok(Entry::Stored(s)) = value.unpack() {
-                if target.may_take(s.codec) {
-                    found.insert(self.geometry.segment_of(s.offset_bytes));
+                let segment = self.geometry.segment_of(s.offset_bytes);
+                let own_dictionary = s.codec == CodecTag::ZstdDict
+                    && since_seq != 0
+                    && first_seqs.get(segment.index()).is_some_and(|&first| first >= since_seq);
+                if target.may_take(s.codec) && !own_dictionary {
+                    found.insert(segment);
                 }
             }
         };

@@ -247,7 +247,9 @@ impl Store {
             let next_seq = inner.log.lock().appender.next_seq;
             let mut state = inner.dictionaries.write();
             state.newest = state.table.last().cloned();
-            state.newest_since_seq = next_seq;
+            // Known from the run that made it GC's, else from now (nothing ran since open).
+            let loaded = state.newest.as_ref().map_or(0, |d| state.loaded_since_seq.get(&d.id).copied().unwrap_or(0));
+            state.newest_since_seq = if loaded != 0 { loaded } else { next_seq };
         }
         let inner = Arc::new(inner);
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
