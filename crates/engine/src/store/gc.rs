@@ -126,6 +126,14 @@ pub struct RecompressReport {
     pub dictionary: Option<super::dictionaries::DictionaryReport>,
 }
 
+/// Why a victim is cleaned: for the space it gives back (GC), or for the fragments it holds
+/// that recompress (`recompress`: a segment where none gets smaller is left alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CleanFor {
+    Space,
+    Recompression,
+}
+
 /// The victim GC chose, and whether the reuse horizon has passed it.
 struct Victim {
     segment: SegmentId,
@@ -141,7 +149,7 @@ impl Inner {
         self.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
         let target = self.gc_recompress_target();
-        self.clean_victim(victim, target.as_ref())
+        self.clean_victim(victim, target.as_ref(), CleanFor::Space)
     }
 
     /// What background and foreground GC recompress into: the newest dictionary if there is
@@ -159,10 +167,17 @@ impl Inner {
 
     /// Cleans `victim` (held under the checkpoint and GC locks): moves its live fragments,
     /// recompressing those `target` takes, and marks it cleaned when nothing in it is live.
-    /// Returns the bytes it gives back once freed, or None when its relocation does not fit.
-    fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>) -> Result<Option<u64>> {
+    /// Returns the bytes it gives back once freed, or None when its relocation does not fit
+    /// (or, cleaning for recompression, nothing in it recompresses smaller).
+    fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>, why: CleanFor) -> Result<Option<u64>> {
         let live = self.collect_live(victim.segment)?;
         let (verbatim, recompressed) = self.recompress_live(live, target);
+        if why == CleanFor::Recompression && recompressed.is_empty() {
+            // Nothing in it gets smaller (fragments the target's codec does not shrink stay
+            // as they are, and keep their segment listed): moving it would cost writes for
+            // nothing.
+            return Ok(None);
+        }
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
         let relocated_bytes = relocation_bytes(&verbatim) + recompressed_bytes(&recompressed);
@@ -260,7 +275,8 @@ impl Inner {
     }
 
     /// Cleans `segment` recompressing into `target`; false when it is not a victim GC may
-    /// take (open, unwritten, waiting for its pages) or its relocation does not fit.
+    /// take (open, unwritten, waiting for its pages), its relocation does not fit, or nothing
+    /// in it gets smaller.
     fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
         let _checkpoint = self.checkpoint.lock();
         let _gc = self.gc_lock.lock();
@@ -274,7 +290,7 @@ impl Inner {
             let settled = log.segments.get(segment).last_seq <= log.epochs.reuse_horizon_seq;
             Victim { segment, settled }
         };
-        Ok(self.clean_victim(victim, Some(target))?.is_some())
+        Ok(self.clean_victim(victim, Some(target), CleanFor::Recompression)?.is_some())
     }
 
     /// The segments holding a fragment the map points at that `target` recompresses, in
