@@ -88,8 +88,8 @@ pub(crate) struct DictionaryState {
     /// The log's next sequence number when `newest` became GC's (and every GC that began
     /// before had finished): a segment first used from then on holds no fragment of an
     /// older dictionary, but a damaged one GC moved as it is (which reads fail anyway).
-    /// Carried by the checkpoint (0 there: not known), so a later run need not look at the
-    /// segments written since.
+    /// Carried by the checkpoint, so a later run need not look at the segments written
+    /// since. 0: not known (yet) — then every segment may hold an older one's fragments.
     pub newest_since_seq: u64,
     /// The `since_seq` each dictionary of the table had when loaded (0: not known).
     pub loaded_since_seq: std::collections::BTreeMap<u32, u64>,
@@ -226,7 +226,13 @@ impl Inner {
         // Both superblock slots must point at checkpoints carrying it (module comment).
         self.checkpoint_now()?;
         self.checkpoint_now()?;
-        self.dictionaries.write().newest = Some(Arc::clone(&dictionary));
+        {
+            // Its since number is not known until the GC rounds below have finished: 0 (a
+            // checkpoint in between must not give it the previous dictionary's).
+            let mut state = self.dictionaries.write();
+            state.newest = Some(Arc::clone(&dictionary));
+            state.newest_since_seq = 0;
+        }
         // A GC round that chose its target before this has finished once the checkpoint
         // lock is free (GC holds it throughout): from here on, every GC uses `newest`.
         drop(self.checkpoint.lock());
@@ -282,8 +288,9 @@ impl Inner {
         let (newest, start_seq) = {
             let state = self.dictionaries.read();
             match &state.newest {
+                // (0: not known yet — every segment may hold an older one's fragments.)
                 Some(newest) if state.table.iter().any(|d| d.id != newest.id) => {
-                    (Arc::clone(newest), state.newest_since_seq)
+                    (Arc::clone(newest), Some(state.newest_since_seq).filter(|&s| s != 0).unwrap_or(u64::MAX))
                 }
                 _ => return Ok(Vec::new()),
             }
