@@ -19,8 +19,12 @@
 //! Rows: the engine's path for LZ4, zstd -1/1/2/3 and DEFLATE 1/6 (reused per-thread
 //! contexts); the same codec behind the incompressibility test ("+ entropy test",
 //! `Codec::compress_block_with_test`); and the code as it was before contexts were reused
-//! ("fresh ctx": a new zstd or libdeflate context per block) for zstd 1, 3 and DEFLATE 6.
-//! Every fragment is decoded and compared with its block.
+//! ("fresh ctx": a new zstd or libdeflate context per block) for zstd 1, 3 and DEFLATE 6;
+//! and zstd with a dictionary trained on the corpus as `zdisk recompress --train` trains one
+//! on a store ("+ N KiB dictionary": zstd's builder on up to 1,024 of the measured non-zero
+//! blocks picked evenly, `Dictionary::train`; training time printed per corpus; the blocks
+//! compressed include the sample, as in a store). Every fragment is decoded and compared
+//! with its block.
 //!
 //! `ZDISK_CODECS_RATIO_ONLY=1`: one pass, no times (for a machine busy with other work).
 
@@ -31,7 +35,9 @@ use std::path::PathBuf;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
-use zdisk_engine::{decompress_block, Codec, CodecTag};
+use std::sync::Arc;
+
+use zdisk_engine::{decompress_block, Codec, CodecTag, Dictionary, DictionarySet};
 
 const BLOCK: usize = 4096;
 /// Protection information in front of every fragment (`format/fragment.rs`).
@@ -66,11 +72,16 @@ enum Path {
     WithTest,
     /// A fresh zstd or libdeflate context per block: the code before contexts were reused.
     FreshContext,
+    /// zstd at the codec's level with a dictionary of this size trained on the corpus.
+    Dictionary { size_bytes: usize },
 }
 
 struct Row {
     codec: Codec,
     path: Path,
+    /// For `Path::Dictionary`: the dictionary (at the row's level), and the set decoding
+    /// needs.
+    dictionary: Option<(Arc<Dictionary>, DictionarySet)>,
 }
 
 impl Row {
@@ -79,6 +90,7 @@ impl Row {
             Path::Engine => format!("{}", self.codec),
             Path::WithTest => format!("{} + entropy test", self.codec),
             Path::FreshContext => format!("{} fresh ctx", self.codec),
+            Path::Dictionary { size_bytes } => format!("{} + {} KiB dictionary", self.codec, size_bytes >> 10),
         }
     }
 
@@ -98,6 +110,7 @@ impl Row {
                 fresh_decide(len, Codec::Deflate { level }, block, out)
             }
             (Path::FreshContext, Codec::Lz4) => Codec::Lz4.compress_block(block, out),
+            (Path::Dictionary { .. }, _) => self.dictionary.as_ref().expect("trained").0.compress_block(block, out),
         }
     }
 
@@ -107,7 +120,11 @@ impl Row {
             (Path::FreshContext, CodecTag::Deflate) => {
                 libdeflater::Decompressor::new().deflate_decompress(input, block).ok()
             }
-            _ => decompress_block(tag, input, block).ok().map(|()| BLOCK),
+            (Path::Dictionary { .. }, _) => {
+                let set = &self.dictionary.as_ref().expect("trained").1;
+                decompress_block(tag, input, block, set).ok().map(|()| BLOCK)
+            }
+            _ => decompress_block(tag, input, block, &zdisk_engine::NO_DICTIONARIES).ok().map(|()| BLOCK),
         };
         assert_eq!(len, Some(BLOCK), "{}: a fragment did not decode", self.label());
     }
@@ -140,13 +157,55 @@ fn rows() -> Vec<Row> {
         Codec::Deflate { level: 6 },
     ];
     for codec in codecs {
-        rows.push(Row { codec, path: Path::Engine });
+        rows.push(Row { codec, path: Path::Engine, dictionary: None });
     }
     for codec in [Codec::Zstd { level: 1 }, Codec::Zstd { level: 3 }, Codec::Deflate { level: 6 }] {
-        rows.push(Row { codec, path: Path::WithTest });
-        rows.push(Row { codec, path: Path::FreshContext });
+        rows.push(Row { codec, path: Path::WithTest, dictionary: None });
+        rows.push(Row { codec, path: Path::FreshContext, dictionary: None });
     }
     rows
+}
+
+/// The dictionary rows of one corpus (sizes and levels: docs/space.md, "Trained
+/// dictionaries"), each trained on the corpus; the training times, for the report.
+fn dictionary_rows(corpus: &Corpus) -> (Vec<Row>, String) {
+    let blocks: Vec<&[u8]> = corpus.data.chunks_exact(BLOCK).collect();
+    let step = blocks.len().div_ceil(1024).max(1);
+    let samples: Vec<Vec<u8>> = blocks.iter().step_by(step).map(|b| b.to_vec()).collect();
+    let (mut rows, mut times) = (Vec::new(), String::new());
+    for size_bytes in [16 << 10, 64 << 10, 112 << 10] {
+        let started = std::time::Instant::now();
+        let trained = match Dictionary::train(&samples, 1, 3, size_bytes) {
+            Ok(trained) => trained,
+            Err(e) => {
+                let _ = write!(times, "{} KiB: {e}; ", size_bytes >> 10);
+                continue;
+            }
+        };
+        let _ = write!(
+            times,
+            "{} KiB ({} bytes) on {} blocks in {} ms; ",
+            size_bytes >> 10,
+            trained.bytes.len(),
+            samples.len(),
+            started.elapsed().as_millis()
+        );
+        let levels: &[i32] = match size_bytes >> 10 {
+            64 => &[1, 3, 6, 9, 19],
+            112 => &[3, 6],
+            _ => &[3],
+        };
+        for &level in levels {
+            let dictionary = Arc::new(Dictionary::new(1, level, trained.bytes.clone()).expect("just trained"));
+            let set = DictionarySet::new(vec![Arc::clone(&dictionary)]);
+            rows.push(Row {
+                codec: Codec::Zstd { level },
+                path: Path::Dictionary { size_bytes },
+                dictionary: Some((dictionary, set)),
+            });
+        }
+    }
+    (rows, times)
 }
 
 struct Corpus {
@@ -281,7 +340,6 @@ fn main() {
     };
     let mut corpora: Vec<Corpus> = paths.iter().map(|p| load(p, max_blocks, seed)).collect();
     corpora.push(random_corpus(4096, seed));
-    let rows = rows();
     let mut md = format!(
         "# codecs: {reps} pass(es), at most {} MiB per corpus, seed {seed}{}; load {}\n",
         max_blocks / 256,
@@ -289,6 +347,9 @@ fn main() {
         loadavg()
     );
     for corpus in &corpora {
+        let (dictionary_rows, training) = dictionary_rows(corpus);
+        md.push_str(&format!("\n{}: dictionaries {training}\n", corpus.name));
+        let rows: Vec<Row> = rows().into_iter().chain(dictionary_rows).collect();
         let mut results: Vec<Measured> = rows.iter().map(|_| Measured::default()).collect();
         for _ in 0..reps {
             for (row, m) in rows.iter().zip(results.iter_mut()) {

@@ -27,7 +27,10 @@ pub(crate) mod store;
 mod types;
 
 pub use backing::{is_locked, Backing, FileBacking, Lock};
-pub use codec::{decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, MIN_SAVING_BYTES};
+pub use codec::{
+    decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, Dictionary, DictionarySet,
+    MIN_SAVING_BYTES, NO_DICTIONARIES,
+};
 pub use error::{Error, ErrorKind, Result};
 pub use stats::{CodecStats, Stats};
 pub use store::capacity::{
@@ -35,7 +38,8 @@ pub use store::capacity::{
     OVER_PROVISION_MIN_PPM,
 };
 pub use store::{
-    CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, RecompressReport, Store, StoreInfo,
+    CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Extent, ExtentKind, FormatOptions, OpenOptions,
+    RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
 };
 pub use types::{Lba, SegmentId};
 

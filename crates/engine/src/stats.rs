@@ -150,6 +150,17 @@ pub struct CodecStats {
     /// Thread CPU time spent decompressing, checking and recompressing them.
     #[serde(default)]
     pub recompress_cpu_ns: u64,
+    /// Of `recompressed_fragments`, those recompressed with a trained dictionary.
+    #[serde(default)]
+    pub recompressed_fragments_dictionary: u64,
+    /// Dictionaries the store keeps (the checkpoint's table), their bytes, and the id of
+    /// the one GC compresses with (0: none).
+    #[serde(default)]
+    pub dictionary_count: u64,
+    #[serde(default)]
+    pub dictionary_bytes: u64,
+    #[serde(default)]
+    pub dictionary_newest_id: u64,
 }
 
 /// The live counters behind [`CodecStats`], and the load signal of the adaptive fallback.
@@ -162,6 +173,11 @@ pub struct CodecCounters {
     pub recompressed_fragments: AtomicU64,
     pub recompress_saved_bytes: AtomicU64,
     pub recompress_cpu_ns: AtomicU64,
+    pub recompressed_fragments_dictionary: AtomicU64,
+    /// Fragments naming an older dictionary than the newest that GC moved without
+    /// recompressing them (damaged ones): while it does not move, a recompression may free
+    /// the older dictionaries (`store/dictionaries.rs`).
+    pub older_dictionary_fragments_kept: AtomicU64,
 }
 
 /// Counts the calling thread as inside block compression (the fallback's load signal) until
@@ -193,6 +209,11 @@ impl CodecCounters {
             recompressed_fragments: get(&self.recompressed_fragments),
             recompress_saved_bytes: get(&self.recompress_saved_bytes),
             recompress_cpu_ns: get(&self.recompress_cpu_ns),
+            recompressed_fragments_dictionary: get(&self.recompressed_fragments_dictionary),
+            // (The table's figures are filled in by the store, which holds the table.)
+            dictionary_count: 0,
+            dictionary_bytes: 0,
+            dictionary_newest_id: 0,
         }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, CodecFallback, ErrorKind, Store};
+use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, ErrorKind, Store};
 
 struct Scenario {
     name: &'static str,
@@ -33,6 +33,45 @@ struct Scenario {
     /// fragment in a store of another codec, which GC then recompresses as it moves them:
     /// the run fails if it recompressed none.
     codec_fallback: CodecFallback,
+    /// Train dictionaries and recompress into them (`recompress_with_new_dictionary`, or
+    /// `recompress` into the newest) while host writes race it, and write text-like blocks
+    /// a dictionary helps; the run fails if no fragment was recompressed with one.
+    dictionaries: bool,
+}
+
+/// Text-like blocks: words of a small vocabulary, a dictionary's best case.
+fn text_data(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
+    const WORDS: [&str; 12] = [
+        "segment ",
+        "zdisk ",
+        "checkpoint ",
+        "the ",
+        "of ",
+        "GC\n",
+        "map ",
+        "dictionary ",
+        "42 ",
+        "fragment ",
+        "log ",
+        "and ",
+    ];
+    let mut data = Vec::with_capacity(len + 16);
+    while data.len() < len {
+        data.extend_from_slice(WORDS[rng.gen_range(0..WORDS.len())].as_bytes());
+        if rng.gen_bool(0.05) {
+            data.extend_from_slice(format!("{} ", rng.gen::<u32>()).as_bytes());
+        }
+    }
+    data.truncate(len);
+    data
+}
+
+fn scenario_data(s: &Scenario, rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
+    if s.dictionaries && rng.gen_bool(0.8) {
+        text_data(rng, len)
+    } else {
+        block_data(rng, len, s.incompressible_percent)
+    }
 }
 
 fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> (u64, u64) {
@@ -70,7 +109,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         let store = Store::open_backing(disk.clone(), &options).map_err(|e| format!("open for fill: {e}"))?;
         for offset in (0..s.logical_bytes).step_by(64 << 10) {
             let len = (64 << 10).min(s.logical_bytes - offset);
-            let data = block_data(&mut rng, len as usize, s.incompressible_percent);
+            let data = scenario_data(s, &mut rng, len as usize);
             store.write(offset, &data, false).map_err(|e| format!("fill write at {offset}: {e}"))?;
             model.pending.push(Request::Write { offset, data });
             if offset % (1 << 20) == 0 {
@@ -84,6 +123,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     let mut no_space = 0;
     let mut map_misses = 0;
     let mut recompressed = 0;
+    let mut recompressed_dictionary = 0;
     for cycle in 0..s.cycles {
         // The fault of damage after a crash: single-bit flips in the records recovery must
         // replay, checked on a copy (the run goes on with the undamaged image).
@@ -105,6 +145,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         crashes += disk.crashed() as usize;
         map_misses += store.stats().map_cache_misses;
         recompressed += store.stats().codec.recompressed_fragments;
+        recompressed_dictionary += store.stats().codec.recompressed_fragments_dictionary;
         disk.power_off();
         drop(store);
         disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
@@ -125,7 +166,13 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     if s.codec_fallback == CodecFallback::Always && codec != Codec::Lz4 && recompressed == 0 {
         return Err(format!("GC recompressed nothing in {} cycles", s.cycles));
     }
-    eprintln!("{recompressed} fragments recompressed");
+    if s.dictionaries && recompressed_dictionary == 0 {
+        return Err(format!("no fragment was recompressed with a dictionary in {} cycles", s.cycles));
+    }
+    let dictionaries = store.stats().codec.dictionary_count;
+    eprintln!(
+        "{recompressed} fragments recompressed, {recompressed_dictionary} with a dictionary; {dictionaries} kept"
+    );
     Ok((crashes, no_space, map_misses))
 }
 
@@ -152,6 +199,9 @@ fn run_op(
         }
     };
     let w = s.write_percent;
+    if s.dictionaries && roll < 6 {
+        return recompress_racing_writes(s, store, disk, model, rng, at);
+    }
     let crashed = if roll < w + 20 && roll >= w + 14 {
         match store.flush() {
             Ok(()) => {
@@ -163,7 +213,7 @@ fn run_op(
     } else if roll < w + 14 {
         let request = if roll < w {
             let (offset, len) = random_range(rng, s.logical_bytes, 16);
-            Request::Write { offset, data: block_data(rng, len as usize, s.incompressible_percent) }
+            Request::Write { offset, data: scenario_data(s, rng, len as usize) }
         } else if roll < w + 7 {
             let (offset, len) = random_range(rng, s.logical_bytes, 64);
             Request::Trim { offset, len }
@@ -220,6 +270,64 @@ fn run_op(
     Ok(crashed)
 }
 
+/// Trains a new dictionary and recompresses into it (or recompresses into the newest one)
+/// on another thread while this one writes; returns whether the power cut happened.
+fn recompress_racing_writes(
+    s: &Scenario,
+    store: &Store,
+    disk: &SimDisk,
+    model: &mut Model,
+    rng: &mut rand::rngs::StdRng,
+    at: (usize, usize),
+) -> Result<bool, String> {
+    let (cycle, op) = at;
+    let train = rng.gen_bool(0.6);
+    // Small dictionaries on small samples: the store is a few MiB.
+    let options = DictionaryOptions { level: 3, size_bytes: 8 << 10, sample_blocks_max: 96 };
+    let writes: Vec<Request> = (0..rng.gen_range(1..=12))
+        .map(|_| {
+            let (offset, len) = random_range(rng, s.logical_bytes, 8);
+            Request::Write { offset, data: scenario_data(s, rng, len as usize) }
+        })
+        .collect();
+    let (recompressed, written) = std::thread::scope(|scope| {
+        let recompressing = scope.spawn(|| {
+            if train {
+                store.recompress_with_new_dictionary(&options, &mut |_, _| {}).map(|_| ())
+            } else {
+                store.recompress(None, &mut |_, _| {}).map(|_| ())
+            }
+        });
+        let mut written = Vec::new();
+        for request in writes {
+            let result = request.run(store, false);
+            written.push((request, result));
+        }
+        (recompressing.join().expect("the recompression thread does not panic"), written)
+    });
+    let mut crashed = false;
+    for (request, result) in written {
+        match result {
+            Ok(()) => model.pending.push(request),
+            Err(_) if disk.crashed() => {
+                // In flight at the crash: it may or may not have made it.
+                model.pending.push(request);
+                crashed = true;
+            }
+            Err(e) if e.kind() == ErrorKind::NoSpace => {}
+            Err(e) => return Err(format!("cycle {cycle} op {op}: write racing a recompression: {e}")),
+        }
+    }
+    match recompressed {
+        Ok(()) => {}
+        Err(_) if disk.crashed() => crashed = true,
+        // Too few blocks to train on, or the table full; ENOSPC.
+        Err(e) if matches!(e.kind(), ErrorKind::InvalidArgument | ErrorKind::NoSpace) => {}
+        Err(e) => return Err(format!("cycle {cycle} op {op}: recompression (train: {train}): {e}")),
+    }
+    Ok(crashed)
+}
+
 fn run_scenario(s: Scenario, seed_count: u64) {
     let mut cycles = 0;
     for seed in seeds(seed_count) {
@@ -257,6 +365,7 @@ fn mixed_requests_survive_random_crashes() {
             map_cache_bytes: 0,
             codec: None,
             codec_fallback: CodecFallback::Never,
+            dictionaries: false,
         },
         12,
     );
@@ -280,6 +389,7 @@ const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
     map_cache_bytes: 0,
     codec: None,
     codec_fallback: CodecFallback::Never,
+    dictionaries: false,
 };
 
 #[test]
@@ -314,6 +424,7 @@ fn a_map_cache_of_two_pages_survives_crashes_with_constant_eviction() {
             map_cache_bytes: 10 << 10,
             codec: None,
             codec_fallback: CodecFallback::Never,
+            dictionaries: false,
         },
         8,
     );
@@ -334,5 +445,26 @@ fn fallback_fragments_recompressed_by_gc_survive_crashes_and_racing_overwrites()
             ..OVERWRITES_AT_50_PERCENT
         },
         12,
+    );
+}
+
+/// Dictionaries trained on the store's own blocks, installed, recompressed into — by
+/// `recompress` on a thread of its own while host writes race it, and by GC as it moves
+/// fragments — with power cuts landing in the training checkpoints, in the recompression's
+/// records and in the checkpoints that free older dictionaries. Every recovery must decode
+/// every block (a fragment naming a dictionary no retained checkpoint carries would fail).
+#[test]
+fn dictionaries_trained_and_recompressed_into_survive_crashes_and_racing_overwrites() {
+    run_scenario(
+        Scenario {
+            name: "dictionaries_trained_and_recompressed_into_survive_crashes_and_racing_overwrites",
+            segments: 96,
+            incompressible_percent: 10,
+            write_percent: 60,
+            codec: Some(Codec::Zstd { level: 1 }),
+            dictionaries: true,
+            ..OVERWRITES_AT_50_PERCENT
+        },
+        10,
     );
 }

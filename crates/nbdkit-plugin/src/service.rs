@@ -62,9 +62,34 @@ pub struct RecompressRun {
     pub report: Option<serde_json::Value>,
 }
 
-/// Starts recompressing the served store into `codec` (the store's when None) in a thread
-/// of its own; refused while one runs.
-fn start_recompress(shared: &Shared, codec: Option<zdisk_engine::Codec>) -> String {
+/// What a `recompress` control request asks for.
+enum RecompressRequest {
+    /// Into this codec; None: the store's (or its newest dictionary, if it keeps one).
+    Codec(Option<zdisk_engine::Codec>),
+    /// Train a new dictionary and recompress into it (`recompress-train [LEVEL]`).
+    Train(zdisk_engine::DictionaryOptions),
+}
+
+/// The report of a finished run as `recompress-status` gives it.
+fn report_json(report: &zdisk_engine::RecompressReport) -> serde_json::Value {
+    serde_json::json!({
+        "segments": report.segments,
+        "segments_cleaned": report.segments_cleaned,
+        "before": report.before,
+        "after": report.after,
+        "dictionary": report.dictionary.as_ref().map(|d| serde_json::json!({
+            "id": d.id,
+            "size_bytes": d.size_bytes,
+            "sample_blocks": d.sample_blocks,
+            "training_ms": d.training_ms,
+            "freed_ids": d.freed_ids,
+        })),
+    })
+}
+
+/// Starts the recompression `request` asks for in a thread of its own; refused while one
+/// runs.
+fn start_recompress(shared: &Shared, request: RecompressRequest) -> String {
     if shared.read_only {
         return "error the store is served read-only".to_string();
     }
@@ -77,21 +102,18 @@ fn start_recompress(shared: &Shared, codec: Option<zdisk_engine::Codec>) -> Stri
     }
     let (store, run) = (Arc::clone(&shared.store), Arc::clone(&shared.recompress));
     let spawned = std::thread::Builder::new().name("zdisk-recompress".into()).spawn(move || {
-        let result = store.recompress(codec, &mut |done, total| {
+        let mut progress = |done, total| {
             let mut run = run.lock();
             (run.done, run.total) = (done, total);
-        });
+        };
+        let result = match request {
+            RecompressRequest::Codec(codec) => store.recompress(codec, &mut progress),
+            RecompressRequest::Train(options) => store.recompress_with_new_dictionary(&options, &mut progress),
+        };
         let mut run = run.lock();
         run.running = false;
         match result {
-            Ok(report) => {
-                run.report = Some(serde_json::json!({
-                    "segments": report.segments,
-                    "segments_cleaned": report.segments_cleaned,
-                    "before": report.before,
-                    "after": report.after,
-                }))
-            }
+            Ok(report) => run.report = Some(report_json(&report)),
             Err(e) => run.error = Some(e.to_string()),
         }
     });
@@ -238,7 +260,8 @@ fn live_loop(shared: &Shared, stop: &AtomicBool, live: &Path, control: &Path, li
 /// One line in, one line out: `resize BYTES` → `ok BYTES` | `error MESSAGE`;
 /// `stats` → the JSON snapshot on one line; `drain` → refuse further writes, flush and
 /// checkpoint → `ok` | `error MESSAGE`; `recompress [CODEC]` → starts it, `ok` | `error
-/// MESSAGE`; `recompress-status` → `{"running", "done", "total", "error", "report"}`.
+/// MESSAGE`; `recompress-train [LEVEL]` → starts training a dictionary and recompressing into
+/// it, likewise; `recompress-status` → `{"running", "done", "total", "error", "report"}`.
 fn serve_control(shared: &Shared, control: &Path, stream: UnixStream) -> std::io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(PEER_TIMEOUT))?;
@@ -272,12 +295,20 @@ fn serve_control(shared: &Shared, control: &Path, stream: UnixStream) -> std::io
             },
         },
         (Some("recompress"), codec, None) => match codec.map(str::parse::<zdisk_engine::Codec>).transpose() {
-            Ok(codec) => start_recompress(shared, codec),
+            Ok(codec) => start_recompress(shared, RecompressRequest::Codec(codec)),
             Err(e) => format!("error {e}"),
+        },
+        (Some("recompress-train"), level, None) => match level.map(str::parse::<i32>).transpose() {
+            Ok(level) => {
+                let defaults = zdisk_engine::DictionaryOptions::default();
+                let options = zdisk_engine::DictionaryOptions { level: level.unwrap_or(defaults.level), ..defaults };
+                start_recompress(shared, RecompressRequest::Train(options))
+            }
+            Err(_) => format!("error bad level {:?}", level.unwrap_or_default()),
         },
         (Some("recompress-status"), None, None) => recompress_status(shared),
         _ => format!(
-            "error unknown request {:?} (expected `stats`, `drain`, `resize BYTES`, `recompress [CODEC]` or `recompress-status`)",
+            "error unknown request {:?} (expected `stats`, `drain`, `resize BYTES`, `recompress [CODEC]`, `recompress-train [LEVEL]` or `recompress-status`)",
             line.trim()
         ),
     };

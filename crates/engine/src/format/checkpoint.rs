@@ -9,6 +9,9 @@ use crate::error::Result;
 
 /// "ZDSKCKP4".
 pub const CHECKPOINT_MAGIC: u64 = 0x3450_4B43_4B53_445A;
+/// "ZDSKCKP5": a version 4 image followed by the dictionary table (written only while the
+/// store keeps a dictionary, with superblock feature flag `FEATURE_DICTIONARIES`).
+pub const CHECKPOINT_MAGIC_DICTIONARIES: u64 = 0x3550_4B43_4B53_445A;
 /// "ZDSKCKP1": the image of format versions 1–3, with the whole map.
 pub const CHECKPOINT_MAGIC_V1: u64 = 0x3150_4B43_4B53_445A;
 
@@ -45,6 +48,24 @@ const SUPERSEDED_BYTES: u64 = 12;
 const FIXED_BYTES: u64 = 4 * 8 + 4 + 8 * COUNTER_COUNT as u64;
 /// Map height u8, root u64, stored and zero block counts u64.
 const MAP_ROOT_BYTES: u64 = 25;
+/// Before each dictionary's bytes: id u32, level i32, since sequence number u64, length
+/// u32, CRC32C of the bytes u32.
+const DICTIONARY_HEAD_BYTES: u64 = 24;
+/// The dictionary table's count u32, then its dictionaries at their largest.
+const DICTIONARY_TABLE_BYTES_MAX: u64 =
+    4 + crate::codec::DICTIONARIES_MAX as u64 * (DICTIONARY_HEAD_BYTES + crate::codec::DICTIONARY_BYTES_MAX as u64);
+
+/// A trained dictionary as the checkpoint carries it (`codec::Dictionary` in memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DictionaryEntry {
+    pub id: u32,
+    /// The zstd level fragments are recompressed at with it.
+    pub level: i32,
+    /// The log's sequence number from which every segment first used holds no fragment of
+    /// an older dictionary (it became GC's then); 0: not known (not yet GC's).
+    pub since_seq: u64,
+    pub bytes: Vec<u8>,
+}
 
 /// A segment's state in the usage table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,13 +140,20 @@ pub struct Checkpoint {
     pub superseded: Vec<(u32, u64)>,
     /// An older image's map: non-unmapped entries, ascending by LBA.
     pub legacy_map: Vec<(u64, u64)>,
+    /// The store's dictionaries, ascending by id (magic `ZDSKCKP5` when not empty).
+    pub dictionaries: Vec<DictionaryEntry>,
 }
 
 impl Checkpoint {
     /// The largest decoded image a store of this geometry can have: what `decode` may
     /// allocate, checked before it does. (`block_count` bounds an older image's map.)
     pub fn decoded_bytes_max(segment_count: u64, block_count: u64) -> u64 {
-        let v4 = FIXED_BYTES + MAP_ROOT_BYTES + 8 + segment_count * (SEGMENT_USAGE_BYTES + SUPERSEDED_BYTES) + 8;
+        let v4 = FIXED_BYTES
+            + MAP_ROOT_BYTES
+            + 8
+            + segment_count * (SEGMENT_USAGE_BYTES + SUPERSEDED_BYTES)
+            + 8
+            + DICTIONARY_TABLE_BYTES_MAX;
         let v1 = FIXED_BYTES + 8 + segment_count * SEGMENT_USAGE_BYTES_V1 + 8 + block_count * MAP_ENTRY_BYTES;
         v4.max(v1)
     }
@@ -139,10 +167,11 @@ impl Checkpoint {
             + 8
             + self.segments.len() as u64 * SEGMENT_USAGE_BYTES
             + 8
-            + self.superseded.len() as u64 * SUPERSEDED_BYTES;
+            + self.superseded.len() as u64 * SUPERSEDED_BYTES
+            + self.dictionary_table_bytes();
         let mut raw = Vec::with_capacity(raw_bytes as usize);
         let mut w = Writer { buf: &mut raw };
-        w.u64(CHECKPOINT_MAGIC);
+        w.u64(if self.dictionaries.is_empty() { CHECKPOINT_MAGIC } else { CHECKPOINT_MAGIC_DICTIONARIES });
         w.u64(self.seq);
         w.u64(self.generation);
         w.u64(self.logical_size_bytes);
@@ -169,8 +198,27 @@ impl Checkpoint {
             w.u32(segment);
             w.u64(bytes);
         }
+        if !self.dictionaries.is_empty() {
+            w.u32(self.dictionaries.len() as u32);
+            for d in &self.dictionaries {
+                w.u32(d.id);
+                w.u32(d.level as u32);
+                w.u64(d.since_seq);
+                w.u32(d.bytes.len() as u32);
+                w.u32(crc32c::crc32c(&d.bytes));
+                w.buf.extend_from_slice(&d.bytes);
+            }
+        }
         debug_assert_eq!(raw.len() as u64, raw_bytes);
         zstd::bulk::compress(&raw, 1).expect("zstd compression of a memory buffer cannot fail")
+    }
+
+    /// The dictionary table's bytes in the image (none without a dictionary).
+    fn dictionary_table_bytes(&self) -> u64 {
+        if self.dictionaries.is_empty() {
+            return 0;
+        }
+        4 + self.dictionaries.iter().map(|d| DICTIONARY_HEAD_BYTES + d.bytes.len() as u64).sum::<u64>()
     }
 
     /// Decodes a checkpoint whose decompressed image may be at most `decoded_bytes_max`
@@ -188,9 +236,10 @@ impl Checkpoint {
             return Err(corrupt("checkpoint is larger than the store's geometry allows"));
         }
         let mut r = Reader::new(&raw, "checkpoint");
-        let legacy = match r.u64()? {
-            CHECKPOINT_MAGIC => false,
-            CHECKPOINT_MAGIC_V1 => true,
+        let (legacy, has_dictionaries) = match r.u64()? {
+            CHECKPOINT_MAGIC => (false, false),
+            CHECKPOINT_MAGIC_DICTIONARIES => (false, true),
+            CHECKPOINT_MAGIC_V1 => (true, false),
             _ => return Err(corrupt("checkpoint magic")),
         };
         let seq = r.u64()?;
@@ -224,6 +273,7 @@ impl Checkpoint {
         } else {
             (decode_superseded(&mut r, segment_count)?, Vec::new())
         };
+        let dictionaries = if has_dictionaries { decode_dictionaries(&mut r)? } else { Vec::new() };
         if r.remaining() != 0 {
             return Err(corrupt("checkpoint has trailing bytes"));
         }
@@ -238,8 +288,38 @@ impl Checkpoint {
             zero_blocks,
             superseded,
             legacy_map,
+            dictionaries,
         })
     }
+}
+
+/// The dictionary table: at least one dictionary, at most `DICTIONARIES_MAX`, ids
+/// ascending, each of at most `DICTIONARY_BYTES_MAX` bytes matching its CRC32C.
+fn decode_dictionaries(r: &mut Reader<'_>) -> Result<Vec<DictionaryEntry>> {
+    let count = r.u32()? as usize;
+    if count == 0 || count > crate::codec::DICTIONARIES_MAX {
+        return Err(corrupt(format!("checkpoint lists {count} dictionaries")));
+    }
+    let mut out: Vec<DictionaryEntry> = Vec::with_capacity(count);
+    for _ in 0..count {
+        let id = r.u32()?;
+        let level = r.u32()? as i32;
+        let since_seq = r.u64()?;
+        let length = r.u32()? as usize;
+        let crc = r.u32()?;
+        if length > crate::codec::DICTIONARY_BYTES_MAX || length > r.remaining() {
+            return Err(corrupt(format!("dictionary {id} of {length} bytes")));
+        }
+        let bytes = r.bytes(length)?.to_vec();
+        if crc32c::crc32c(&bytes) != crc {
+            return Err(corrupt(format!("dictionary {id} fails its CRC")));
+        }
+        if id == 0 || out.last().is_some_and(|last| last.id >= id) {
+            return Err(corrupt("checkpoint dictionary ids not ascending from 1"));
+        }
+        out.push(DictionaryEntry { id, level, since_seq, bytes });
+    }
+    Ok(out)
 }
 
 fn decode_superseded(r: &mut Reader<'_>, segment_count: u64) -> Result<Vec<(u32, u64)>> {
@@ -324,7 +404,38 @@ mod tests {
             zero_blocks: 9,
             superseded: vec![(0, 77)],
             legacy_map: Vec::new(),
+            dictionaries: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_checkpoint_with_dictionaries_round_trips_under_its_own_magic() {
+        let dictionaries = vec![
+            DictionaryEntry { id: 1, level: 3, since_seq: 0, bytes: vec![7; 1000] },
+            DictionaryEntry { id: 4, level: -1, since_seq: 77, bytes: vec![9; 10] },
+        ];
+        let cp = Checkpoint { dictionaries, ..sample() };
+        let encoded = cp.encode();
+        assert_eq!(Checkpoint::decode(&encoded, Checkpoint::decoded_bytes_max(1, 100)).unwrap(), cp);
+        let raw = zstd::bulk::decompress(&encoded, 1 << 20).unwrap();
+        assert_eq!(u64::from_le_bytes(raw[..8].try_into().unwrap()), CHECKPOINT_MAGIC_DICTIONARIES);
+        // Without dictionaries, the image is a version 4 one, byte for byte.
+        let raw = zstd::bulk::decompress(&sample().encode(), 1 << 20).unwrap();
+        assert_eq!(u64::from_le_bytes(raw[..8].try_into().unwrap()), CHECKPOINT_MAGIC);
+    }
+
+    #[test]
+    fn a_damaged_dictionary_fails_the_checkpoint() {
+        let cp = Checkpoint {
+            dictionaries: vec![DictionaryEntry { id: 1, level: 3, since_seq: 5, bytes: vec![7; 100] }],
+            ..sample()
+        };
+        let mut raw = zstd::bulk::decompress(&cp.encode(), 1 << 20).unwrap();
+        let last = raw.len() - 1;
+        raw[last] ^= 1;
+        let damaged = zstd::bulk::compress(&raw, 1).unwrap();
+        let err = Checkpoint::decode(&damaged, Checkpoint::decoded_bytes_max(1, 100)).unwrap_err();
+        assert!(err.to_string().contains("CRC"), "{err}");
     }
 
     #[test]
@@ -335,8 +446,9 @@ mod tests {
 
     #[test]
     fn a_checkpoint_larger_than_the_geometry_allows_is_refused_before_it_is_held() {
-        let cp = Checkpoint { segments: vec![SegmentUsage::FREE; 40], ..sample() };
-        // The geometry says 1 segment: forty cannot be ours.
+        // (More than the dictionary table's room: that is allowed for whatever the geometry.)
+        let cp = Checkpoint { segments: vec![SegmentUsage::FREE; 60_000], ..sample() };
+        // The geometry says 1 segment: sixty thousand cannot be ours.
         let err = Checkpoint::decode(&cp.encode(), Checkpoint::decoded_bytes_max(1, 0)).unwrap_err();
         assert!(err.to_string().contains("larger than"), "{err}");
     }

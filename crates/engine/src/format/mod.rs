@@ -16,14 +16,14 @@ pub mod v2 {
 }
 mod record_v2;
 
-pub use checkpoint::{Checkpoint, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER};
+pub use checkpoint::{Checkpoint, DictionaryEntry, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER};
 pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 pub use record::{
     decode_tail, relocate_entries_from_damaged_tail, BatchEntry, Head, RecordBody, RecordHeader, RecordKind,
     RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAGIC,
     RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
-pub use superblock::{ChunkRef, Superblock, CHUNK_REFS_MAX, SUPERBLOCK_SLOT_BYTES};
+pub use superblock::{ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_DICTIONARIES, SUPERBLOCK_SLOT_BYTES};
 
 use crate::error::{Error, ErrorKind, Result};
 

@@ -44,6 +44,14 @@ pub struct ChunkRef {
     pub crc: u32,
 }
 
+/// Feature flag: the checkpoint image carries a dictionary table (magic `ZDSKCKP5`) and
+/// fragments may be `ZstdDict`. Set exactly while the store keeps a dictionary; code from
+/// before dictionaries refuses a store with it as "newer version", and opens the store again
+/// once no dictionary is kept (docs/format.md, "Dictionaries").
+pub const FEATURE_DICTIONARIES: u64 = 1;
+/// The feature flags this code understands; any other is refused as "newer version".
+pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES;
+
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
 #[derive(Debug, Clone, PartialEq)]
@@ -157,7 +165,7 @@ impl Superblock {
         let checkpoint_chunks = (0..chunk_count)
             .map(|_| Ok(ChunkRef { offset_bytes: r.u64()?, length_bytes: r.u32()?, crc: r.u32()? }))
             .collect::<Result<Vec<_>>>()?;
-        if feature_flags != 0 {
+        if feature_flags & !FEATURES_KNOWN != 0 {
             return Err(Error::new(ErrorKind::NewerVersion, format!("unknown feature flags {feature_flags:#x}")));
         }
         CodecTag::from_u8(codec_tag)?;
@@ -226,6 +234,17 @@ mod tests {
         assert_eq!(super::super::u64_at(&bytes, CHECKPOINT_SEQ_OFFSET), 42);
         assert_eq!(super::super::u32_at(&bytes, CHUNK_COUNT_OFFSET), 1);
         assert_eq!(super::super::u32_at(&bytes, 104), 70_000);
+    }
+
+    #[test]
+    fn the_dictionary_feature_flag_is_read_and_any_other_is_a_newer_version() {
+        let with_dictionaries = Superblock { feature_flags: FEATURE_DICTIONARIES, ..sample_superblock() };
+        let bytes = with_dictionaries.encode();
+        assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
+        assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
+        assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 2, ..sample_superblock() };
+        assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
     }
 
     proptest! {

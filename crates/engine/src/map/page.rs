@@ -96,7 +96,8 @@ pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8]) -> Result<Box<Page
         return Err(bad(&format!("the fragment is page {:?}'s", PageId::from_tag(pi.lba))));
     }
     let mut raw = vec![0u8; BLOCK_SIZE];
-    decompress_block(entry.codec, &bytes[PI_BYTES..], &mut raw).map_err(|_| bad("does not decompress"))?;
+    decompress_block(entry.codec, &bytes[PI_BYTES..], &mut raw, &crate::codec::NO_DICTIONARIES)
+        .map_err(|_| bad("does not decompress"))?;
     if crc32c::crc32c(&raw) != pi.guard {
         return Err(bad("CRC32C mismatch"));
     }

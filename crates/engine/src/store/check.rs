@@ -17,7 +17,7 @@ use std::sync::Mutex as StdMutex;
 
 use super::options::{CheckReport, DamageReport};
 use super::read::verify_fragment;
-use super::scan::{parse_segment, FoundRecord};
+use super::scan::{parse_segment, FoundRecord, RecordContext};
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
 use crate::error::Result;
 use crate::format::{RecordKind, SegmentState, SegmentUsage};
@@ -269,7 +269,9 @@ impl Inner {
             return;
         }
         let image = &image[..];
-        let (records, damaged) = parse_segment(image, base, self.geometry.store_tag);
+        let dictionaries = self.dictionary_set();
+        let context = RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
+        let (records, damaged) = parse_segment(image, base, &context);
         scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
         let damaged_ranges = damaged.len();
         for (start, end) in damaged {
@@ -337,6 +339,7 @@ impl Inner {
         report: &mut CheckReport,
     ) {
         let mut fragments: Vec<(Lba, Stored)> = Vec::new();
+        let dictionaries = self.dictionary_set();
         for record in records {
             let format = record.header.version.fragment_format();
             let mut at = record.payload_offset_bytes;
@@ -364,11 +367,14 @@ impl Inner {
                     && map.get(*lba, self).is_ok_and(|e| e == PackedEntry::stored(*stored));
                 let from = (stored.offset_bytes - base) as usize;
                 let bytes = &image[from..from + stored.stored_len as usize];
-                match verify_fragment(*stored, bytes, *lba, &mut block) {
+                match verify_fragment(*stored, bytes, *lba, &mut block, &dictionaries) {
                     Ok(()) if live => {
                         scan.found_live[id.index()].fetch_add(stored.stored_len as u64, Ordering::Relaxed);
                     }
                     Ok(()) => {}
+                    // A dead fragment of a dictionary the store freed (`dictionaries.rs`):
+                    // it no longer decodes, by design.
+                    Err(_) if !live && freed_dictionary(stored, bytes, &dictionaries) => {}
                     Err(e) => {
                         let state = if live { "live: reads of it fail" } else { "no longer mapped" };
                         report.problem(
@@ -483,4 +489,13 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// Whether `bytes`, a dictionary fragment, names a dictionary the store no longer keeps.
+fn freed_dictionary(stored: &Stored, bytes: &[u8], dictionaries: &crate::codec::DictionarySet) -> bool {
+    stored.codec == crate::codec::CodecTag::ZstdDict
+        && bytes
+            .get(crate::format::PI_BYTES..)
+            .and_then(crate::codec::frame_dictionary_id)
+            .is_some_and(|id| dictionaries.get(id).is_none())
 }

@@ -32,8 +32,8 @@ use super::writeout::WriteOut;
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FORMAT_VERSION,
-    SUPERBLOCK_SLOT_BYTES,
+    Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FEATURE_DICTIONARIES,
+    FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
@@ -90,6 +90,7 @@ impl Inner {
             zero_blocks: pages.counts.zero,
             superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
             legacy_map: Vec::new(),
+            dictionaries: self.dictionaries.read().entries(),
         };
         let encoded = image.encode();
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
@@ -109,6 +110,8 @@ impl Inner {
             replay_offset_bytes: snapshot.replay_offset_bytes,
             replay_prev_crc: snapshot.replay_prev_crc,
             checkpoint_chunks: appended.chunks,
+            // Older code refuses a store that keeps a dictionary (docs/format.md, "Dictionaries").
+            feature_flags: if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };
         let slot = (sb.generation % 2) * SUPERBLOCK_SLOT_BYTES as u64;
@@ -309,6 +312,9 @@ pub(crate) fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<
     let cp = Checkpoint::decode(&compressed, decoded_max)?;
     if cp.seq != sb.checkpoint_seq || cp.generation != sb.generation {
         return Err(Error::new(ErrorKind::Corrupt, "checkpoint does not match its superblock"));
+    }
+    if (sb.feature_flags & FEATURE_DICTIONARIES != 0) == cp.dictionaries.is_empty() {
+        return Err(Error::new(ErrorKind::Corrupt, "the superblock and its checkpoint disagree on dictionaries"));
     }
     Ok(Some(cp))
 }

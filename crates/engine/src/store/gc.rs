@@ -27,15 +27,25 @@
 //!   unconditionally, in log order, which is the order those checks were made in. In `Auto`
 //!   fallback mode GC does not recompress while every core is compressing (the host's
 //!   writes come first; the fragments are recompressed the next time they move).
+//! - Dictionaries (`dictionaries.rs`): once the store has a newest dictionary, GC
+//!   recompresses every compressed fragment it moves with it (at the dictionary's level),
+//!   except those already made with it; with every core busy, it still recompresses the
+//!   fragments of older dictionaries (so they can be freed) and only those. A fragment of an
+//!   older dictionary is replaced even when the new one is not smaller; one that fails its
+//!   check is moved as it is and counted (`older_dictionary_fragments_kept`).
 
 use super::apply::Live;
 use super::log::Attempt;
 use super::op::{recompressed_bytes, relocation_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
-use super::scan::parse_segment;
+use super::scan::{parse_segment, RecordContext};
 use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
-use crate::codec::{recompresses, Codec, CodecFallback};
+use std::sync::Arc;
+
+use crate::codec::{
+    frame_dictionary_id, recompresses, recompresses_into_dictionary, Codec, CodecFallback, CodecTag, Dictionary,
+};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, RecordBody, PI_BYTES, V2_PREFIX_BYTES};
 use crate::map::page::PageId;
@@ -56,10 +66,50 @@ pub(crate) enum GcMode {
 }
 
 /// The codec GC recompresses fragments into, and whether fragments already tagged with it
-/// are taken too (an explicit stronger level: the map does not record levels).
+/// are taken too (an explicit stronger level: the map does not record levels); or the
+/// dictionary it recompresses into.
 pub(crate) struct RecompressTarget {
     pub codec: Codec,
     pub same_tag_too: bool,
+    /// Compress with this dictionary (at its level) instead of `codec`.
+    pub dictionary: Option<Arc<Dictionary>>,
+    /// Take only fragments of older dictionaries than `dictionary` (every core is busy).
+    pub older_dictionaries_only: bool,
+}
+
+impl RecompressTarget {
+    pub fn codec(codec: Codec, same_tag_too: bool) -> RecompressTarget {
+        RecompressTarget { codec, same_tag_too, dictionary: None, older_dictionaries_only: false }
+    }
+
+    pub fn dictionary(dictionary: Arc<Dictionary>, older_dictionaries_only: bool) -> RecompressTarget {
+        RecompressTarget {
+            codec: Codec::Zstd { level: dictionary.level },
+            same_tag_too: true,
+            dictionary: Some(dictionary),
+            older_dictionaries_only,
+        }
+    }
+
+    /// Whether a fragment of codec `tag` may be one this target takes (what the map tells).
+    fn may_take(&self, tag: CodecTag) -> bool {
+        match &self.dictionary {
+            Some(_) if self.older_dictionaries_only => tag == CodecTag::ZstdDict,
+            Some(_) => tag != CodecTag::Raw,
+            None => recompresses(tag, self.codec, self.same_tag_too),
+        }
+    }
+
+    /// Whether this target takes the fragment of codec `tag` whose codec output is
+    /// `compressed` (a dictionary fragment's frame names its dictionary).
+    fn takes(&self, tag: CodecTag, compressed: &[u8]) -> bool {
+        let named = (tag == CodecTag::ZstdDict).then(|| frame_dictionary_id(compressed)).flatten();
+        match &self.dictionary {
+            Some(d) if self.older_dictionaries_only => tag == CodecTag::ZstdDict && named != Some(d.id),
+            Some(d) => recompresses_into_dictionary(tag, named, d.id),
+            None => recompresses(tag, self.codec, self.same_tag_too),
+        }
+    }
 }
 
 /// What [`Inner::recompress`] did.
@@ -72,6 +122,16 @@ pub struct RecompressReport {
     /// Statistics before and after (after: once the cleaned segments are freed).
     pub before: Stats,
     pub after: Stats,
+    /// The dictionary trained for this recompression (`recompress --train`), if one was.
+    pub dictionary: Option<super::dictionaries::DictionaryReport>,
+}
+
+/// Why a victim is cleaned: for the space it gives back (GC), or for the fragments it holds
+/// that recompress (`recompress`: a segment where none gets smaller is left alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CleanFor {
+    Space,
+    Recompression,
 }
 
 /// The victim GC chose, and whether the reuse horizon has passed it.
@@ -89,23 +149,35 @@ impl Inner {
         self.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
         let target = self.gc_recompress_target();
-        self.clean_victim(victim, target.as_ref())
+        self.clean_victim(victim, target.as_ref(), CleanFor::Space)
     }
 
-    /// What background and foreground GC recompress into: the store's codec, unless the
-    /// fallback is automatic and every core is compressing now (module comment).
+    /// What background and foreground GC recompress into: the newest dictionary if there is
+    /// one, else the store's codec; when the fallback is automatic and every core is
+    /// compressing now, nothing — or only older dictionaries' fragments (module comment).
     fn gc_recompress_target(&self) -> Option<RecompressTarget> {
         let busy = self.codec_counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
         let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codec_cores.max(1);
-        (!saturated).then_some(RecompressTarget { codec: self.geometry.codec, same_tag_too: false })
+        match (self.newest_dictionary(), saturated) {
+            (Some(dictionary), saturated) => Some(RecompressTarget::dictionary(dictionary, saturated)),
+            (None, false) => Some(RecompressTarget::codec(self.geometry.codec, false)),
+            (None, true) => None,
+        }
     }
 
     /// Cleans `victim` (held under the checkpoint and GC locks): moves its live fragments,
     /// recompressing those `target` takes, and marks it cleaned when nothing in it is live.
-    /// Returns the bytes it gives back once freed, or None when its relocation does not fit.
-    fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>) -> Result<Option<u64>> {
+    /// Returns the bytes it gives back once freed, or None when its relocation does not fit
+    /// (or, cleaning for recompression, nothing in it recompresses smaller).
+    fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>, why: CleanFor) -> Result<Option<u64>> {
         let live = self.collect_live(victim.segment)?;
         let (verbatim, recompressed) = self.recompress_live(live, target);
+        if why == CleanFor::Recompression && recompressed.is_empty() {
+            // Nothing in it gets smaller (fragments the target's codec does not shrink stay
+            // as they are, and keep their segment listed): moving it would cost writes for
+            // nothing.
+            return Ok(None);
+        }
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
         let relocated_bytes = relocation_bytes(&verbatim) + recompressed_bytes(&recompressed);
@@ -203,7 +275,8 @@ impl Inner {
     }
 
     /// Cleans `segment` recompressing into `target`; false when it is not a victim GC may
-    /// take (open, unwritten, waiting for its pages) or its relocation does not fit.
+    /// take (open, unwritten, waiting for its pages), its relocation does not fit, or nothing
+    /// in it gets smaller.
     fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
         let _checkpoint = self.checkpoint.lock();
         let _gc = self.gc_lock.lock();
@@ -217,17 +290,28 @@ impl Inner {
             let settled = log.segments.get(segment).last_seq <= log.epochs.reuse_horizon_seq;
             Victim { segment, settled }
         };
-        Ok(self.clean_victim(victim, Some(target))?.is_some())
+        Ok(self.clean_victim(victim, Some(target), CleanFor::Recompression)?.is_some())
     }
 
     /// The segments holding a fragment the map points at that `target` recompresses, in
     /// order (found by walking the current map: the segment table does not know codecs).
+    /// Into a dictionary: a dictionary fragment in a segment first used since that
+    /// dictionary became GC's is one of its own (`dictionaries.rs`), so not a reason.
     fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
+        let since_seq = target.dictionary.as_ref().map_or(0, |d| self.dictionaries.read().since_seq_of(d.id));
+        let first_seqs: Vec<u64> = {
+            let log = self.log.lock();
+            (0..self.geometry.segment_count).map(|s| log.segments.get(SegmentId(s as u32)).first_seq).collect()
+        };
         let mut found = std::collections::BTreeSet::new();
         let mut note = |value: PackedEntry| {
             if let Ok(Entry::Stored(s)) = value.unpack() {
-                if recompresses(s.codec, target.codec, target.same_tag_too) {
-                    found.insert(self.geometry.segment_of(s.offset_bytes));
+                let segment = self.geometry.segment_of(s.offset_bytes);
+                let own_dictionary = s.codec == CodecTag::ZstdDict
+                    && since_seq != 0
+                    && first_seqs.get(segment.index()).is_some_and(|&first| first >= since_seq);
+                if target.may_take(s.codec) && !own_dictionary {
+                    found.insert(segment);
                 }
             }
         };
@@ -296,7 +380,9 @@ impl Inner {
         }
         let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
         self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {segment}"), e))?;
-        let (records, _) = parse_segment(&image, base, self.geometry.store_tag);
+        let dictionaries = self.dictionary_set();
+        let context = RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
+        let (records, _) = parse_segment(&image, base, &context);
         let mut fragments = Vec::new(); // (lba, here, format, byte range in the image)
         for record in &records {
             let format = record.header.version.fragment_format();
@@ -358,13 +444,13 @@ impl Inner {
 
     /// Splits `live` into fragments moved as they are and fragments recompressed with
     /// `target` (those it takes whose new fragment is smaller; module comment).
-    fn recompress_live(
+    pub(crate) fn recompress_live(
         &self,
         live: Vec<LiveFragment>,
         target: Option<&RecompressTarget>,
     ) -> (Vec<LiveFragment>, Vec<LiveFragment>) {
         let Some(target) = target else { return (live, Vec::new()) };
-        if !live.iter().any(|f| recompresses(f.block.entry.codec, target.codec, target.same_tag_too)) {
+        if !live.iter().any(|f| target.takes(f.block.entry.codec, &f.block.bytes[PI_BYTES..])) {
             return (live, Vec::new());
         }
         let counters = &self.codec_counters;
@@ -373,9 +459,10 @@ impl Inner {
         let (mut verbatim, mut recompressed) = (Vec::new(), Vec::new());
         let mut block = vec![0u8; BLOCK_SIZE];
         let mut scratch = Vec::with_capacity(2 * BLOCK_SIZE);
+        let dictionaries = self.dictionary_set();
         for fragment in live {
             let entry = fragment.block.entry;
-            if !recompresses(entry.codec, target.codec, target.same_tag_too) {
+            if !target.takes(entry.codec, &fragment.block.bytes[PI_BYTES..]) {
                 verbatim.push(fragment);
                 continue;
             }
@@ -386,13 +473,24 @@ impl Inner {
                 codec: entry.codec,
                 format: FragmentFormat::V3,
             };
-            if let Err(why) = verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block) {
+            // A fragment of an older dictionary than the target's goes, smaller or not.
+            let older_dictionary = entry.codec == CodecTag::ZstdDict && target.dictionary.is_some();
+            if let Err(why) = verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block, &dictionaries) {
                 tracing::warn!("GC: block {} fails its check ({why}); moved as it is, not recompressed", fragment.lba);
+                if older_dictionary {
+                    Counters::add(&counters.older_dictionary_fragments_kept, 1);
+                }
                 verbatim.push(fragment);
                 continue;
             }
-            let new = self.compress_with(target.codec, &block, fragment.lba, &mut scratch);
-            if new.bytes.len() < fragment.block.bytes.len() && !new.entry.is_zero_block(FragmentFormat::V3) {
+            let new = match &target.dictionary {
+                Some(dictionary) => self.compress_fragment(&block, fragment.lba, &mut scratch, |block, out| {
+                    dictionary.compress_block(block, out)
+                }),
+                None => self.compress_with(target.codec, &block, fragment.lba, &mut scratch),
+            };
+            let smaller = new.bytes.len() < fragment.block.bytes.len();
+            if (smaller || older_dictionary) && !new.entry.is_zero_block(FragmentFormat::V3) {
                 recompressed.push(LiveFragment { block: new, ..fragment });
             } else {
                 verbatim.push(fragment);
@@ -405,7 +503,12 @@ impl Inner {
 
     /// Appends the relocation of `verbatim` and `recompressed` (GC's single append attempt:
     /// no foreground GC).
-    fn relocate(&self, verbatim: Vec<LiveFragment>, recompressed: Vec<LiveFragment>, class: SpaceClass) -> Result<()> {
+    pub(crate) fn relocate(
+        &self,
+        verbatim: Vec<LiveFragment>,
+        recompressed: Vec<LiveFragment>,
+        class: SpaceClass,
+    ) -> Result<()> {
         let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
         match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),

@@ -23,7 +23,8 @@
 //!
 //! Debug builds (and CI's profile) check every acquisition against the locks the thread
 //! already holds and panic naming both; release builds check nothing. The read cache's
-//! slot locks are outside the order: they are only ever try-locked.
+//! slot locks are outside the order: they are only ever try-locked. So is the dictionary
+//! table's lock: it is held only to read or swap `Arc`s, never while another is taken.
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};

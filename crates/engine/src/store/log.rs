@@ -366,6 +366,9 @@ impl Inner {
             let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
             Counters::add(&self.counters.gc_bytes_moved, new_bytes);
             Counters::add(&self.codec_counters.recompressed_fragments, take as u64);
+            let with_dictionary =
+                part.iter().filter(|f| f.block.entry.codec == crate::codec::CodecTag::ZstdDict).count();
+            Counters::add(&self.codec_counters.recompressed_fragments_dictionary, with_dictionary as u64);
             Counters::add(&self.codec_counters.recompress_saved_bytes, old_bytes.saturating_sub(new_bytes));
             done += take;
         }

@@ -36,6 +36,7 @@ pub(crate) mod capacity;
 mod check;
 mod checkpoint;
 mod create;
+pub(crate) mod dictionaries;
 mod gc;
 pub(crate) mod lock;
 mod log;
@@ -56,6 +57,7 @@ mod tests;
 mod worker;
 mod writeout;
 
+pub use dictionaries::{DictionaryOptions, DictionaryReport, DICTIONARY_LEVEL_DEFAULT};
 pub use gc::RecompressReport;
 pub use options::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
 
@@ -201,6 +203,9 @@ impl Store {
             foreground_rounds: AtomicU64::new(0),
             pacer: pacing::Pacer::new(),
             recovery: std::sync::OnceLock::new(),
+            dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
+                chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
+            )?),
         };
         let broken_link;
         {
@@ -234,6 +239,20 @@ impl Store {
             // the end of the log).
             inner.checkpoint_now()?;
             inner.checkpoint_now()?;
+        }
+        if writable && !inner.dictionaries.read().table.is_empty() {
+            // The newest dictionary becomes GC's once both retained checkpoints carry it:
+            // the one loaded does; the older one may not (a crash between the two
+            // checkpoints that installed it). One more checkpoint makes both carry it.
+            if chosen.older.is_some() {
+                inner.checkpoint_now()?;
+            }
+            let next_seq = inner.log.lock().appender.next_seq;
+            let mut state = inner.dictionaries.write();
+            state.newest = state.table.last().cloned();
+            // Known from the run that made it GC's, else from now (nothing ran since open).
+            let loaded = state.newest.as_ref().map_or(0, |d| state.loaded_since_seq.get(&d.id).copied().unwrap_or(0));
+            state.newest_since_seq = if loaded != 0 { loaded } else { next_seq };
         }
         let inner = Arc::new(inner);
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
@@ -350,13 +369,35 @@ impl Store {
     /// takes that codec's fragments too), to completion: GC's cleaning with recompression
     /// over every segment holding one, then two checkpoints and the freeing they allow.
     /// `progress(done, total)` counts segments.
+    /// Without `codec`, a store that keeps a trained dictionary recompresses into its newest
+    /// one instead (every compressed fragment not made with it).
     pub fn recompress(&self, codec: Option<Codec>, progress: &mut dyn FnMut(u64, u64)) -> Result<RecompressReport> {
         let configured = self.inner.geometry.codec;
-        let target = gc::RecompressTarget {
-            codec: codec.unwrap_or(configured),
-            same_tag_too: codec.is_some_and(|c| c != configured),
+        let target = match (codec, self.inner.newest_dictionary()) {
+            (None, Some(dictionary)) => gc::RecompressTarget::dictionary(dictionary, false),
+            (codec, _) => {
+                gc::RecompressTarget::codec(codec.unwrap_or(configured), codec.is_some_and(|c| c != configured))
+            }
         };
-        self.inner.recompress(target, progress)
+        let into_dictionary = target.dictionary.is_some();
+        let mut report = self.inner.recompress(target, progress)?;
+        if into_dictionary && !self.inner.free_unnamed_dictionaries()?.is_empty() {
+            report.after = self.inner.stats();
+        }
+        Ok(report)
+    }
+
+    /// Trains a zstd dictionary on a sample of the store's own blocks, makes it durable, and
+    /// recompresses every compressed fragment into it at `options.level` (`recompress` with
+    /// a new dictionary); older dictionaries no fragment names any more are freed. The
+    /// store is refused by zdisk versions without dictionaries from then on
+    /// (docs/format.md, "Dictionaries"). `progress(done, total)` counts segments.
+    pub fn recompress_with_new_dictionary(
+        &self,
+        options: &DictionaryOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<RecompressReport> {
+        self.inner.recompress_with_new_dictionary(options, progress)
     }
 
     /// One round of the background work (write-out, GC when space is short, a checkpoint
@@ -449,7 +490,8 @@ pub(crate) struct ScannedRecord {
 /// The records of one segment image (for `sim::inspect`).
 #[cfg(any(test, feature = "sim"))]
 pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<ScannedRecord> {
-    let (records, _) = scan::parse_segment(image, base, store_tag);
+    let context = scan::RecordContext { store_tag, dictionaries: &crate::codec::NO_DICTIONARIES };
+    let (records, _) = scan::parse_segment(image, base, &context);
     records
         .into_iter()
         .map(|r| {

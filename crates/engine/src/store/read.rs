@@ -9,7 +9,7 @@
 use std::ops::Range;
 
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
-use crate::codec::decompress_block;
+use crate::codec::{decompress_block, CodecTag, DictionarySet, NO_DICTIONARIES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, Stored};
@@ -141,7 +141,9 @@ impl Inner {
     /// Decodes one fragment into `block` and checks it (see [`verify_fragment`]); a failure
     /// is a `Checksum` error, and counted.
     pub(crate) fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: Lba) -> Result<()> {
-        verify_fragment(s, fragment, lba, block).map_err(|why| {
+        let dictionaries = (s.codec == CodecTag::ZstdDict).then(|| self.dictionary_set());
+        let dictionaries = dictionaries.as_deref().unwrap_or(&NO_DICTIONARIES);
+        verify_fragment(s, fragment, lba, block, dictionaries).map_err(|why| {
             Counters::add(&self.counters.checksum_errors, 1);
             Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
         })
@@ -168,6 +170,7 @@ pub(crate) fn verify_fragment(
     fragment: &[u8],
     lba: Lba,
     block: &mut [u8],
+    dictionaries: &DictionarySet,
 ) -> std::result::Result<(), String> {
     let prefix = s.format.prefix_bytes();
     if fragment.len() < prefix || fragment.len() != s.stored_len as usize {
@@ -190,7 +193,7 @@ pub(crate) fn verify_fragment(
         && (FragmentEntry { stored_len: s.stored_len, codec: s.codec }).is_zero_block(s.format)
     {
         block.fill(0); // an all-zero block's fragment is its protection information alone
-    } else if decompress_block(s.codec, &fragment[prefix..], block).is_err() {
+    } else if decompress_block(s.codec, &fragment[prefix..], block, dictionaries).is_err() {
         return Err("does not decompress".into());
     }
     if crc32c::crc32c(block) != guard {

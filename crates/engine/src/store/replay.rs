@@ -27,8 +27,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
-use super::scan::{parse_record_at, probe, FoundRecord, Probe, SegmentCache};
+use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
 use super::state::Inner;
+use crate::codec::DictionarySet;
 use crate::error::Result;
 use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, HEAD_BYTES};
 use crate::map::PagedMap;
@@ -540,7 +541,8 @@ impl Inner {
         wanted: &std::ops::RangeInclusive<u64>,
         candidates: &mut Vec<(u64, u64)>,
     ) {
-        let tag = self.geometry.store_tag;
+        let dictionaries = self.dictionary_set();
+        let tag = &RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
         let mut offset = from;
         loop {
             let next_bytes = match probe(image, base, offset, tag) {
@@ -584,6 +586,7 @@ impl Inner {
         // may: LZ4 can reach the same block through different match offsets. The payload's
         // CRC tells which is what was written.)
         let mut damaged: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
+        let dictionaries = self.dictionary_set();
         let mut at = 0;
         for (lba, fragment) in record.header.body.fragments() {
             let range = at..at + fragment.stored_len as usize;
@@ -593,10 +596,10 @@ impl Inner {
             }
             let stored =
                 crate::map::Stored { offset_bytes: 0, stored_len: fragment.stored_len, codec: fragment.codec, format };
-            if fragment_verifies(stored, lba, &payload[range.clone()]) {
+            if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries) {
                 continue;
             }
-            let flips = one_bit_corrections(stored, lba, &payload[range.clone()]);
+            let flips = one_bit_corrections(stored, lba, &payload[range.clone()], &dictionaries);
             if flips.is_empty() || damaged.len() >= 4 {
                 return PayloadState::Damaged;
             }
@@ -675,17 +678,22 @@ fn damage_report(record: &FoundRecord, why: &str) -> DamagedRecord {
 }
 
 /// Whether a fragment decodes to its guard (and, in version 3, names this LBA and entry).
-fn fragment_verifies(stored: crate::map::Stored, lba: Lba, bytes: &[u8]) -> bool {
-    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE]).is_ok()
+fn fragment_verifies(stored: crate::map::Stored, lba: Lba, bytes: &[u8], dictionaries: &DictionarySet) -> bool {
+    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE], dictionaries).is_ok()
 }
 
 /// Every single-bit flip (as a bit index) that makes a damaged fragment verify.
-fn one_bit_corrections(stored: crate::map::Stored, lba: Lba, fragment: &[u8]) -> Vec<usize> {
+fn one_bit_corrections(
+    stored: crate::map::Stored,
+    lba: Lba,
+    fragment: &[u8],
+    dictionaries: &DictionarySet,
+) -> Vec<usize> {
     let mut bytes = fragment.to_vec();
     let mut found = Vec::new();
     for i in 0..bytes.len() * 8 {
         bytes[i / 8] ^= 1 << (i % 8);
-        if fragment_verifies(stored, lba, &bytes) {
+        if fragment_verifies(stored, lba, &bytes, dictionaries) {
             found.push(i);
         }
         bytes[i / 8] ^= 1 << (i % 8);

@@ -20,7 +20,7 @@ use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
-use crate::codec::{write_codec, Codec};
+use crate::codec::{write_codec, Codec, CodecTag};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, WalkItem};
@@ -116,12 +116,24 @@ impl Inner {
     /// and codec), then the codec's output (or the block raw when compression does not
     /// pay). An all-zero block stores its protection information alone.
     pub(crate) fn compress_with(&self, codec: Codec, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
+        self.compress_fragment(block, lba, scratch, |block, out| codec.compress_block(block, out))
+    }
+
+    /// `compress_with` for any compression (`compress` fills `out` and returns the tag it
+    /// used): a store codec, or a trained dictionary.
+    pub(crate) fn compress_fragment(
+        &self,
+        block: &[u8],
+        lba: Lba,
+        scratch: &mut Vec<u8>,
+        compress: impl FnOnce(&[u8], &mut Vec<u8>) -> CodecTag,
+    ) -> Block {
         let guard = crc32c::crc32c(block);
         let entry = if block.iter().all(|&b| b == 0) {
             scratch.clear();
             FragmentEntry::ZERO_BLOCK
         } else {
-            let codec = codec.compress_block(block, scratch);
+            let codec = compress(block, scratch);
             FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec }
         };
         let mut bytes = Vec::with_capacity(entry.stored_len as usize);

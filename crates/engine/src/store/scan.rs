@@ -13,7 +13,14 @@
 //! the segment breaks that).
 
 use super::state::{round_up, Inner};
-use crate::codec::decompress_block;
+use crate::codec::{decompress_block, DictionarySet};
+
+/// What parsing a record needs to know of its store: its tag (records of other stores are
+/// not ours) and its dictionaries (a damaged record's fragments are verified by decoding).
+pub(crate) struct RecordContext<'a> {
+    pub store_tag: u32,
+    pub dictionaries: &'a DictionarySet,
+}
 use crate::format::v2;
 use crate::format::{
     decode_tail, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection, RecordBody,
@@ -65,21 +72,35 @@ pub(crate) enum Probe {
 
 /// Parses the record at `offset` in a segment image that starts at physical `base`, using
 /// whatever copy of its description survives.
-pub(crate) fn parse_record_at(image: &[u8], base: u64, offset: u64, store_tag: u32) -> Option<FoundRecord> {
+pub(crate) fn parse_record_at(
+    image: &[u8],
+    base: u64,
+    offset: u64,
+    context: &RecordContext<'_>,
+) -> Option<FoundRecord> {
     let at = usize::try_from(offset.checked_sub(base)?).ok()?;
     let head = image.get(at..at + HEAD_BYTES.min(image.len().saturating_sub(at)))?;
     if head.len() >= 4 && head[..4] == v2::RECORD_MAGIC_V2.to_le_bytes() {
-        return parse_v2_at(image, base, at, store_tag);
+        return parse_v2_at(image, base, at, context);
     }
     match Head::decode(head) {
-        Ok(head) if head.store_tag == store_tag => from_head(image, base, at, head, Damage::default()),
+        Ok(head) if head.store_tag == context.store_tag => {
+            from_head(image, base, at, head, Damage::default(), context.dictionaries)
+        }
         Ok(_) => None,
-        Err(_) => from_tail_copy(image, base, at, store_tag),
+        Err(_) => from_tail_copy(image, base, at, context),
     }
 }
 
 /// A version 3 record whose head (or its copy) is known.
-fn from_head(image: &[u8], base: u64, at: usize, head: Head, mut damage: Damage) -> Option<FoundRecord> {
+fn from_head(
+    image: &[u8],
+    base: u64,
+    at: usize,
+    head: Head,
+    mut damage: Damage,
+    dictionaries: &DictionarySet,
+) -> Option<FoundRecord> {
     let end = at.checked_add(head.record_len()?)?;
     if end > image.len() {
         return None;
@@ -91,7 +112,7 @@ fn from_head(image: &[u8], base: u64, at: usize, head: Head, mut damage: Damage)
         Ok((copy, body)) if copy == head => body,
         _ => {
             damage.tail = true;
-            body_without_tail(&head, payload, &image[tail_at..end])?
+            body_without_tail(&head, payload, &image[tail_at..end], dictionaries)?
         }
     };
     damage.payload = crc32c::crc32c(payload) != head.payload_crc;
@@ -109,12 +130,12 @@ fn from_head(image: &[u8], base: u64, at: usize, head: Head, mut damage: Damage)
 /// from the payload's protection information for data and map-pages records, from the
 /// surviving copy of a relocation's entries. None when nothing says what it did (the record
 /// is lost).
-fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8]) -> Option<RecordBody> {
+fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], dictionaries: &DictionarySet) -> Option<RecordBody> {
     match head.kind {
         // A map page's protection information names its page where a block's names its
         // LBA, so map-pages records are walked like batches.
         RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
-            let walked = walk_fragments(payload)?;
+            let walked = walk_fragments(payload, dictionaries)?;
             if walked.len() as u64 != head.count {
                 return None;
             }
@@ -145,7 +166,7 @@ fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8]) -> Option<RecordB
 /// The fragments of a version 3 payload, from their protection information: each must
 /// decode and match its guard, and together they must fill the payload exactly. (An
 /// all-zero block's fragment is its protection information alone.)
-pub(crate) fn walk_fragments(payload: &[u8]) -> Option<Vec<BatchEntry>> {
+pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet) -> Option<Vec<BatchEntry>> {
     let mut entries = Vec::new();
     let mut at = 0;
     let mut block = vec![0u8; BLOCK_SIZE];
@@ -155,7 +176,7 @@ pub(crate) fn walk_fragments(payload: &[u8]) -> Option<Vec<BatchEntry>> {
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             block.fill(0);
         } else {
-            decompress_block(pi.entry.codec, &fragment[PI_BYTES..], &mut block).ok()?;
+            decompress_block(pi.entry.codec, &fragment[PI_BYTES..], &mut block, dictionaries).ok()?;
         }
         if crc32c::crc32c(&block) != pi.guard {
             return None;
@@ -169,26 +190,26 @@ pub(crate) fn walk_fragments(payload: &[u8]) -> Option<Vec<BatchEntry>> {
 /// A record whose head is damaged: look for its tail — the first valid head-shaped thing
 /// after it is either the tail's copy of its head (if it describes a record starting at
 /// `at`) or the next record's head (then this one is lost).
-fn from_tail_copy(image: &[u8], base: u64, at: usize, store_tag: u32) -> Option<FoundRecord> {
-    let (q, copy) = next_valid_head(image, at + 1, store_tag)?;
+fn from_tail_copy(image: &[u8], base: u64, at: usize, context: &RecordContext<'_>) -> Option<FoundRecord> {
+    let (q, copy) = next_valid_head(image, at + 1, context)?;
     let tail_len = copy.tail_len()?;
     let start = (q + HEAD_BYTES + 4).checked_sub(tail_len)?.checked_sub(copy.payload_len as usize + HEAD_BYTES)?;
     if start != at {
         return None;
     }
-    from_head(image, base, at, copy, Damage { head: true, ..Damage::default() })
+    from_head(image, base, at, copy, Damage { head: true, ..Damage::default() }, context.dictionaries)
 }
 
 /// The first offset at or after `from` holding a valid version 3 head (or a tail's copy of
 /// one) of this store.
-fn next_valid_head(image: &[u8], from: usize, store_tag: u32) -> Option<(usize, Head)> {
+fn next_valid_head(image: &[u8], from: usize, context: &RecordContext<'_>) -> Option<(usize, Head)> {
     let magic = RECORD_MAGIC.to_le_bytes();
     let mut at = from;
     while at + HEAD_BYTES <= image.len() {
         let found = image[at..image.len() - HEAD_BYTES + 4].windows(4).position(|w| w == magic)?;
         at += found;
         if let Ok(head) = Head::decode(&image[at..at + HEAD_BYTES]) {
-            if head.store_tag == store_tag {
+            if head.store_tag == context.store_tag {
                 return Some((at, head));
             }
         }
@@ -198,24 +219,24 @@ fn next_valid_head(image: &[u8], from: usize, store_tag: u32) -> Option<(usize, 
 }
 
 /// Probes `offset`: the record there, or where the next valid head after damage is.
-pub(crate) fn probe(image: &[u8], base: u64, offset: u64, store_tag: u32) -> Probe {
-    if parse_record_at(image, base, offset, store_tag).is_some() {
+pub(crate) fn probe(image: &[u8], base: u64, offset: u64, context: &RecordContext<'_>) -> Probe {
+    if parse_record_at(image, base, offset, context).is_some() {
         return Probe::Found;
     }
     let Some(at) = offset.checked_sub(base).map(|a| a as usize) else { return Probe::Nothing };
-    match next_valid_head(image, at + 1, store_tag) {
+    match next_valid_head(image, at + 1, context) {
         Some((q, _)) => Probe::Damaged { next_bytes: base + q as u64 },
         None => Probe::Nothing,
     }
 }
 
-fn parse_v2_at(image: &[u8], base: u64, at: usize, store_tag: u32) -> Option<FoundRecord> {
+fn parse_v2_at(image: &[u8], base: u64, at: usize, context: &RecordContext<'_>) -> Option<FoundRecord> {
     if at + v2::HEADER_MIN_BYTES_V2 > image.len() {
         return None;
     }
     let located = v2::locate_record(image, at)?;
     let (header, crc) = v2::decode(&located.header).ok()?;
-    if header.store_tag != store_tag {
+    if header.store_tag != context.store_tag {
         return None;
     }
     // `locate_record` read the payload length before the CRC vouched for it.
@@ -239,10 +260,10 @@ fn parse_record_near(
     image: &[u8],
     base: u64,
     offset: u64,
-    store_tag: u32,
+    context: &RecordContext<'_>,
     accept: impl Fn(&FoundRecord) -> bool,
 ) -> Option<FoundRecord> {
-    let at = |offset| parse_record_at(image, base, offset, store_tag).filter(&accept);
+    let at = |offset| parse_record_at(image, base, offset, context).filter(&accept);
     let here = at(offset);
     if here.as_ref().is_some_and(|r| !r.damage.any()) {
         return here;
@@ -261,12 +282,16 @@ fn parse_record_near(
 /// Every record of a segment image in order, following padding to sector boundaries and
 /// skipping damage to the next valid head (so GC and check see what lies beyond it).
 /// Returns the records and the byte ranges (absolute) where nothing could be parsed.
-pub(crate) fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> (Vec<FoundRecord>, Vec<(u64, u64)>) {
+pub(crate) fn parse_segment(
+    image: &[u8],
+    base: u64,
+    context: &RecordContext<'_>,
+) -> (Vec<FoundRecord>, Vec<(u64, u64)>) {
     let mut records: Vec<FoundRecord> = Vec::new();
     let mut damaged = Vec::new();
     let mut offset = base;
     loop {
-        if let Some(r) = parse_record_near(image, base, offset, store_tag, |_| true) {
+        if let Some(r) = parse_record_near(image, base, offset, context, |_| true) {
             // Records of one incarnation have increasing sequence numbers; a stale record
             // from before the segment was reused would break that.
             if records.last().is_some_and(|p| r.header.seq <= p.header.seq) {
@@ -278,7 +303,7 @@ pub(crate) fn parse_segment(image: &[u8], base: u64, store_tag: u32) -> (Vec<Fou
         }
         // Damage, or the end: go on only if a later head continues the sequence.
         let Some(at) = offset.checked_sub(base).map(|a| a as usize) else { break };
-        let Some((q, head)) = next_valid_head(image, at + 1, store_tag) else { break };
+        let Some((q, head)) = next_valid_head(image, at + 1, context) else { break };
         if records.last().is_some_and(|p| head.seq <= p.header.seq) {
             break;
         }
@@ -331,8 +356,9 @@ impl SegmentCache {
         offset: u64,
         accept: impl Fn(&FoundRecord) -> bool,
     ) -> Option<FoundRecord> {
-        let store_tag = inner.geometry.store_tag;
+        let dictionaries = inner.dictionary_set();
+        let context = RecordContext { store_tag: inner.geometry.store_tag, dictionaries: &dictionaries };
         let (image, base) = self.image_at(inner, offset)?;
-        parse_record_near(image, base, offset, store_tag, accept)
+        parse_record_near(image, base, offset, &context, accept)
     }
 }

@@ -173,7 +173,14 @@ impl Inner {
             padding_bytes: Counters::get(&c.padding_bytes),
             metadata_bytes: Counters::get(&c.metadata_bytes),
             data_bytes: Counters::get(&c.data_bytes),
-            codec: self.codec_counters.snapshot(),
+            codec: {
+                let mut codec = self.codec_counters.snapshot();
+                let dictionaries = self.dictionaries.read();
+                codec.dictionary_count = dictionaries.table.len() as u64;
+                codec.dictionary_bytes = dictionaries.table.iter().map(|d| d.bytes.len() as u64).sum();
+                codec.dictionary_newest_id = dictionaries.newest.as_ref().map_or(0, |d| d.id as u64);
+                codec
+            },
             checksum_errors: Counters::get(&c.checksum_errors),
             gc_bytes_moved: Counters::get(&c.gc_bytes_moved),
             gc_segments_cleaned: Counters::get(&c.gc_segments_cleaned),

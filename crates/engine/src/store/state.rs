@@ -147,6 +147,9 @@ pub(crate) struct Inner {
     pub foreground_rounds: AtomicU64,
     /// Host writes' pace against GC (no lock: atomics).
     pub pacer: super::pacing::Pacer,
+    /// The trained dictionaries (`dictionaries.rs`). Outside the lock order: held only to
+    /// read or swap `Arc`s, never while taking another lock.
+    pub dictionaries: parking_lot::RwLock<super::dictionaries::DictionaryState>,
     /// What recovery found damaged (set once, at open).
     pub recovery: OnceLock<RecoveryFindings>,
 }

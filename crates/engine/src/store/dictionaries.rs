@@ -1,0 +1,366 @@
+//! The store's trained zstd dictionaries: the table the checkpoint carries, training one
+//! from the store's own blocks, installing it, and freeing the ones no fragment uses
+//! (docs/format.md, "Dictionaries"; docs/space.md, "Trained dictionaries").
+//!
+//! Invariants:
+//! - A dictionary is durable before any fragment names it: it is added to the table, then
+//!   two checkpoints are written (each carries the table, and both superblock slots then
+//!   point at one), and only then is it `newest` — the dictionary GC and `recompress`
+//!   compress with. Whichever retained checkpoint recovery loads, and whatever log it
+//!   replays after it, every `ZstdDict` fragment there names a dictionary that checkpoint
+//!   carries. A crash before that leaves a table entry no fragment names (harmless; freed by
+//!   the next recompression with a newer dictionary).
+//! - A dictionary leaves the table only after a recompression into a newer one cleaned every
+//!   segment that held a compressed fragment when it started, and no fragment naming an
+//!   older dictionary was moved without being recompressed (a damaged one, which GC moves
+//!   as it is) since it started; while `newest` exists, all GC (background included, even
+//!   with every core busy) recompresses fragments of older dictionaries. The host's write
+//!   path never uses a dictionary. The checkpoint written next no longer carries it; the
+//!   older retained checkpoint still does, for the log between the two.
+//! - A dictionary dropped from the table stays in `known` until close: a read that looked up
+//!   the map before the recompression may still decode the old fragment.
+//! - Ids count from 1 and are never reused within a run; a dictionary's id is in its own
+//!   header and in every frame made with it.
+//! - The state's lock is outside the lock order: it is held only to read or swap `Arc`s,
+//!   never while another lock is taken.
+
+use std::sync::Arc;
+
+use std::collections::BTreeMap;
+
+use super::gc::{RecompressReport, RecompressTarget};
+use super::op::{Block, LiveFragment};
+use super::space::SpaceClass;
+use super::state::{new_buffer, round_up, Inner};
+use crate::codec::CodecTag;
+use crate::codec::{Dictionary, DictionarySet, DICTIONARIES_MAX, DICTIONARY_BYTES_DEFAULT};
+use crate::error::{Error, ErrorKind, Result};
+use crate::format::DictionaryEntry;
+use crate::format::{FragmentEntry, PI_BYTES};
+use crate::map::{Entry, PackedEntry, Stored, WalkItem};
+use crate::types::{Lba, SegmentId};
+use crate::{BLOCK_SIZE, SECTOR_SIZE};
+
+/// Blocks sampled for training at most: 4 MiB of blocks, picked across the store (zstd
+/// suggests about 100 times the dictionary's size; 4 MiB trained a 112 KiB dictionary in
+/// 0.3–0.5 s here and gave the ratios of docs/space.md, "Trained dictionaries").
+pub const TRAINING_SAMPLE_BLOCKS_MAX: usize = 1024;
+
+/// How `Store::recompress_with_new_dictionary` trains its dictionary.
+#[derive(Debug, Clone, Copy)]
+pub struct DictionaryOptions {
+    /// The zstd level fragments are recompressed at with the dictionary.
+    pub level: i32,
+    /// The dictionary's size at most.
+    pub size_bytes: usize,
+    /// Blocks sampled across the map at most.
+    pub sample_blocks_max: usize,
+}
+
+impl Default for DictionaryOptions {
+    fn default() -> DictionaryOptions {
+        DictionaryOptions {
+            level: DICTIONARY_LEVEL_DEFAULT,
+            size_bytes: DICTIONARY_BYTES_DEFAULT,
+            sample_blocks_max: TRAINING_SAMPLE_BLOCKS_MAX,
+        }
+    }
+}
+
+/// The level `recompress --train` uses unless told, and so GC from then on: docs/space.md,
+/// "Trained dictionaries". With a 112 KiB dictionary, zstd:3 took 2.34 on text lines and
+/// 2.87 on the tablespace (zstd:1 alone 1.64, 2.14) at about 35 µs a block; zstd:6 gained
+/// 5–8% on text, files and the VM image (lost 2% on the tablespace) for 2.7 times the CPU
+/// — too much for GC, which recompresses at this level in the background on every move.
+pub const DICTIONARY_LEVEL_DEFAULT: i32 = 3;
+
+#[derive(Debug, Default)]
+pub(crate) struct DictionaryState {
+    /// What the next checkpoint carries, ascending by id.
+    pub table: Vec<Arc<Dictionary>>,
+    /// The dictionary GC compresses with: the newest in the table, once both retained
+    /// checkpoints carry it.
+    pub newest: Option<Arc<Dictionary>>,
+    /// Every dictionary a fragment may name: the table and those dropped from it since open.
+    pub known: Arc<DictionarySet>,
+    /// The id the next trained dictionary gets.
+    pub next_id: u32,
+    /// The log's next sequence number when `newest` became GC's (and every GC that began
+    /// before had finished): a segment first used from then on holds no fragment of an
+    /// older dictionary, but a damaged one GC moved as it is (which reads fail anyway).
+    /// Carried by the checkpoint, so a later run need not look at the segments written
+    /// since. 0: not known (yet) — then every segment may hold an older one's fragments.
+    pub newest_since_seq: u64,
+    /// The `since_seq` each dictionary of the table had when loaded (0: not known).
+    pub loaded_since_seq: std::collections::BTreeMap<u32, u64>,
+}
+
+impl DictionaryState {
+    /// The state a checkpoint's table gives at open. The newest dictionary is not usable
+    /// until a checkpoint written by this run carries it too (`Store::open_backing`).
+    pub fn recovered(entries: &[DictionaryEntry]) -> Result<DictionaryState> {
+        let table = entries
+            .iter()
+            .map(|e| Dictionary::new(e.id, e.level, e.bytes.clone()).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let next_id = table.last().map_or(1, |d| d.id + 1);
+        let known = Arc::new(DictionarySet::new(table.clone()));
+        let loaded_since_seq = entries.iter().map(|e| (e.id, e.since_seq)).collect();
+        Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0, loaded_since_seq })
+    }
+
+    /// The table as the checkpoint writes it.
+    pub fn entries(&self) -> Vec<DictionaryEntry> {
+        self.table
+            .iter()
+            .map(|d| DictionaryEntry {
+                id: d.id,
+                level: d.level,
+                since_seq: self.since_seq_of(d.id),
+                bytes: d.bytes.clone(),
+            })
+            .collect()
+    }
+
+    /// The sequence number from which segments hold no fragment of a dictionary older than
+    /// `id` (0: not known).
+    pub fn since_seq_of(&self, id: u32) -> u64 {
+        match &self.newest {
+            Some(newest) if newest.id == id => self.newest_since_seq,
+            _ => self.loaded_since_seq.get(&id).copied().unwrap_or(0),
+        }
+    }
+}
+
+/// What a recompression into a new dictionary did to the table.
+#[derive(Debug, Clone, Default)]
+pub struct DictionaryReport {
+    /// The id of the dictionary trained.
+    pub id: u32,
+    pub size_bytes: u64,
+    /// Blocks it was trained on, and the time training took.
+    pub sample_blocks: u64,
+    pub training_ms: u64,
+    /// Older dictionaries dropped from the table because no fragment names them any more.
+    pub freed_ids: Vec<u32>,
+}
+
+impl Inner {
+    /// Every dictionary a fragment of this store may name (for decoding).
+    pub(crate) fn dictionary_set(&self) -> Arc<DictionarySet> {
+        Arc::clone(&self.dictionaries.read().known)
+    }
+
+    /// The dictionary GC recompresses into, if any.
+    pub(crate) fn newest_dictionary(&self) -> Option<Arc<Dictionary>> {
+        self.dictionaries.read().newest.clone()
+    }
+
+    /// Up to `blocks_max` blocks picked evenly across the stored blocks of the map (not
+    /// zeroes, not holes), read and decoded as a host read would.
+    pub(crate) fn sample_blocks(&self, blocks_max: usize) -> Result<Vec<Vec<u8>>> {
+        let mut stored: Vec<Lba> = Vec::new();
+        {
+            let map = self.map.read();
+            map.walk_current(0, map.block_count(), self, &mut |item| {
+                match item {
+                    WalkItem::Leaf(first, body) => {
+                        for (i, &value) in body.iter().enumerate() {
+                            if matches!(PackedEntry(value).unpack(), Ok(Entry::Stored(_))) {
+                                stored.push(Lba(first.first_lba().0 + i as u64));
+                            }
+                        }
+                    }
+                    WalkItem::Constant(..) | WalkItem::Page(_) => {}
+                }
+                Ok(())
+            })?;
+        }
+        let step = stored.len().div_ceil(blocks_max.max(1)).max(1);
+        let mut samples = Vec::new();
+        for &lba in stored.iter().step_by(step) {
+            let mut block = vec![0u8; BLOCK_SIZE];
+            self.read(lba.0 * BLOCK_SIZE as u64, &mut block)?;
+            samples.push(block);
+        }
+        Ok(samples)
+    }
+
+    /// Trains a dictionary on a sample of the store's blocks and installs it (module
+    /// comment: durable in both retained checkpoints before it is `newest`).
+    pub(crate) fn train_and_install(&self, options: &DictionaryOptions) -> Result<(Arc<Dictionary>, DictionaryReport)> {
+        self.check_writable()?;
+        let samples = self.sample_blocks(options.sample_blocks_max)?;
+        // zstd's builder wants enough material; a nearly empty store has nothing to learn.
+        if samples.len() < 8 {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("{} stored blocks: too few to train a dictionary on", samples.len()),
+            ));
+        }
+        if self.dictionaries.read().table.len() >= DICTIONARIES_MAX {
+            // Runs cut short left their dictionaries behind: free those nothing names.
+            self.free_unnamed_dictionaries()?;
+        }
+        let id = {
+            let state = self.dictionaries.read();
+            if state.table.len() >= DICTIONARIES_MAX {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("the store keeps {} dictionaries already", state.table.len()),
+                ));
+            }
+            state.next_id
+        };
+        let started = std::time::Instant::now();
+        let dictionary = Arc::new(Dictionary::train(&samples, id, options.level, options.size_bytes)?);
+        let training_ms = started.elapsed().as_millis() as u64;
+        {
+            let mut state = self.dictionaries.write();
+            state.next_id = id + 1;
+            state.table.push(Arc::clone(&dictionary));
+            let mut known: Vec<_> = state.known.iter().cloned().collect();
+            known.push(Arc::clone(&dictionary));
+            state.known = Arc::new(DictionarySet::new(known));
+        }
+        // Both superblock slots must point at checkpoints carrying it (module comment).
+        self.checkpoint_now()?;
+        self.checkpoint_now()?;
+        {
+            // Its since number is not known until the GC rounds below have finished: 0 (a
+            // checkpoint in between must not give it the previous dictionary's).
+            let mut state = self.dictionaries.write();
+            state.newest = Some(Arc::clone(&dictionary));
+            state.newest_since_seq = 0;
+        }
+        // A GC round that chose its target before this has finished once the checkpoint
+        // lock is free (GC holds it throughout): from here on, every GC uses `newest`.
+        drop(self.checkpoint.lock());
+        let since_seq = self.log.lock().appender.next_seq;
+        self.dictionaries.write().newest_since_seq = since_seq;
+        let report = DictionaryReport {
+            id,
+            size_bytes: dictionary.bytes.len() as u64,
+            sample_blocks: samples.len() as u64,
+            training_ms,
+            freed_ids: Vec::new(),
+        };
+        Ok((dictionary, report))
+    }
+
+    /// Trains a dictionary, installs it, recompresses every compressed fragment into it
+    /// (GC's cleaning of every segment holding one, `Inner::recompress`), then frees the
+    /// older dictionaries if no fragment names them any more. `progress` counts segments.
+    pub(crate) fn recompress_with_new_dictionary(
+        &self,
+        options: &DictionaryOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<RecompressReport> {
+        self.check_writable()?;
+        let before = self.stats();
+        let (dictionary, mut trained) = self.train_and_install(options)?;
+        let mut report = self.recompress(RecompressTarget::dictionary(Arc::clone(&dictionary), false), progress)?;
+        trained.freed_ids = self.free_unnamed_dictionaries()?;
+        report.before = before;
+        report.after = self.stats();
+        report.dictionary = Some(trained);
+        Ok(report)
+    }
+
+    /// Drops every dictionary but the newest from the table once no fragment the map
+    /// points at names another, and checkpoints; returns the ids dropped. Only segments
+    /// first used before `newest_since_seq` may hold such a fragment (usually only the segment that was open when the
+    /// recompression started, which it could not clean): their dictionary fragments are read,
+    /// and those naming an older dictionary are recompressed into `newest` in place of GC
+    /// (a batch record whose entries go in only where the map still points at the old
+    /// fragment). Held under the checkpoint and GC locks: no other fragment moves and no
+    /// segment is freed while it looks. Any fragment it cannot rewrite keeps the table.
+    pub(crate) fn free_unnamed_dictionaries(&self) -> Result<Vec<u32>> {
+        let freed = self.drop_unnamed_dictionaries()?;
+        if !freed.is_empty() {
+            self.checkpoint_now()?;
+        }
+        Ok(freed)
+    }
+
+    /// `free_unnamed_dictionaries` but the checkpoint.
+    fn drop_unnamed_dictionaries(&self) -> Result<Vec<u32>> {
+        let (newest, start_seq) = {
+            let state = self.dictionaries.read();
+            match &state.newest {
+                // (0: not known yet — every segment may hold an older one's fragments.)
+                Some(newest) if state.table.iter().any(|d| d.id != newest.id) => {
+                    (Arc::clone(newest), Some(state.newest_since_seq).filter(|&s| s != 0).unwrap_or(u64::MAX))
+                }
+                _ => return Ok(Vec::new()),
+            }
+        };
+        let newest = &newest;
+        let _checkpoint = self.checkpoint.lock();
+        let _gc = self.gc_lock.lock();
+        // Every fragment the map points at is on disk from here on: the host's writes
+        // (which make no dictionary fragment) are the only appends while the locks are held.
+        self.flush()?;
+        let mut suspects: BTreeMap<SegmentId, Vec<(Lba, Stored)>> = BTreeMap::new();
+        {
+            let map = self.map.read();
+            map.walk_current(0, map.block_count(), self, &mut |item| {
+                if let WalkItem::Leaf(id, body) = item {
+                    for (slot, &value) in body.iter().enumerate() {
+                        if let Ok(Entry::Stored(s)) = PackedEntry(value).unpack() {
+                            if s.codec == CodecTag::ZstdDict {
+                                let lba = Lba(id.first_lba().0 + slot as u64);
+                                suspects.entry(self.geometry.segment_of(s.offset_bytes)).or_default().push((lba, s));
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })?;
+        }
+        {
+            let log = self.log.lock();
+            suspects.retain(|&segment, _| {
+                let first_seq = log.segments.get(segment).first_seq;
+                first_seq == 0 || first_seq < start_seq
+            });
+        }
+        let mut older = Vec::new();
+        for (segment, fragments) in &suspects {
+            let base = self.geometry.segment_base(*segment);
+            let end = fragments.iter().map(|(_, s)| s.offset_bytes + s.stored_len as u64).max().unwrap_or(base);
+            let mut image = new_buffer(round_up(end - base, SECTOR_SIZE as u64) as usize);
+            self.backing
+                .read_at(base, &mut image)
+                .map_err(|e| Error::io(format!("read of segment {segment} for its dictionaries"), e))?;
+            for &(lba, s) in fragments {
+                let at = (s.offset_bytes - base) as usize;
+                let bytes = &image[at..at + s.stored_len as usize];
+                let named = bytes.get(PI_BYTES..).and_then(crate::codec::frame_dictionary_id);
+                if named != Some(newest.id) {
+                    let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
+                    let block = Block { entry, bytes: bytes.to_vec() };
+                    older.push(LiveFragment { lba, old: PackedEntry::stored(s), block });
+                }
+            }
+        }
+        if !older.is_empty() {
+            let count = older.len();
+            let target = RecompressTarget::dictionary(Arc::clone(newest), false);
+            let (verbatim, recompressed) = self.recompress_live(older, Some(&target));
+            if !verbatim.is_empty() {
+                tracing::warn!("dictionaries kept: {} fragments naming older ones do not recompress", verbatim.len());
+                return Ok(Vec::new());
+            }
+            match self.relocate(Vec::new(), recompressed, SpaceClass::Gc) {
+                Ok(()) => tracing::info!("{count} fragments of older dictionaries recompressed before freeing them"),
+                Err(e) if e.kind() == ErrorKind::NoSpace => return Ok(Vec::new()),
+                Err(e) => return Err(e),
+            }
+        }
+        let mut state = self.dictionaries.write();
+        let freed: Vec<u32> = state.table.iter().map(|d| d.id).filter(|&id| id != newest.id).collect();
+        state.table.retain(|d| d.id == newest.id);
+        Ok(freed)
+    }
+}
