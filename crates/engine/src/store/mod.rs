@@ -19,6 +19,7 @@
 //! | `checkpoint` | checkpoints and the reuse rule |
 //! | `pages` | map pages on the store: reading them, a checkpoint writing them |
 //! | `gc` | victim choice, live collection, relocation |
+//! | `dictionaries` | trained zstd dictionaries: training, installing, freeing |
 //! | `worker` | the background threads |
 //! | `recovery` | choose checkpoint, rebuild, replay, settle |
 //! | `scan` | reading records back from segment images |
