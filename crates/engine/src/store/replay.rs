@@ -201,49 +201,28 @@ impl Inner {
                     record
                 }
                 Choice::Torn => break,
-                Choice::Missing => match self.look_past(&mut cache, &mut starts, cursor) {
-                    PastLoss::Successor(next) => {
-                        let lost = DamagedRecord {
-                            torn_tail: false,
-                            maps_nothing: false,
-                            offset_bytes: cursor.offset,
-                            what: format!(
-                                "records {}..{} lost (no copy of their description survives); later records prove they were durable",
-                                cursor.seq,
-                                next.header.seq - 1
-                            ),
-                            lbas: Vec::new(),
-                        };
-                        tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
-                        findings.damaged.push(lost);
-                        findings
-                            .degraded
-                            .get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
-                        // What survives of a group the loss cut is durable: apply it.
-                        self.apply_group(&map, log, &mut group, &mut findings)?;
-                        next
+                Choice::Missing => {
+                    let past = self.look_past(&mut cache, &mut starts, cursor);
+                    let what = match &past {
+                        PastLoss::End => break, // the end of the log
+                        PastLoss::Successor(next) => format!(
+                            "records {}..{} lost (no copy of their description survives); later records prove they were durable",
+                            cursor.seq,
+                            next.header.seq - 1
+                        ),
+                        PastLoss::ProvenDurable => format!(
+                            "record {} lost (no copy of its description survives); a later record proves it was durable, and no record after it can be shown to continue this log",
+                            cursor.seq
+                        ),
+                    };
+                    note_loss(&mut findings, cursor, what);
+                    // What survives of a group the loss cut is durable: apply it.
+                    self.apply_group(&map, log, &mut group, &mut findings)?;
+                    match past {
+                        PastLoss::Successor(next) => next,
+                        _ => break,
                     }
-                    PastLoss::ProvenDurable => {
-                        let lost = DamagedRecord {
-                            torn_tail: false,
-                            maps_nothing: false,
-                            offset_bytes: cursor.offset,
-                            what: format!(
-                                "record {} lost (no copy of its description survives); a later record proves it was durable, and no record after it can be shown to continue this log",
-                                cursor.seq
-                            ),
-                            lbas: Vec::new(),
-                        };
-                        tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
-                        findings.damaged.push(lost);
-                        findings
-                            .degraded
-                            .get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
-                        self.apply_group(&map, log, &mut group, &mut findings)?;
-                        break;
-                    }
-                    PastLoss::End => break, // the end of the log
-                },
+                }
             };
             let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
             self.note_replayed(&map, log, &record, damage_free)?;
@@ -650,6 +629,15 @@ impl Inner {
         }
         claim
     }
+}
+
+/// Records a loss at the cursor: the store opens degraded from its sequence number on.
+fn note_loss(findings: &mut RecoveryFindings, cursor: Cursor, what: String) {
+    let lost =
+        DamagedRecord { torn_tail: false, maps_nothing: false, offset_bytes: cursor.offset, what, lbas: Vec::new() };
+    tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
+    findings.damaged.push(lost);
+    findings.degraded.get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
 }
 
 /// What a damaged-but-recovered record's report says; `why` says why it was applied.

@@ -173,14 +173,7 @@ impl Inner {
             padding_bytes: Counters::get(&c.padding_bytes),
             metadata_bytes: Counters::get(&c.metadata_bytes),
             data_bytes: Counters::get(&c.data_bytes),
-            codec: {
-                let mut codec = self.codec_counters.snapshot();
-                let dictionaries = self.dictionaries.read();
-                codec.dictionary_count = dictionaries.table.len() as u64;
-                codec.dictionary_bytes = dictionaries.table.iter().map(|d| d.bytes.len() as u64).sum();
-                codec.dictionary_newest_id = dictionaries.newest.as_ref().map_or(0, |d| d.id as u64);
-                codec
-            },
+            codec: self.codec_stats(),
             checksum_errors: Counters::get(&c.checksum_errors),
             gc_bytes_moved: Counters::get(&c.gc_bytes_moved),
             gc_segments_cleaned: Counters::get(&c.gc_segments_cleaned),
@@ -220,6 +213,18 @@ impl Inner {
             paced_writes: self.pacer.paced_writes(),
             paced_wait_ns: self.pacer.paced_wait_ns(),
         }
+    }
+}
+
+impl Inner {
+    /// Codec choices since open, and the dictionary table as it is now.
+    fn codec_stats(&self) -> crate::stats::CodecStats {
+        let mut codec = self.codec_counters.snapshot();
+        let dictionaries = self.dictionaries.read();
+        codec.dictionary_count = dictionaries.table.len() as u64;
+        codec.dictionary_bytes = dictionaries.table.iter().map(|d| d.bytes.len() as u64).sum();
+        codec.dictionary_newest_id = dictionaries.newest.as_ref().map_or(0, |d| d.id as u64);
+        codec
     }
 }
 
