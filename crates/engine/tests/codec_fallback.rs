@@ -9,36 +9,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use rand::rngs::StdRng;
 use rand::Rng;
 use zdisk_engine::{Codec, CodecFallback, FormatOptions, OpenOptions, Store};
 
 const ZSTD: Codec = Codec::Zstd { level: 1 };
-
-/// Text-like blocks (words from a small vocabulary), where zstd stores clearly fewer bytes
-/// than LZ4 — what recompression is for.
-fn text_data(rng: &mut StdRng, len: usize) -> Vec<u8> {
-    const WORDS: [&str; 12] = [
-        "the ",
-        "block ",
-        "segment ",
-        "zdisk ",
-        "of ",
-        "checkpoint\n",
-        "map ",
-        "compress ",
-        "GC ",
-        "and ",
-        "log ",
-        "replay ",
-    ];
-    let mut out = Vec::with_capacity(len + 16);
-    while out.len() < len {
-        out.extend_from_slice(WORDS[rng.gen_range(0..WORDS.len())].as_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 fn options(fallback: CodecFallback) -> OpenOptions {
     OpenOptions { codec_fallback: fallback, ..test_options() }
@@ -54,7 +28,7 @@ fn store_of_fallback_blocks(seed: u64) -> (Arc<zdisk_engine::sim::SimDisk>, Vec<
     let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, seed);
     let store = Store::open_backing(disk.clone(), &options(CodecFallback::Always)).unwrap();
     let mut rng = rng(seed);
-    let image = text_data(&mut rng, 1 << 20);
+    let image = word_text(&mut rng, 1 << 20);
     for (i, chunk) in image.chunks(64 << 10).enumerate() {
         store.write((i as u64) << 16, chunk, false).unwrap();
     }
@@ -80,7 +54,7 @@ fn fallback_blocks_are_lz4_fragments_counted_and_read_back_identical() {
 fn a_lone_writer_in_auto_mode_uses_the_stores_codec() {
     let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, 7);
     let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
-    let data = text_data(&mut rng(7), 256 << 10);
+    let data = word_text(&mut rng(7), 256 << 10);
     store.write(0, &data, false).unwrap();
     let stats = store.stats();
     // One thread compresses at a time: a core is always free for zstd.
@@ -145,7 +119,7 @@ fn recompress_moves_every_fallback_fragment_and_raises_comp_ratio() {
 fn recompress_into_a_stronger_level_takes_the_stores_own_codec_too() {
     let disk = new_disk(48, 64 << 10, 1 << 20, Codec::Lz4, 13);
     let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
-    let image = text_data(&mut rng(13), 1 << 20);
+    let image = word_text(&mut rng(13), 1 << 20);
     store.write(0, &image, false).unwrap();
     // An LZ4 store has nothing in another codec...
     assert_eq!(store.recompress(None, &mut |_, _| {}).unwrap().segments, 0);
@@ -206,7 +180,7 @@ fn host_overwrites_racing_recompression_always_win() {
                 for i in 0..2500 {
                     let offset = rng.gen_range(0..region / 4096 - 4) * 4096;
                     let len = rng.gen_range(1..=4) * 4096;
-                    let data = text_data(&mut rng, len as usize);
+                    let data = word_text(&mut rng, len as usize);
                     store.write(t * region + offset, &data, i % 200 == 0).unwrap();
                     model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                     if i % 10 == 0 {

@@ -39,36 +39,9 @@ struct Scenario {
     dictionaries: bool,
 }
 
-/// Text-like blocks: words of a small vocabulary, a dictionary's best case.
-fn text_data(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
-    const WORDS: [&str; 12] = [
-        "segment ",
-        "zdisk ",
-        "checkpoint ",
-        "the ",
-        "of ",
-        "GC\n",
-        "map ",
-        "dictionary ",
-        "42 ",
-        "fragment ",
-        "log ",
-        "and ",
-    ];
-    let mut data = Vec::with_capacity(len + 16);
-    while data.len() < len {
-        data.extend_from_slice(WORDS[rng.gen_range(0..WORDS.len())].as_bytes());
-        if rng.gen_bool(0.05) {
-            data.extend_from_slice(format!("{} ", rng.gen::<u32>()).as_bytes());
-        }
-    }
-    data.truncate(len);
-    data
-}
-
 fn scenario_data(s: &Scenario, rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
     if s.dictionaries && rng.gen_bool(0.8) {
-        text_data(rng, len)
+        word_text(rng, len)
     } else {
         block_data(rng, len, s.incompressible_percent)
     }
