@@ -29,6 +29,9 @@ pub struct AttachArgs {
     /// Use nbdfuse + loop even where the kernel NBD client is available.
     #[arg(long)]
     pub fuse: bool,
+    /// An encrypted store's key, for the server attach starts.
+    #[command(flatten)]
+    pub key: crate::keys::KeyArgs,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -78,7 +81,9 @@ fn wait_for_serve(uuid: &str, server: &mut Child, log: &Path) -> Result<ServeSta
 }
 
 /// Starts `zdisk serve STORE --unix RUN_DIR/<uuid>.sock` detached from our session.
-fn start_background_server(store: &Path, uuid: &str) -> Result<ServeState> {
+/// An encrypted store's key reaches it as `--key-file`, or a passphrase on its stdin.
+fn start_background_server(store: &Path, uuid: &str, key: &crate::keys::KeyArgs) -> Result<ServeState> {
+    let secret = key.secret_for(store)?;
     let run_dir = runtime::run_dir();
     std::fs::create_dir_all(&run_dir)?;
     let socket = run_dir.join(format!("{uuid}.sock"));
@@ -91,7 +96,7 @@ fn start_background_server(store: &Path, uuid: &str) -> Result<ServeState> {
         .arg(store)
         .arg("--unix")
         .arg(&socket)
-        .stdin(Stdio::null())
+        .stdin(if secret.is_some() && key.key_file.is_none() { Stdio::piped() } else { Stdio::null() })
         .stdout(log.try_clone()?)
         .stderr(log);
     // SAFETY: setsid is async-signal-safe and touches no memory; it detaches the server from
@@ -104,7 +109,24 @@ fn start_background_server(store: &Path, uuid: &str) -> Result<ServeState> {
             Ok(())
         });
     }
+    match (&key.key_file, &secret) {
+        (Some(path), Some(_)) => {
+            command.arg("--key-file").arg(std::path::absolute(path)?);
+        }
+        (None, Some(_)) => {
+            command.arg("--passphrase-stdin");
+        }
+        _ => {}
+    }
     let mut child = command.spawn().context("starting zdisk serve")?;
+    if let (Some(stdin), Some(secret)) = (child.stdin.take(), &secret) {
+        use std::io::Write;
+        let mut stdin = stdin;
+        stdin
+            .write_all(secret.expose_bytes())
+            .and_then(|()| stdin.write_all(b"\n"))
+            .context("passing the passphrase")?;
+    }
     let serve = wait_for_serve(uuid, &mut child, &log_path)?;
     // Serving: the server outlives us (init reaps it after we exit); from here it is tracked
     // by pid.
@@ -144,7 +166,7 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
                 bail!("{} is open in another process that is not a `zdisk serve`; cannot attach", store.display());
             }
             eprintln!("zdisk: {} is not being served; starting a server", store.display());
-            let serve = start_background_server(&store, &info.uuid)?;
+            let serve = start_background_server(&store, &info.uuid, &args.key)?;
             state.started_serve_pid = Some(serve.pid);
             serve
         }

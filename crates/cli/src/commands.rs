@@ -6,7 +6,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
-use zdisk_engine::{Codec, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
+use std::sync::Arc;
+
+use zdisk_engine::{Codec, Encryption, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
+
+use crate::keys::{KdfArgs, KeyArgs};
 
 use crate::runtime;
 use crate::size::{human_bytes, LogicalSize, OverProvision, Size};
@@ -39,6 +43,15 @@ pub struct FormatArgs {
     /// Overwrite an existing zdisk store or other data on STORE.
     #[arg(long)]
     pub force: bool,
+    /// Encrypt the store: every block is compressed, then sealed with AES-256-GCM-SIV
+    /// (docs/format.md, "Encryption"). The key comes from --key-file, --passphrase-stdin, or
+    /// a passphrase asked twice on the terminal.
+    #[arg(long)]
+    pub encrypt: bool,
+    #[command(flatten)]
+    pub key: KeyArgs,
+    #[command(flatten)]
+    pub kdf: KdfArgs,
 }
 
 fn parse_codec(text: &str) -> Result<Codec, String> {
@@ -66,7 +79,18 @@ pub fn format(args: &FormatArgs) -> Result<()> {
         }
     };
     let segment_size_bytes = args.segment_size.map(|s| s.0);
-    let native = zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0);
+    let native =
+        zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0, args.encrypt);
+    if !args.encrypt && (args.key.key_file.is_some() || args.key.passphrase_stdin) {
+        bail!("--key-file and --passphrase-stdin need --encrypt");
+    }
+    let encryption = match args.encrypt {
+        true => Some(Encryption {
+            secret: Arc::new(args.key.read(&format!("New passphrase for {}: ", args.store.display()), true)?),
+            kdf: args.kdf.params(),
+        }),
+        false => None,
+    };
     let logical = args.logical_size.resolve(native);
     let options = FormatOptions {
         physical_size_bytes: physical,
@@ -75,6 +99,7 @@ pub fn format(args: &FormatArgs) -> Result<()> {
         segment_size_bytes,
         force: args.force,
         over_provision_ppm: args.over_provision.0,
+        encryption,
     };
     let info = Store::format(&args.store, &options).with_context(|| format!("formatting {}", args.store.display()))?;
     println!("formatted {}", args.store.display());
@@ -101,6 +126,8 @@ pub fn format(args: &FormatArgs) -> Result<()> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct StatArgs {
     pub store: PathBuf,
+    #[command(flatten)]
+    pub key: KeyArgs,
     /// One JSON object: the six capacity-stat keys (bytes; comp_ratio a number) and every
     /// engine statistic under its engine name, plus `source` ("live" or "offline").
     #[arg(long)]
@@ -142,9 +169,14 @@ fn fresh_live_stats(uuid: &str) -> Option<(Stats, Source)> {
 }
 
 /// Statistics of a store, served or not.
-pub fn collect_stats(store: &Path) -> Result<(zdisk_engine::StoreInfo, Stats, Source)> {
+pub fn collect_stats(store: &Path, key: &KeyArgs) -> Result<(zdisk_engine::StoreInfo, Stats, Source)> {
     let info = Store::info(store).with_context(|| format!("reading {}", store.display()))?;
-    let options = OpenOptions { read_only: true, ..OpenOptions::default() };
+    if info.encrypted && runtime::store_is_locked(store, zdisk_engine::Lock::Shared)? {
+        // Served: the server's numbers, which need no key.
+        let (stats, source) = live_stats(&info.uuid)?;
+        return Ok((info, stats, source));
+    }
+    let options = OpenOptions { read_only: true, key: key.secret_for(store)?, ..OpenOptions::default() };
     match Store::open(store, &options) {
         Ok(opened) => {
             let stats = opened.stats();
@@ -254,7 +286,7 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
 }
 
 pub fn stat(args: &StatArgs) -> Result<()> {
-    let (info, stats, source) = collect_stats(&args.store)?;
+    let (info, stats, source) = collect_stats(&args.store, &args.key)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&stats_json(&info, &stats, &source)?)?);
         return Ok(());
@@ -265,6 +297,8 @@ pub fn stat(args: &StatArgs) -> Result<()> {
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckArgs {
     pub store: PathBuf,
+    #[command(flatten)]
+    pub key: KeyArgs,
     /// Print the report as JSON (`clean`, `blocks_checked`, `records_checked`, `problems`,
     /// `damage`: each problem with its byte offset on the backing store and the LBA ranges
     /// it affects, `notes`: what a crash leaves that costs nothing).
@@ -277,7 +311,7 @@ pub const CHECK_DAMAGED_EXIT: i32 = 3;
 
 pub fn check(args: &CheckArgs) -> Result<i32> {
     Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
-    let options = OpenOptions { read_only: true, ..OpenOptions::default() };
+    let options = OpenOptions { read_only: true, key: args.key.secret_for(&args.store)?, ..OpenOptions::default() };
     let store = match Store::open(&args.store, &options) {
         Ok(store) => store,
         Err(e) if e.kind() == ErrorKind::Locked => {
@@ -367,6 +401,8 @@ pub struct ResizeArgs {
     /// only; refused when the data stored now would not fit the native capacity it leaves.
     #[arg(long, value_name = "PCT")]
     pub over_provision: Option<OverProvision>,
+    #[command(flatten)]
+    pub key: KeyArgs,
 }
 
 pub fn resize(args: &ResizeArgs) -> Result<()> {
@@ -376,9 +412,11 @@ pub fn resize(args: &ResizeArgs) -> Result<()> {
         info.physical_size_bytes,
         Some(info.segment_size_bytes),
         over_provision_ppm,
+        info.encrypted,
     );
     let logical = args.logical_size.map(|size| size.resolve(native));
-    match Store::open(&args.store, &OpenOptions::default()) {
+    let options = OpenOptions { key: args.key.secret_unless_served(&args.store)?, ..OpenOptions::default() };
+    match Store::open(&args.store, &options) {
         Ok(store) => {
             let context = || format!("resizing {}", args.store.display());
             if let Some(op) = args.over_provision {

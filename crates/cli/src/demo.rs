@@ -42,7 +42,7 @@ fn format_store(args: &DemoArgs, store: &Path) -> Result<zdisk_engine::StoreInfo
     step(&format!("formatting {} ({} physical)", store.display(), args.physical_size));
     let physical = args.physical_size.0;
     let over_provision_ppm = zdisk_engine::OVER_PROVISION_DEFAULT_PPM;
-    let native = zdisk_engine::native_capacity_of_physical(physical, None, over_provision_ppm);
+    let native = zdisk_engine::native_capacity_of_physical(physical, None, over_provision_ppm, false);
     let options = FormatOptions {
         physical_size_bytes: physical,
         logical_size_bytes: args.logical_size.resolve(native),
@@ -50,6 +50,7 @@ fn format_store(args: &DemoArgs, store: &Path) -> Result<zdisk_engine::StoreInfo
         segment_size_bytes: None,
         force: true,
         over_provision_ppm,
+        encryption: None,
     };
     let info = Store::format(store, &options).context("formatting the demo store")?;
     eprintln!(
@@ -275,7 +276,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
 
     step("zdisk stat (live, from the running server)");
     std::thread::sleep(Duration::from_millis(1500));
-    let (info_now, stats, source) = commands::collect_stats(&store)?;
+    let (info_now, stats, source) = commands::collect_stats(&store, &Default::default())?;
     commands::print_stats(&store, &info_now, &stats, &source)?;
 
     step("stopping the server (SIGTERM: flush + checkpoint)");
@@ -283,13 +284,13 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     eprintln!("    stopped cleanly");
 
     step("zdisk check");
-    let code = commands::check(&commands::CheckArgs { store: store.clone(), json: false })?;
+    let code = commands::check(&commands::CheckArgs { store: store.clone(), json: false, key: Default::default() })?;
     if code != 0 {
         bail!("zdisk check found problems");
     }
 
     step("zdisk stat (offline, from the store itself)");
-    let (info_now, stats, source) = commands::collect_stats(&store)?;
+    let (info_now, stats, source) = commands::collect_stats(&store, &Default::default())?;
     commands::print_stats(&store, &info_now, &stats, &source)?;
 
     if args.keep || args.dir.is_some() {

@@ -7,6 +7,7 @@
 mod attach;
 mod commands;
 mod demo;
+mod keys;
 mod recompress;
 mod runtime;
 mod serve;
@@ -76,6 +77,9 @@ enum Cmd {
     Attach(attach::AttachArgs),
     /// Undo `zdisk attach`: release the device and stop the server attach started.
     Detach(attach::DetachArgs),
+    /// An encrypted store's key slots: list, add, remove, change (only the slots are
+    /// rewritten, never data; the store must not be served).
+    Key(keys::KeyCmdArgs),
     /// Format a scratch store, serve it, write real data through NBD, show the statistics.
     Demo(demo::DemoArgs),
     /// Benchmark zdisk against a raw baseline with fio.
@@ -112,6 +116,7 @@ fn main() {
         Cmd::Recompress(args) => recompress::run(args).map(|()| 0),
         Cmd::Attach(args) => attach::attach(args).map(|()| 0),
         Cmd::Detach(args) => attach::detach(args).map(|()| 0),
+        Cmd::Key(args) => keys::run(args).map(|()| 0),
         Cmd::Demo(args) => demo::run(args).map(|()| 0),
         Cmd::Bench(args) => zdisk_bench::run(args).map(|()| 0),
         Cmd::Tco(args) => zdisk_tco::run(args).map(|()| 0),

@@ -41,6 +41,8 @@ pub struct RecompressArgs {
     /// engine's statistics).
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub key: crate::keys::KeyArgs,
 }
 
 /// What a run did, offline or served.
@@ -67,7 +69,8 @@ pub fn run(args: &RecompressArgs) -> Result<()> {
     let info = Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
     let started = Instant::now();
     let mut progress = Progress::new(args);
-    let outcome = match Store::open(&args.store, &OpenOptions::default()) {
+    let options = OpenOptions { key: args.key.secret_unless_served(&args.store)?, ..OpenOptions::default() };
+    let outcome = match Store::open(&args.store, &options) {
         Ok(store) => {
             let mut show = |done, total| progress.show(done, total);
             let report = if args.train {

@@ -22,8 +22,10 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use zdisk_engine::Store;
 
+use crate::keys::KeyArgs;
 use crate::runtime::{self, ServeState};
 use crate::size::Size;
+use std::os::fd::AsRawFd;
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(group(clap::ArgGroup::new("listen").required(true).args(["unix", "tcp"])))]
@@ -82,6 +84,8 @@ pub struct ServeArgs {
     /// Pass -v to nbdkit (debug messages on stderr).
     #[arg(long, short = 'v')]
     pub verbose: bool,
+    #[command(flatten)]
+    pub key: KeyArgs,
 }
 
 /// The plugin: `$ZDISK_PLUGIN`, or `libnbdkit_zdisk_plugin.so` next to the `zdisk` binary
@@ -273,6 +277,23 @@ pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
     let pid_file = args.pid_file.clone().unwrap_or_else(|| scratch.path().join("nbdkit.pid"));
     let _ = std::fs::remove_file(&pid_file);
     let mut command = nbdkit_command(args, &plugin, &pid_file)?;
+    // An encrypted store's key: a key file by its path; a passphrase through a pipe nbdkit
+    // inherits (never on its command line). The pipe holds it until the plugin reads it.
+    let _passphrase_pipe = match (&args.key.key_file, args.key.secret_for(&args.store)?) {
+        (Some(path), Some(_)) => {
+            command.arg(format!("key-file={}", std::path::absolute(path)?.display()));
+            None
+        }
+        (None, Some(secret)) => {
+            let (read, write) = rustix::pipe::pipe().context("creating a pipe for the passphrase")?;
+            let mut write = std::fs::File::from(write);
+            write.write_all(secret.expose_bytes()).context("passing the passphrase")?;
+            drop(write);
+            command.arg(format!("passphrase-file=/proc/self/fd/{}", read.as_raw_fd()));
+            Some(read)
+        }
+        _ => None,
+    };
     let child = command.spawn().with_context(|| format!("starting {command:?}"))?;
     let mut nbdkit = Nbdkit { child: Some(child), uri: uri(args)? };
     // nbdkit writes the pid file after binding its socket and after the plugin's

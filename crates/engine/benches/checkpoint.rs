@@ -46,6 +46,7 @@ fn point(dir: &std::path::Path, mapped_bytes: u64, random_bytes: usize) {
             segment_size_bytes: None,
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();

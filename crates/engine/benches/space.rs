@@ -179,6 +179,7 @@ fn format_store(path: &std::path::Path, physical_bytes: u64, logical_bytes: u64,
             segment_size_bytes: Some(segment_bytes()),
             force: true,
             over_provision_ppm,
+            encryption: None,
         },
     )
     .unwrap();
@@ -234,7 +235,8 @@ fn wa_point(physical_bytes: u64, utilisation: f64, pattern: Pattern, quick: bool
 fn native_point(physical_bytes: u64, over_provision_ppm: u32) {
     let dir = bench_dir();
     let path = dir.path().join("native.zdisk");
-    let native = zdisk_engine::native_capacity_of_physical(physical_bytes, Some(segment_bytes()), over_provision_ppm);
+    let native =
+        zdisk_engine::native_capacity_of_physical(physical_bytes, Some(segment_bytes()), over_provision_ppm, false);
     let store = format_store(&path, physical_bytes, native, over_provision_ppm);
     let mut rng = StdRng::seed_from_u64(over_provision_ppm as u64);
     let mut buf = vec![0u8; 128 << 10];
@@ -275,6 +277,7 @@ fn fill_overhead(logical_bytes: u64) {
             segment_size_bytes: None,
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();
@@ -317,6 +320,7 @@ fn recovery_time(logical_written_bytes: u64) {
             segment_size_bytes: None,
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();

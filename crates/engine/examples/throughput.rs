@@ -24,6 +24,7 @@ fn main() {
             segment_size_bytes: None,
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();

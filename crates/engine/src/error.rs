@@ -30,6 +30,9 @@ pub enum ErrorKind {
     Locked,
     /// Metadata that should be valid is not (both checkpoint copies damaged, say).
     Corrupt,
+    /// The store is encrypted and no key was given, or the key given opens no key slot.
+    /// Nothing was written.
+    WrongKey,
 }
 
 /// An engine error: a kind and a sentence of context (path, offset, operation).
@@ -63,6 +66,7 @@ impl Error {
             ErrorKind::NoSpace => libc::ENOSPC,
             ErrorKind::ReadOnly => libc::EROFS,
             ErrorKind::Locked => libc::EBUSY,
+            ErrorKind::WrongKey => libc::EACCES,
             _ => libc::EIO,
         }
     }
@@ -82,6 +86,7 @@ impl fmt::Display for Error {
             ErrorKind::NewerVersion => "store has a newer format version",
             ErrorKind::Locked => "store is in use",
             ErrorKind::Corrupt => "store metadata is corrupt",
+            ErrorKind::WrongKey => "wrong or missing key",
         };
         write!(f, "{what}: {}", self.context)?;
         if let Some(source) = &self.source {

@@ -17,6 +17,7 @@
 mod backing;
 mod cache;
 mod codec;
+pub mod crypto;
 mod error;
 mod format;
 mod map;
@@ -31,6 +32,9 @@ pub use codec::{
     decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, Dictionary, DictionarySet,
     MIN_SAVING_BYTES, NO_DICTIONARIES,
 };
+pub use crypto::cipher::NonceObserver;
+pub use crypto::keys::{KdfParams, SlotInfo, SlotKind};
+pub use crypto::Secret;
 pub use error::{Error, ErrorKind, Result};
 pub use stats::{CodecStats, Stats};
 pub use store::capacity::{
@@ -38,8 +42,8 @@ pub use store::capacity::{
     OVER_PROVISION_MIN_PPM,
 };
 pub use store::{
-    CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Extent, ExtentKind, FormatOptions, OpenOptions,
-    RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
+    CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Encryption, Extent, ExtentKind, FormatOptions,
+    KeyChange, OpenOptions, RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
 };
 pub use types::{Lba, SegmentId};
 

@@ -13,6 +13,7 @@ fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) ->
             segment_size_bytes: None,
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();
@@ -123,6 +124,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
             segment_size_bytes: None,
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap_err();

@@ -148,6 +148,7 @@ fn host_overwrites_racing_recompression_always_win() {
             segment_size_bytes: Some(256 << 10),
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();

@@ -20,6 +20,7 @@ fn open_file_store(dir: &tempfile::TempDir, physical: u64, logical: u64) -> Stor
             segment_size_bytes: Some(256 << 10),
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();

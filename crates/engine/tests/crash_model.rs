@@ -37,6 +37,10 @@ struct Scenario {
     /// `recompress` into the newest) while host writes race it, and write text-like blocks
     /// a dictionary helps; the run fails if no fragment was recompressed with one.
     dictionaries: bool,
+    /// Encrypt the store, with a nonce lease of a few dozen values (so runs renew it, and
+    /// crash inside the renewal); every nonce handed out is recorded, and the run fails on
+    /// the first one handed out twice.
+    encrypted: bool,
 }
 
 fn scenario_data(s: &Scenario, rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
@@ -44,6 +48,35 @@ fn scenario_data(s: &Scenario, rng: &mut rand::rngs::StdRng, len: usize) -> Vec<
         word_text(rng, len)
     } else {
         block_data(rng, len, s.incompressible_percent)
+    }
+}
+
+/// Every nonce an encrypted store handed out, across all the runs of one test.
+#[derive(Default, Clone)]
+struct NonceLog {
+    seen: Arc<std::sync::Mutex<(std::collections::HashSet<u64>, Option<u64>)>>,
+}
+
+impl NonceLog {
+    fn observer(&self) -> zdisk_engine::NonceObserver {
+        let seen = self.seen.clone();
+        zdisk_engine::NonceObserver(Arc::new(move |nonce| {
+            let mut seen = seen.lock().unwrap();
+            if !seen.0.insert(nonce) && seen.1.is_none() {
+                seen.1 = Some(nonce);
+            }
+        }))
+    }
+
+    fn check(&self) -> Result<(), String> {
+        match self.seen.lock().unwrap().1 {
+            Some(nonce) => Err(format!("nonce {nonce} was handed out twice")),
+            None => Ok(()),
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.seen.lock().unwrap().0.len()
     }
 }
 
@@ -71,9 +104,17 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         _ => Codec::Deflate { level: 6 },
     };
     let codec = s.codec.unwrap_or(random_codec);
-    let mut disk = new_disk(s.segments, s.segment_bytes, s.logical_bytes, codec, rng.gen());
+    let encryption = s.encrypted.then(|| test_encryption("crash model"));
+    let key = encryption.as_ref().map(|e| e.secret.clone());
+    let mut disk = new_disk_with(s.segments, s.segment_bytes, s.logical_bytes, codec, rng.gen(), encryption);
     let mut model = Model::new(s.logical_bytes);
     let mut options = test_options();
+    let nonces = NonceLog::default();
+    if s.encrypted {
+        options.key = key.clone();
+        options.nonce_lease = rng.gen_range(16..64);
+        options.nonce_observer = Some(nonces.observer());
+    }
     options.codec_fallback = s.codec_fallback;
     if s.map_cache_bytes != 0 {
         options.map_cache_bytes = s.map_cache_bytes;
@@ -101,7 +142,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         // The fault of damage after a crash: single-bit flips in the records recovery must
         // replay, checked on a copy (the run goes on with the undamaged image).
         if cycle % 4 == 1 {
-            check_damaged_copy(&disk.image(), &model, rng.gen_range(1..=2), &mut rng)
+            check_damaged_copy_with(&disk.image(), &model, rng.gen_range(1..=2), &mut rng, key.clone())
                 .map_err(|e| format!("cycle {cycle}: damaged copy: {e}"))?;
         }
         let store =
@@ -115,6 +156,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
                 break;
             }
         }
+        nonces.check().map_err(|e| format!("cycle {cycle}: {e}"))?;
         crashes += disk.crashed() as usize;
         map_misses += store.stats().map_cache_misses;
         recompressed += store.stats().codec.recompressed_fragments;
@@ -141,6 +183,10 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     }
     if s.dictionaries && recompressed_dictionary == 0 {
         return Err(format!("no fragment was recompressed with a dictionary in {} cycles", s.cycles));
+    }
+    nonces.check()?;
+    if s.encrypted && nonces.count() == 0 {
+        return Err("an encrypted run sealed nothing".into());
     }
     let dictionaries = store.stats().codec.dictionary_count;
     eprintln!(
@@ -339,6 +385,7 @@ fn mixed_requests_survive_random_crashes() {
             codec: None,
             codec_fallback: CodecFallback::Never,
             dictionaries: false,
+            encrypted: false,
         },
         12,
     );
@@ -363,6 +410,7 @@ const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
     codec: None,
     codec_fallback: CodecFallback::Never,
     dictionaries: false,
+    encrypted: false,
 };
 
 #[test]
@@ -398,6 +446,7 @@ fn a_map_cache_of_two_pages_survives_crashes_with_constant_eviction() {
             codec: None,
             codec_fallback: CodecFallback::Never,
             dictionaries: false,
+            encrypted: false,
         },
         8,
     );
@@ -439,5 +488,26 @@ fn dictionaries_trained_and_recompressed_into_survive_crashes_and_racing_overwri
             ..OVERWRITES_AT_50_PERCENT
         },
         10,
+    );
+}
+
+/// Encrypted stores (`crypto/`) under the same crashes, GC and damaged copies as the plain
+/// ones, with dictionaries (sealed in the checkpoints) and a nonce lease small enough that
+/// runs renew it, and crash inside the renewal: every recovery must read back the contract,
+/// and no nonce may be handed out twice across all the cycles and crashes.
+#[test]
+fn encrypted_stores_survive_crashes_and_never_reuse_a_nonce() {
+    run_scenario(
+        Scenario {
+            name: "encrypted_stores_survive_crashes_and_never_reuse_a_nonce",
+            segments: 96,
+            incompressible_percent: 20,
+            write_percent: 60,
+            codec: Some(Codec::Zstd { level: 1 }),
+            dictionaries: true,
+            encrypted: true,
+            ..OVERWRITES_AT_50_PERCENT
+        },
+        8,
     );
 }

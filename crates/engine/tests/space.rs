@@ -210,6 +210,7 @@ fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
             segment_size_bytes: Some(1 << 20),
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption: None,
         },
     )
     .unwrap();
@@ -252,6 +253,7 @@ fn steady_overwrites_at_high_utilisation_never_run_out_of_space() {
                 segment_size_bytes: Some(segment),
                 force: false,
                 over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+                encryption: None,
             },
         )
         .unwrap();
@@ -388,7 +390,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let physical = 32u64 << 20;
-    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm);
+    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
     let big = 128u64 << 10;
     let logical = native * times / big * big;
     Store::format(
@@ -400,6 +402,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
             segment_size_bytes: Some(segment),
             force: false,
             over_provision_ppm,
+            encryption: None,
         },
     )
     .unwrap();

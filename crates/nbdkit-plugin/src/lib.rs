@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use nbdkit::{ExtentHandle, ExtentType, Flags, FuaFlags, Server, ThreadModel};
 use parking_lot::Mutex;
-use zdisk_engine::{ErrorKind, ExtentKind, OpenOptions, Store};
+use zdisk_engine::{ErrorKind, ExtentKind, OpenOptions, Secret, Store};
 
 pub use metrics::{render_prometheus, Metrics, Op};
 pub use service::{control_socket_path, live_file_path, DEFAULT_RUN_DIR};
@@ -49,6 +49,8 @@ struct Config {
     low_space_fraction: f64,
     accept_data_loss: bool,
     run_dir: PathBuf,
+    /// An encrypted store's passphrase or key file, read when configured.
+    key: Option<Arc<Secret>>,
 }
 
 impl Default for Config {
@@ -65,6 +67,7 @@ impl Default for Config {
             low_space_fraction: defaults.low_space_fraction,
             accept_data_loss: false,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
+            key: None,
         }
     }
 }
@@ -150,7 +153,10 @@ impl Server for Handle {
              map_cache=SIZE        block map pages and changes in memory (default 256M)\n\
              accept_data_loss=BOOL serve for writing a store whose recovery lost records\n\
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
-             rundir=DIR            live stats/control files (default /run/zdisk)",
+             rundir=DIR            live stats/control files (default /run/zdisk)\n\
+             key-file=PATH         an encrypted store's key file\n\
+             passphrase-file=PATH  an encrypted store's passphrase: the first line of PATH\n\
+                                   (`zdisk serve` passes a pipe, /proc/self/fd/N)",
         )
     }
 
@@ -196,6 +202,17 @@ impl Server for Handle {
             }
             "accept_data_loss" => config.accept_data_loss = nbdkit::parse_bool(value)?,
             "rundir" => config.run_dir = PathBuf::from(value),
+            // Read now: a pipe's contents are there once, and before nbdkit forks.
+            "key-file" => {
+                let bytes = std::fs::read(value).map_err(|e| einval(format!("key-file={value}: {e}")))?;
+                config.key = Some(Arc::new(Secret::key_file(bytes)));
+            }
+            "passphrase-file" => {
+                let text = std::fs::read(value).map_err(|e| einval(format!("passphrase-file={value}: {e}")))?;
+                let line = text.split(|&b| b == b'\n').next().unwrap_or_default();
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                config.key = Some(Arc::new(Secret::passphrase(line.to_vec())));
+            }
             _ => return Err(einval(format!("unknown parameter {key:?} (see nbdkit zdisk --help)"))),
         }
         Ok(())
@@ -239,6 +256,7 @@ impl Server for Handle {
             map_cache_bytes: config.map_cache_bytes,
             low_space_fraction: config.low_space_fraction,
             accept_data_loss: config.accept_data_loss,
+            key: config.key.clone(),
             ..OpenOptions::default()
         };
         let store = Store::open(&path, &options)

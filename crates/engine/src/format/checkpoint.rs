@@ -51,9 +51,12 @@ const MAP_ROOT_BYTES: u64 = 25;
 /// Before each dictionary's bytes: id u32, level i32, since sequence number u64, length
 /// u32, CRC32C of the bytes u32.
 const DICTIONARY_HEAD_BYTES: u64 = 24;
+/// A dictionary's stored bytes at their largest: sealed in an encrypted store.
+const DICTIONARY_STORED_BYTES_MAX: usize =
+    crate::codec::DICTIONARY_BYTES_MAX + crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 /// The dictionary table's count u32, then its dictionaries at their largest.
 const DICTIONARY_TABLE_BYTES_MAX: u64 =
-    4 + crate::codec::DICTIONARIES_MAX as u64 * (DICTIONARY_HEAD_BYTES + crate::codec::DICTIONARY_BYTES_MAX as u64);
+    4 + crate::codec::DICTIONARIES_MAX as u64 * (DICTIONARY_HEAD_BYTES + DICTIONARY_STORED_BYTES_MAX as u64);
 
 /// A trained dictionary as the checkpoint carries it (`codec::Dictionary` in memory).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -294,7 +297,8 @@ impl Checkpoint {
 }
 
 /// The dictionary table: at least one dictionary, at most `DICTIONARIES_MAX`, ids
-/// ascending, each of at most `DICTIONARY_BYTES_MAX` bytes matching its CRC32C.
+/// ascending, each of at most `DICTIONARY_STORED_BYTES_MAX` bytes matching its CRC32C (an
+/// encrypted store's are sealed; `store/dictionaries.rs` opens them).
 fn decode_dictionaries(r: &mut Reader<'_>) -> Result<Vec<DictionaryEntry>> {
     let count = r.u32()? as usize;
     if count == 0 || count > crate::codec::DICTIONARIES_MAX {
@@ -307,7 +311,7 @@ fn decode_dictionaries(r: &mut Reader<'_>) -> Result<Vec<DictionaryEntry>> {
         let since_seq = r.u64()?;
         let length = r.u32()? as usize;
         let crc = r.u32()?;
-        if length > crate::codec::DICTIONARY_BYTES_MAX || length > r.remaining() {
+        if length > DICTIONARY_STORED_BYTES_MAX || length > r.remaining() {
             return Err(corrupt(format!("dictionary {id} of {length} bytes")));
         }
         let bytes = r.bytes(length)?.to_vec();

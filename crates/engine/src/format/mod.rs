@@ -23,7 +23,10 @@ pub use record::{
     RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAGIC,
     RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
-pub use superblock::{ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_DICTIONARIES, SUPERBLOCK_SLOT_BYTES};
+pub use superblock::{
+    ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, SUPERBLOCK_MAC_BYTES,
+    SUPERBLOCK_SLOT_BYTES,
+};
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -31,6 +34,8 @@ use crate::error::{Error, ErrorKind, Result};
 /// Versions 1–3 are read, and upgraded when opened for writing (`docs/format.md`,
 /// "Version history").
 pub const FORMAT_VERSION: u32 = 4;
+/// 5: version 4, encrypted (`docs/format.md`, "Encryption"). A plain store stays version 4.
+pub const FORMAT_VERSION_ENCRYPTED: u32 = 5;
 
 /// Segments start here (the superblock area is padded to 1 MiB for alignment).
 pub const DATA_START_BYTES: u64 = 1 << 20;

@@ -2,7 +2,7 @@
 //! checkpoint. The valid slot with the higher generation wins (`docs/format.md`,
 //! "Superblock slot"; the offsets below are that table's).
 
-use super::{corrupt, Reader, Writer, DATA_START_BYTES, FORMAT_VERSION};
+use super::{corrupt, Reader, Writer, DATA_START_BYTES, FORMAT_VERSION, FORMAT_VERSION_ENCRYPTED};
 use crate::codec::CodecTag;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -26,8 +26,10 @@ const REPLAY_OFFSET_OFFSET: usize = CHECKPOINT_SEQ_OFFSET + 8;
 const REPLAY_PREV_CRC_OFFSET: usize = REPLAY_OFFSET_OFFSET + 8;
 const CHUNK_COUNT_OFFSET: usize = REPLAY_PREV_CRC_OFFSET + 4;
 const OVER_PROVISION_OFFSET: usize = CHUNK_COUNT_OFFSET + 4;
-const RESERVED_OFFSET: usize = OVER_PROVISION_OFFSET + 4;
-const CHUNK_REFS_OFFSET: usize = RESERVED_OFFSET + 12;
+const MAC_OFFSET: usize = OVER_PROVISION_OFFSET + 4;
+/// An encrypted store's superblock MAC (`crypto::cipher::MAC_BYTES`); zero otherwise.
+pub const SUPERBLOCK_MAC_BYTES: usize = 12;
+const CHUNK_REFS_OFFSET: usize = MAC_OFFSET + SUPERBLOCK_MAC_BYTES;
 const CHUNK_REF_BYTES: usize = 16;
 const CRC_OFFSET: usize = SUPERBLOCK_SLOT_BYTES - 4;
 /// Checkpoint chunks one slot can list.
@@ -49,8 +51,12 @@ pub struct ChunkRef {
 /// before dictionaries refuses a store with it as "newer version", and opens the store again
 /// once no dictionary is kept (docs/format.md, "Dictionaries").
 pub const FEATURE_DICTIONARIES: u64 = 1;
+/// Feature flag: the store is encrypted (a key header at 32 KiB, sealed fragments, a MAC in
+/// every superblock). Set exactly when the format version is 5 (docs/format.md,
+/// "Encryption"); both say it, so neither older code nor a flipped flag reads it as plain.
+pub const FEATURE_ENCRYPTED: u64 = 2;
 /// The feature flags this code understands; any other is refused as "newer version".
-pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES;
+pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES | FEATURE_ENCRYPTED;
 
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
@@ -75,6 +81,9 @@ pub struct Superblock {
     /// (`store/capacity.rs`). Advisory: it sets what `1x` means and what `stat` reports; 0
     /// in stores formatted before it existed. Older code ignores it (it was reserved).
     pub over_provision_ppm: u32,
+    /// An encrypted store's MAC of this slot (with these bytes zero) and its checkpoint's
+    /// stored bytes (`store/checkpoint.rs`); zero in a plain store.
+    pub mac: [u8; SUPERBLOCK_MAC_BYTES],
     pub checkpoint_chunks: Vec<ChunkRef>,
 }
 
@@ -103,8 +112,8 @@ impl Superblock {
         w.u32(self.checkpoint_chunks.len() as u32);
         debug_assert_eq!(w.buf.len(), OVER_PROVISION_OFFSET);
         w.u32(self.over_provision_ppm);
-        w.u32(0); // reserved
-        w.u64(0); // reserved
+        debug_assert_eq!(w.buf.len(), MAC_OFFSET);
+        w.buf.extend_from_slice(&self.mac);
         debug_assert_eq!(w.buf.len(), CHUNK_REFS_OFFSET);
         for chunk in &self.checkpoint_chunks {
             w.u64(chunk.offset_bytes);
@@ -129,10 +138,10 @@ impl Superblock {
         }
         let mut r = Reader::new(&slot[VERSION_OFFSET..], "superblock");
         let format_version = r.u32()?;
-        if format_version > FORMAT_VERSION {
+        if format_version > FORMAT_VERSION_ENCRYPTED {
             return Err(Error::new(
                 ErrorKind::NewerVersion,
-                format!("format version {format_version}, this zdisk reads up to {FORMAT_VERSION}"),
+                format!("format version {format_version}, this zdisk reads up to {FORMAT_VERSION_ENCRYPTED}"),
             ));
         }
         if format_version == 0 {
@@ -155,7 +164,7 @@ impl Superblock {
         let replay_prev_crc = r.u32()?;
         let chunk_count = r.u32()? as usize;
         let over_provision_ppm = r.u32()?;
-        r.bytes(12)?;
+        let mac: [u8; SUPERBLOCK_MAC_BYTES] = r.bytes(SUPERBLOCK_MAC_BYTES)?.try_into().expect("12 bytes");
         if over_provision_ppm >= 1_000_000 {
             return Err(corrupt(format!("over-provisioning of {over_provision_ppm} ppm")));
         }
@@ -167,6 +176,9 @@ impl Superblock {
             .collect::<Result<Vec<_>>>()?;
         if feature_flags & !FEATURES_KNOWN != 0 {
             return Err(Error::new(ErrorKind::NewerVersion, format!("unknown feature flags {feature_flags:#x}")));
+        }
+        if (feature_flags & FEATURE_ENCRYPTED != 0) != (format_version == FORMAT_VERSION_ENCRYPTED) {
+            return Err(corrupt("the superblock's version and encryption flag disagree"));
         }
         CodecTag::from_u8(codec_tag)?;
         if segment_size_bytes == 0
@@ -190,8 +202,30 @@ impl Superblock {
             replay_offset_bytes,
             replay_prev_crc,
             over_provision_ppm,
+            mac,
             checkpoint_chunks,
         })
+    }
+
+    /// Whether the store is encrypted (format version 5).
+    pub fn encrypted(&self) -> bool {
+        self.feature_flags & FEATURE_ENCRYPTED != 0
+    }
+
+    /// The format version a store is written with: 5 when encrypted, else 4.
+    pub fn version_for(encrypted: bool) -> u32 {
+        if encrypted {
+            FORMAT_VERSION_ENCRYPTED
+        } else {
+            FORMAT_VERSION
+        }
+    }
+
+    /// The bytes a superblock MAC covers: this slot with its MAC (and CRC) zero.
+    pub fn mac_input(&self) -> Vec<u8> {
+        let mut bytes = Superblock { mac: [0; SUPERBLOCK_MAC_BYTES], ..self.clone() }.encode();
+        bytes.truncate(CRC_OFFSET);
+        bytes
     }
 
     pub fn segment_count(&self) -> u64 {
@@ -219,6 +253,7 @@ mod tests {
             replay_offset_bytes: 5 << 20,
             replay_prev_crc: 99,
             over_provision_ppm: 70_000,
+            mac: [7; SUPERBLOCK_MAC_BYTES],
             checkpoint_chunks: vec![ChunkRef { offset_bytes: 2 << 20, length_bytes: 100, crc: 5 }],
         }
     }

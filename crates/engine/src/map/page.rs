@@ -9,6 +9,7 @@
 //! meant, so a damaged or misdirected page is an error, never another page's entries.
 
 use crate::codec::{decompress_block, CodecTag};
+use crate::crypto::cipher::{Domain, StoreCipher, SEAL_OVERHEAD_BYTES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, Protection, PI_BYTES};
 use crate::types::Lba;
@@ -71,22 +72,31 @@ pub fn height_for(block_count: u64) -> u8 {
 
 pub type PageBody = [u64; PAGE_SLOTS];
 
-/// The fragment of a page: protection information, then the page compressed.
-pub fn encode(id: PageId, body: &PageBody) -> (FragmentEntry, Vec<u8>) {
+/// The fragment of a page: protection information, then the page compressed (and, in an
+/// encrypted store, sealed: its guard then is the sealed bytes' CRC32C, as a block's).
+pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Result<(FragmentEntry, Vec<u8>)> {
     let raw: Vec<u8> = body.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let guard = crc32c::crc32c(&raw);
+    let plain_guard = crc32c::crc32c(&raw);
     let compressed = zstd::bulk::compress(&raw, PAGE_ZSTD_LEVEL).expect("zstd compression of a memory buffer");
     let (codec, data) = if compressed.len() < raw.len() { (CodecTag::Zstd, compressed) } else { (CodecTag::Raw, raw) };
-    let entry = FragmentEntry { stored_len: (PI_BYTES + data.len()) as u16, codec };
-    let mut bytes = Vec::with_capacity(entry.stored_len as usize);
-    bytes.extend_from_slice(&Protection { guard, lba: id.tag(), entry }.encode());
-    bytes.extend_from_slice(&data);
-    (entry, bytes)
+    let Some(cipher) = cipher else {
+        let entry = FragmentEntry { stored_len: (PI_BYTES + data.len()) as u16, codec };
+        let mut bytes = Vec::with_capacity(entry.stored_len as usize);
+        bytes.extend_from_slice(&Protection { guard: plain_guard, lba: id.tag(), entry }.encode());
+        bytes.extend_from_slice(&data);
+        return Ok((entry, bytes));
+    };
+    let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + data.len()) as u16, codec };
+    let mut bytes = vec![0u8; PI_BYTES];
+    cipher.seal(Domain::MapPage, id.tag().0, entry.packed(), &data, &mut bytes)?;
+    let guard = crc32c::crc32c(&bytes[PI_BYTES..]);
+    bytes[..PI_BYTES].copy_from_slice(&Protection { guard, lba: id.tag(), entry }.encode());
+    Ok((entry, bytes))
 }
 
 /// Decodes and checks a page's fragment: it must be page `id`, with the length and codec
-/// the pointer gives, and decode to its guard.
-pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8]) -> Result<Box<PageBody>> {
+/// the pointer gives, and decode to its guard (encrypted: open under the store's key).
+pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8], cipher: Option<&StoreCipher>) -> Result<Box<PageBody>> {
     let bad = |why: &str| Error::new(ErrorKind::Checksum, format!("map page {id:?}: {why}"));
     if bytes.len() != entry.stored_len as usize || bytes.len() < PI_BYTES {
         return Err(bad("wrong length"));
@@ -96,9 +106,20 @@ pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8]) -> Result<Box<Page
         return Err(bad(&format!("the fragment is page {:?}'s", PageId::from_tag(pi.lba))));
     }
     let mut raw = vec![0u8; BLOCK_SIZE];
-    decompress_block(entry.codec, &bytes[PI_BYTES..], &mut raw, &crate::codec::NO_DICTIONARIES)
+    let output = match cipher {
+        Some(cipher) => {
+            if crc32c::crc32c(&bytes[PI_BYTES..]) != pi.guard {
+                return Err(bad("CRC32C mismatch"));
+            }
+            cipher
+                .open(Domain::MapPage, id.tag().0, entry.packed(), &bytes[PI_BYTES..])
+                .map_err(|_| bad("fails authentication"))?
+        }
+        None => bytes[PI_BYTES..].to_vec(),
+    };
+    decompress_block(entry.codec, &output, &mut raw, &crate::codec::NO_DICTIONARIES)
         .map_err(|_| bad("does not decompress"))?;
-    if crc32c::crc32c(&raw) != pi.guard {
+    if cipher.is_none() && crc32c::crc32c(&raw) != pi.guard {
         return Err(bad("CRC32C mismatch"));
     }
     let mut body = Box::new([0u64; PAGE_SLOTS]);
@@ -119,12 +140,17 @@ mod tests {
         for (i, v) in body.iter_mut().enumerate() {
             *v = if i % 3 == 0 { 0 } else { (i as u64) << 20 | 3 };
         }
-        let (entry, bytes) = encode(id, &body);
-        assert_eq!(*decode(id, entry, &bytes).unwrap(), body);
-        assert!(decode(PageId { level: 1, index: 78 }, entry, &bytes).is_err());
-        let mut damaged = bytes.clone();
-        damaged[PI_BYTES + 5] ^= 1;
-        assert!(decode(id, entry, &damaged).is_err());
+        let key = crate::crypto::DataKey::from_bytes([9; 32]);
+        let source = crate::crypto::cipher::NonceSource::for_tests();
+        let cipher = StoreCipher::new([1; 16], &key, Some(source));
+        for cipher in [None, Some(&cipher)] {
+            let (entry, bytes) = encode(id, &body, cipher).unwrap();
+            assert_eq!(*decode(id, entry, &bytes, cipher).unwrap(), body);
+            assert!(decode(PageId { level: 1, index: 78 }, entry, &bytes, cipher).is_err());
+            let mut damaged = bytes.clone();
+            damaged[PI_BYTES + 5] ^= 1;
+            assert!(decode(id, entry, &damaged, cipher).is_err());
+        }
     }
 
     #[test]

@@ -48,6 +48,11 @@ pub(crate) trait PageSource {
     /// The stored bytes of each page fragment, in order. An I/O error is an error; bytes
     /// that do not decode are the caller's to judge.
     fn read_fragments(&self, at: &[Stored]) -> Result<Vec<Vec<u8>>>;
+
+    /// An encrypted store's cipher: its pages are sealed.
+    fn cipher(&self) -> Option<&crate::crypto::cipher::StoreCipher> {
+        None
+    }
 }
 
 /// Whether an entry joins or leaves the map, for [`Accounting`].
@@ -548,7 +553,7 @@ impl PagedMap {
         let bases: Vec<Base> = stored
             .iter()
             .zip(&fragments)
-            .map(|(&(id, _, s), bytes)| match page::decode(id, s.fragment_entry(), bytes) {
+            .map(|(&(id, _, s), bytes)| match page::decode(id, s.fragment_entry(), bytes, src.cipher()) {
                 Ok(body) => Base::Loaded(Arc::from(body)),
                 Err(e) => {
                     self.damaged_pages.fetch_add(1, Ordering::Relaxed);

@@ -15,6 +15,7 @@
 use super::create::default_segment_size;
 use super::op::RECORD_BLOCKS_MAX;
 use super::space::{checkpoint_room_for, host_reserve_for};
+use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 use crate::format::{BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -30,7 +31,11 @@ pub const OVER_PROVISION_MAX_PPM: u32 = 750_000;
 
 /// Bytes one relocated incompressible block takes: the raw block with its protection
 /// information, and its relocate entry (written twice).
-const RELOCATED_BLOCK_BYTES: u64 = (BLOCK_SIZE + PI_BYTES + 2 * RELOCATE_ENTRY_BYTES) as u64;
+/// An encrypted store's raw fragment is larger by the nonce and tag it carries.
+const fn relocated_block_bytes(encrypted: bool) -> u64 {
+    let seal = if encrypted { SEAL_OVERHEAD_BYTES } else { 0 };
+    (BLOCK_SIZE + PI_BYTES + seal + 2 * RELOCATE_ENTRY_BYTES) as u64
+}
 /// A relocate record's header (with its extra 8 bytes).
 const RELOCATE_HEADER_BYTES: u64 = (RECORD_MIN_BYTES + 8) as u64;
 
@@ -41,10 +46,11 @@ const RELOCATE_HEADER_BYTES: u64 = (RECORD_MIN_BYTES + 8) as u64;
 /// This, not a host write's density, bounds what the store can hold: a host write of one
 /// block costs a 132-byte record header of its own, but that header is dead at once and GC
 /// reclaims it; what stays live is the fragment, and GC repacks fragments this densely.
-fn blocks_per_packed_segment(segment_capacity_bytes: u64) -> u64 {
-    let estimate = segment_capacity_bytes / RELOCATED_BLOCK_BYTES;
+fn blocks_per_packed_segment(segment_capacity_bytes: u64, encrypted: bool) -> u64 {
+    let block_bytes = relocated_block_bytes(encrypted);
+    let estimate = segment_capacity_bytes / block_bytes;
     let headers = estimate.div_ceil(RECORD_BLOCKS_MAX as u64) + 1;
-    segment_capacity_bytes.saturating_sub(headers * RELOCATE_HEADER_BYTES) / RELOCATED_BLOCK_BYTES
+    segment_capacity_bytes.saturating_sub(headers * RELOCATE_HEADER_BYTES) / block_bytes
 }
 
 /// How a store's data area divides, for a given over-provisioning.
@@ -58,19 +64,31 @@ pub struct NativeCapacity {
     pub blocks_per_segment: u64,
 }
 
-/// The native capacity of a store with this geometry and over-provisioning.
+/// The native capacity of a plain store with this geometry and over-provisioning.
+#[cfg(test)]
 pub fn native_capacity(segment_size_bytes: u64, segment_count: u64, over_provision_ppm: u32) -> NativeCapacity {
+    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, false)
+}
+
+/// The native capacity of a store, plain or encrypted, with this geometry and
+/// over-provisioning.
+pub fn native_capacity_for(
+    segment_size_bytes: u64,
+    segment_count: u64,
+    over_provision_ppm: u32,
+    encrypted: bool,
+) -> NativeCapacity {
     debug_assert!(over_provision_ppm < PPM);
     let capacity = super::state::segment_capacity_of(segment_size_bytes);
-    let blocks_per_segment = blocks_per_packed_segment(capacity);
+    let blocks_per_segment = blocks_per_packed_segment(capacity, encrypted);
     // Metadata at its worst, for a map as large as the data area at 1x: every map page raw,
     // twice (the current version and the one the older retained checkpoint still needs),
     // and two checkpoint images.
     let logical_bytes = segment_count * segment_size_bytes;
     let checkpoint = checkpoint_room_for(logical_bytes, segment_count, capacity);
     let map_pages = map_page_count(logical_bytes);
-    let metadata_bytes =
-        2 * map_pages * (BLOCK_SIZE + PI_BYTES + BATCH_ENTRY_BYTES) as u64 + 2 * image_bytes(segment_count);
+    let page_bytes = relocated_block_bytes(encrypted) - 2 * RELOCATE_ENTRY_BYTES as u64 + BATCH_ENTRY_BYTES as u64;
+    let metadata_bytes = 2 * map_pages * page_bytes + 2 * image_bytes(segment_count);
     // The host reserve and (below) the open segment.
     let reserve_bytes = host_reserve_for(capacity, checkpoint);
     let kept_segments = (reserve_bytes + metadata_bytes).div_ceil(capacity) + 1;
@@ -86,6 +104,7 @@ pub fn native_capacity_of_physical(
     physical_size_bytes: u64,
     segment_size_bytes: Option<u64>,
     over_provision_ppm: u32,
+    encrypted: bool,
 ) -> u64 {
     let physical_size_bytes = physical_size_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
     let segment_size_bytes = segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
@@ -93,7 +112,7 @@ pub fn native_capacity_of_physical(
         return 0;
     }
     let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
-    native_capacity(segment_size_bytes, segment_count, over_provision_ppm).bytes
+    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, encrypted).bytes
 }
 
 /// Pages of a map covering `logical_bytes` (leaves and every level above them).

@@ -193,7 +193,7 @@ impl Inner {
             return;
         };
         for sb in std::iter::once(best).chain(other) {
-            if let Err(e) = super::checkpoint::load_checkpoint(self.backing.as_ref(), &sb) {
+            if let Err(e) = super::checkpoint::load_checkpoint(self.backing.as_ref(), &sb, self.cipher.as_deref()) {
                 let at = sb.checkpoint_chunks.first().map_or(0, |c| c.offset_bytes);
                 report.problem(at, format!("checkpoint {} does not load: {e}", sb.generation), Vec::new());
             }
@@ -270,7 +270,11 @@ impl Inner {
         }
         let image = &image[..];
         let dictionaries = self.dictionary_set();
-        let context = RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
+        let context = RecordContext {
+            store_tag: self.geometry.store_tag,
+            dictionaries: &dictionaries,
+            cipher: self.cipher.as_deref(),
+        };
         let (records, damaged) = parse_segment(image, base, &context);
         scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
         let damaged_ranges = damaged.len();
@@ -367,14 +371,14 @@ impl Inner {
                     && map.get(*lba, self).is_ok_and(|e| e == PackedEntry::stored(*stored));
                 let from = (stored.offset_bytes - base) as usize;
                 let bytes = &image[from..from + stored.stored_len as usize];
-                match verify_fragment(*stored, bytes, *lba, &mut block, &dictionaries) {
+                match verify_fragment(*stored, bytes, *lba, &mut block, &dictionaries, self.cipher.as_deref()) {
                     Ok(()) if live => {
                         scan.found_live[id.index()].fetch_add(stored.stored_len as u64, Ordering::Relaxed);
                     }
                     Ok(()) => {}
                     // A dead fragment of a dictionary the store freed (`dictionaries.rs`):
                     // it no longer decodes, by design.
-                    Err(_) if !live && freed_dictionary(stored, bytes, &dictionaries) => {}
+                    Err(_) if !live && freed_dictionary(stored, self.named_dictionary(bytes, *lba), &dictionaries) => {}
                     Err(e) => {
                         let state = if live { "live: reads of it fail" } else { "no longer mapped" };
                         report.problem(
@@ -491,11 +495,7 @@ impl Inner {
     }
 }
 
-/// Whether `bytes`, a dictionary fragment, names a dictionary the store no longer keeps.
-fn freed_dictionary(stored: &Stored, bytes: &[u8], dictionaries: &crate::codec::DictionarySet) -> bool {
-    stored.codec == crate::codec::CodecTag::ZstdDict
-        && bytes
-            .get(crate::format::PI_BYTES..)
-            .and_then(crate::codec::frame_dictionary_id)
-            .is_some_and(|id| dictionaries.get(id).is_none())
+/// Whether a dictionary fragment naming `named` names a dictionary the store no longer keeps.
+fn freed_dictionary(stored: &Stored, named: Option<u32>, dictionaries: &crate::codec::DictionarySet) -> bool {
+    stored.codec == crate::codec::CodecTag::ZstdDict && named.is_some_and(|id| dictionaries.get(id).is_none())
 }

@@ -30,10 +30,11 @@ use super::space::SpaceClass;
 use super::state::{round_up, Geometry, Inner};
 use super::writeout::WriteOut;
 use crate::backing::Backing;
+use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FEATURE_DICTIONARIES,
-    FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
+    FEATURE_ENCRYPTED, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
@@ -90,7 +91,7 @@ impl Inner {
             zero_blocks: pages.counts.zero,
             superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
             legacy_map: Vec::new(),
-            dictionaries: self.dictionaries.read().entries(),
+            dictionaries: self.dictionaries.read().entries(self.cipher.as_deref())?,
         };
         let encoded = image.encode();
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
@@ -102,8 +103,8 @@ impl Inner {
             return Err(Error::new(ErrorKind::NoSpace, "checkpoint too large for the superblock"));
         }
         self.write_out(WriteOut::Flush)?;
-        let sb = Superblock {
-            format_version: FORMAT_VERSION,
+        let mut sb = Superblock {
+            format_version: Superblock::version_for(self.cipher.is_some()),
             generation: snapshot.generation,
             logical_size_bytes: snapshot.logical_size_bytes,
             checkpoint_seq: snapshot.seq,
@@ -111,9 +112,13 @@ impl Inner {
             replay_prev_crc: snapshot.replay_prev_crc,
             checkpoint_chunks: appended.chunks,
             // Older code refuses a store that keeps a dictionary (docs/format.md, "Dictionaries").
-            feature_flags: if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
+            feature_flags: (durable_sb.feature_flags & FEATURE_ENCRYPTED)
+                | if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };
+        if let Some(cipher) = &self.cipher {
+            sb.mac = cipher.mac(&[&sb.mac_input(), &encoded]);
+        }
         let slot = (sb.generation % 2) * SUPERBLOCK_SLOT_BYTES as u64;
         let bytes = sb.encode();
         self.backing.write_at(slot, &bytes).map_err(|e| self.fail(Error::io("write superblock", e)))?;
@@ -281,8 +286,23 @@ pub(crate) fn chunk_segments(geometry: &Geometry, sb: &Superblock) -> Vec<Segmen
 }
 
 /// Reads and decodes the checkpoint a superblock points at (`None` for a fresh store).
-pub(crate) fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<Option<Checkpoint>> {
+///
+/// An encrypted store's superblock and checkpoint must carry its MAC under `cipher`; without
+/// a cipher (statistics read without the key) they are taken on their CRCs alone.
+pub(crate) fn load_checkpoint(
+    backing: &dyn Backing,
+    sb: &Superblock,
+    cipher: Option<&StoreCipher>,
+) -> Result<Option<Checkpoint>> {
+    let verify = |compressed: &[u8]| match cipher {
+        Some(cipher) if !cipher.verify_mac(&[&sb.mac_input(), compressed], &sb.mac) => Err(Error::new(
+            ErrorKind::Corrupt,
+            format!("superblock generation {} fails authentication (tampered, or not this key's)", sb.generation),
+        )),
+        _ => Ok(()),
+    };
     if sb.checkpoint_chunks.is_empty() {
+        verify(&[])?;
         return Ok(None);
     }
     let mut compressed = Vec::new();
@@ -304,6 +324,7 @@ pub(crate) fn load_checkpoint(backing: &dyn Backing, sb: &Superblock) -> Result<
         }
         compressed.extend_from_slice(bytes);
     }
+    verify(&compressed)?;
     // The superblock carries the checkpoint's logical size: the map holds at most that many
     // blocks, which bounds what decoding may allocate.
     // An older format's image holds the whole map: at most one entry per block.

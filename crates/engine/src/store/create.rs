@@ -7,13 +7,15 @@
 
 use std::path::Path;
 
-use super::capacity::{native_capacity, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
+use super::capacity::{native_capacity_for, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
 use super::options::{FormatOptions, StoreInfo};
 use super::recovery::read_superblocks;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::codec::Codec;
+use crate::crypto::cipher::StoreCipher;
+use crate::crypto::keys::{KeyHeader, KEY_HEADER_OFFSETS};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{Superblock, DATA_START_BYTES, FORMAT_VERSION, LOGICAL_SIZE_MAX_BYTES};
+use crate::format::{Superblock, DATA_START_BYTES, FEATURE_ENCRYPTED, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
 const SEGMENT_BYTES_MIN: u64 = 64 << 10;
@@ -48,7 +50,14 @@ pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
         segment_size_bytes: sb.segment_size_bytes,
         codec,
         over_provision_ppm: sb.over_provision_ppm,
-        native_capacity_bytes: native_capacity(sb.segment_size_bytes, sb.segment_count(), sb.over_provision_ppm).bytes,
+        native_capacity_bytes: native_capacity_for(
+            sb.segment_size_bytes,
+            sb.segment_count(),
+            sb.over_provision_ppm,
+            sb.encrypted(),
+        )
+        .bytes,
+        encrypted: sb.encrypted(),
     }
 }
 
@@ -172,7 +181,10 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
     }
     validate_logical_size(options.logical_size_bytes)?;
     validate_over_provision(options.over_provision_ppm)?;
-    if native_capacity(segment_size_bytes, segment_count, options.over_provision_ppm).bytes == 0 {
+    if native_capacity_for(segment_size_bytes, segment_count, options.over_provision_ppm, options.encryption.is_some())
+        .bytes
+        == 0
+    {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!(
@@ -180,22 +192,33 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
             ),
         ));
     }
-    let sb = Superblock {
-        format_version: FORMAT_VERSION,
-        uuid: *uuid::Uuid::new_v4().as_bytes(),
+    let uuid = *uuid::Uuid::new_v4().as_bytes();
+    // The key slot is made (a passphrase's Argon2id runs) before anything is written, so a
+    // refused secret leaves the target as it was.
+    let keys = match &options.encryption {
+        Some(encryption) => Some(KeyHeader::create(uuid, &encryption.secret, encryption.kdf)?),
+        None => None,
+    };
+    let mut sb = Superblock {
+        format_version: Superblock::version_for(keys.is_some()),
+        uuid,
         generation: 0,
         logical_size_bytes: options.logical_size_bytes,
         physical_size_bytes,
         segment_size_bytes,
         codec_tag: options.codec.tag() as u8,
         codec_level: options.codec.level(),
-        feature_flags: 0,
+        feature_flags: if keys.is_some() { FEATURE_ENCRYPTED } else { 0 },
         checkpoint_seq: 0,
         replay_offset_bytes: DATA_START_BYTES,
         replay_prev_crc: 0,
         over_provision_ppm: options.over_provision_ppm,
+        mac: [0; SUPERBLOCK_MAC_BYTES],
         checkpoint_chunks: Vec::new(),
     };
+    if let Some((_, key)) = &keys {
+        sb.mac = StoreCipher::new(uuid, key, None).mac(&[&sb.mac_input()]);
+    }
     // Purge: old log records must not be mistaken for ours (they would not chain anyway,
     // but discarding also gives the space back to a thin backing).
     backing
@@ -204,6 +227,12 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
     let mut slots = sb.encode();
     slots.extend_from_slice(&sb.encode());
     slots.resize(DATA_START_BYTES as usize, 0);
+    if let Some((header, _)) = &keys {
+        let copy = header.encode();
+        for offset in KEY_HEADER_OFFSETS {
+            slots[offset as usize..offset as usize + copy.len()].copy_from_slice(&copy);
+        }
+    }
     backing.write_at(0, &slots).map_err(|e| Error::io("write superblocks", e))?;
     backing.sync().map_err(|e| Error::io("sync superblocks", e))?;
     Ok(info_from(&sb))

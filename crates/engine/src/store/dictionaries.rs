@@ -34,9 +34,10 @@ use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
 use crate::codec::CodecTag;
 use crate::codec::{Dictionary, DictionarySet, DICTIONARIES_MAX, DICTIONARY_BYTES_DEFAULT};
+use crate::crypto::cipher::{Domain, StoreCipher, SEAL_OVERHEAD_BYTES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::DictionaryEntry;
-use crate::format::{FragmentEntry, PI_BYTES};
+use crate::format::FragmentEntry;
 use crate::map::{Entry, PackedEntry, Stored, WalkItem};
 use crate::types::{Lba, SegmentId};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
@@ -98,10 +99,18 @@ pub(crate) struct DictionaryState {
 impl DictionaryState {
     /// The state a checkpoint's table gives at open. The newest dictionary is not usable
     /// until a checkpoint written by this run carries it too (`Store::open_backing`).
-    pub fn recovered(entries: &[DictionaryEntry]) -> Result<DictionaryState> {
+    /// The table a checkpoint carried (an encrypted store's dictionaries sealed: a trained
+    /// dictionary is made of the store's own data).
+    pub fn recovered(entries: &[DictionaryEntry], cipher: Option<&StoreCipher>) -> Result<DictionaryState> {
         let table = entries
             .iter()
-            .map(|e| Dictionary::new(e.id, e.level, e.bytes.clone()).map(Arc::new))
+            .map(|e| {
+                let bytes = match cipher {
+                    Some(c) => c.open(Domain::Dictionary, e.id as u64, 0, &e.bytes)?,
+                    None => e.bytes.clone(),
+                };
+                Dictionary::new(e.id, e.level, bytes).map(Arc::new)
+            })
             .collect::<Result<Vec<_>>>()?;
         let next_id = table.last().map_or(1, |d| d.id + 1);
         let known = Arc::new(DictionarySet::new(table.clone()));
@@ -109,15 +118,20 @@ impl DictionaryState {
         Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0, loaded_since_seq })
     }
 
-    /// The table as the checkpoint writes it.
-    pub fn entries(&self) -> Vec<DictionaryEntry> {
+    /// The table as the checkpoint writes it (sealed in an encrypted store).
+    pub fn entries(&self, cipher: Option<&StoreCipher>) -> Result<Vec<DictionaryEntry>> {
         self.table
             .iter()
-            .map(|d| DictionaryEntry {
-                id: d.id,
-                level: d.level,
-                since_seq: self.since_seq_of(d.id),
-                bytes: d.bytes.clone(),
+            .map(|d| {
+                let bytes = match cipher {
+                    Some(c) => {
+                        let mut sealed = Vec::with_capacity(d.bytes.len() + SEAL_OVERHEAD_BYTES);
+                        c.seal(Domain::Dictionary, d.id as u64, 0, &d.bytes, &mut sealed)?;
+                        sealed
+                    }
+                    None => d.bytes.clone(),
+                };
+                Ok(DictionaryEntry { id: d.id, level: d.level, since_seq: self.since_seq_of(d.id), bytes })
             })
             .collect()
     }
@@ -336,7 +350,7 @@ impl Inner {
             for &(lba, s) in fragments {
                 let at = (s.offset_bytes - base) as usize;
                 let bytes = &image[at..at + s.stored_len as usize];
-                let named = bytes.get(PI_BYTES..).and_then(crate::codec::frame_dictionary_id);
+                let named = self.named_dictionary(bytes, lba);
                 if named != Some(newest.id) {
                     let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
                     let block = Block { entry, bytes: bytes.to_vec() };

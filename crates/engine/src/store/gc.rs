@@ -43,9 +43,7 @@ use super::space::SpaceClass;
 use super::state::{new_buffer, round_up, Inner};
 use std::sync::Arc;
 
-use crate::codec::{
-    frame_dictionary_id, recompresses, recompresses_into_dictionary, Codec, CodecFallback, CodecTag, Dictionary,
-};
+use crate::codec::{recompresses, recompresses_into_dictionary, Codec, CodecFallback, CodecTag, Dictionary};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, RecordBody, PI_BYTES, V2_PREFIX_BYTES};
 use crate::map::page::PageId;
@@ -100,10 +98,9 @@ impl RecompressTarget {
         }
     }
 
-    /// Whether this target takes the fragment of codec `tag` whose codec output is
-    /// `compressed` (a dictionary fragment's frame names its dictionary).
-    fn takes(&self, tag: CodecTag, compressed: &[u8]) -> bool {
-        let named = (tag == CodecTag::ZstdDict).then(|| frame_dictionary_id(compressed)).flatten();
+    /// Whether this target takes the fragment of codec `tag` which, a dictionary fragment,
+    /// names dictionary `named` in its frame (`Inner::named_dictionary`).
+    fn takes(&self, tag: CodecTag, named: Option<u32>) -> bool {
         match &self.dictionary {
             Some(d) if self.older_dictionaries_only => tag == CodecTag::ZstdDict && named != Some(d.id),
             Some(d) => recompresses_into_dictionary(tag, named, d.id),
@@ -381,7 +378,11 @@ impl Inner {
         let mut image = new_buffer(round_up(usage.end_bytes, SECTOR_SIZE as u64) as usize);
         self.backing.read_at(base, &mut image).map_err(|e| Error::io(format!("GC read of segment {segment}"), e))?;
         let dictionaries = self.dictionary_set();
-        let context = RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
+        let context = RecordContext {
+            store_tag: self.geometry.store_tag,
+            dictionaries: &dictionaries,
+            cipher: self.cipher.as_deref(),
+        };
         let (records, _) = parse_segment(&image, base, &context);
         let mut fragments = Vec::new(); // (lba, here, format, byte range in the image)
         for record in &records {
@@ -450,7 +451,10 @@ impl Inner {
         target: Option<&RecompressTarget>,
     ) -> (Vec<LiveFragment>, Vec<LiveFragment>) {
         let Some(target) = target else { return (live, Vec::new()) };
-        if !live.iter().any(|f| target.takes(f.block.entry.codec, &f.block.bytes[PI_BYTES..])) {
+        let named = |f: &LiveFragment| {
+            (f.block.entry.codec == CodecTag::ZstdDict).then(|| self.named_dictionary(&f.block.bytes, f.lba)).flatten()
+        };
+        if !live.iter().any(|f| target.takes(f.block.entry.codec, named(f))) {
             return (live, Vec::new());
         }
         let counters = &self.codec_counters;
@@ -462,7 +466,7 @@ impl Inner {
         let dictionaries = self.dictionary_set();
         for fragment in live {
             let entry = fragment.block.entry;
-            if !target.takes(entry.codec, &fragment.block.bytes[PI_BYTES..]) {
+            if !target.takes(entry.codec, named(&fragment)) {
                 verbatim.push(fragment);
                 continue;
             }
@@ -475,7 +479,10 @@ impl Inner {
             };
             // A fragment of an older dictionary than the target's goes, smaller or not.
             let older_dictionary = entry.codec == CodecTag::ZstdDict && target.dictionary.is_some();
-            if let Err(why) = verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block, &dictionaries) {
+            let cipher = self.cipher.as_deref();
+            if let Err(why) =
+                verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block, &dictionaries, cipher)
+            {
                 tracing::warn!("GC: block {} fails its check ({why}); moved as it is, not recompressed", fragment.lba);
                 if older_dictionary {
                     Counters::add(&counters.older_dictionary_fragments_kept, 1);
@@ -488,6 +495,16 @@ impl Inner {
                     dictionary.compress_block(block, out)
                 }),
                 None => self.compress_with(target.codec, &block, fragment.lba, &mut scratch),
+            };
+            let new = match new {
+                Ok(new) => new,
+                Err(e) => {
+                    // (Sealing failed: the nonce lease could not be written. The store has
+                    // failed already; the fragment moves as it is.)
+                    tracing::warn!("GC: block {} not recompressed: {e}", fragment.lba);
+                    verbatim.push(fragment);
+                    continue;
+                }
             };
             let smaller = new.bytes.len() < fragment.block.bytes.len();
             if (smaller || older_dictionary) && !new.entry.is_zero_block(FragmentFormat::V3) {

@@ -38,6 +38,7 @@ mod check;
 mod checkpoint;
 mod create;
 pub(crate) mod dictionaries;
+mod encryption;
 mod gc;
 pub(crate) mod lock;
 mod log;
@@ -59,8 +60,9 @@ mod worker;
 mod writeout;
 
 pub use dictionaries::{DictionaryOptions, DictionaryReport, DICTIONARY_LEVEL_DEFAULT};
+pub use encryption::KeyChange;
 pub use gc::RecompressReport;
-pub use options::{CheckReport, DamageReport, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
+pub use options::{CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -79,6 +81,8 @@ use state::{Geometry, Inner, WorkerSignal};
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::cache::FragmentCache;
 use crate::codec::Codec;
+use crate::crypto::keys::SlotInfo;
+use crate::crypto::Secret;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{SegmentUsage, FORMAT_VERSION};
 use crate::stats::{Counters, Stats};
@@ -117,6 +121,17 @@ impl Store {
         create::info(path)
     }
 
+    /// Changes the key slots of the encrypted store at `path` (closed: locked exclusively),
+    /// which `current` must unlock. Only the key header is rewritten; returns the slots.
+    pub fn change_keys(path: &Path, current: &Secret, change: KeyChange<'_>) -> Result<Vec<SlotInfo>> {
+        encryption::change_keys(path, current, change)
+    }
+
+    /// The key slots of the store at `path` (empty for a plain store); needs no key.
+    pub fn key_slots(path: &Path) -> Result<Vec<SlotInfo>> {
+        encryption::key_slots(path)
+    }
+
     /// Opens and recovers the store at `path` (locked against other processes).
     pub fn open(path: &Path, options: &OpenOptions) -> Result<Store> {
         let (access, lock) =
@@ -127,7 +142,9 @@ impl Store {
 
     /// Opens and recovers a store on any backing (the simulator in tests).
     pub fn open_backing(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Store> {
-        let chosen = recovery::choose_checkpoint(backing.as_ref())?;
+        let (newest, _) = recovery::read_superblocks(backing.as_ref())?;
+        let cipher = encryption::unlock(&backing, &newest, options)?;
+        let chosen = recovery::choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
         let sb = chosen.superblock.clone();
         let geometry = Geometry {
             store_tag: create::store_tag(&sb.uuid),
@@ -206,7 +223,9 @@ impl Store {
             recovery: std::sync::OnceLock::new(),
             dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
                 chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
+                cipher.as_deref(),
             )?),
+            cipher,
         };
         let broken_link;
         {
@@ -290,7 +309,12 @@ impl Store {
         self.inner.check_writable()?;
         create::validate_over_provision(over_provision_ppm)?;
         let geometry = &self.inner.geometry;
-        let native = capacity::native_capacity(geometry.segment_size_bytes, geometry.segment_count, over_provision_ppm);
+        let native = capacity::native_capacity_for(
+            geometry.segment_size_bytes,
+            geometry.segment_count,
+            over_provision_ppm,
+            self.inner.cipher.is_some(),
+        );
         let stored = self.inner.stats().physical_size;
         if stored > native.bytes {
             return Err(Error::new(
@@ -491,7 +515,7 @@ pub(crate) struct ScannedRecord {
 /// The records of one segment image (for `sim::inspect`).
 #[cfg(any(test, feature = "sim"))]
 pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<ScannedRecord> {
-    let context = scan::RecordContext { store_tag, dictionaries: &crate::codec::NO_DICTIONARIES };
+    let context = scan::RecordContext { store_tag, dictionaries: &crate::codec::NO_DICTIONARIES, cipher: None };
     let (records, _) = scan::parse_segment(image, base, &context);
     records
         .into_iter()

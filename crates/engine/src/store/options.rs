@@ -1,7 +1,13 @@
 //! What a caller passes to the store and gets back besides data: format and open options,
 //! the superblock summary, extents, and the check report.
 
+use std::sync::Arc;
+
 use crate::codec::{Codec, CodecFallback};
+#[cfg(feature = "sim")]
+use crate::crypto::cipher::NonceObserver;
+use crate::crypto::keys::KdfParams;
+use crate::crypto::Secret;
 
 /// Options for [`super::Store::format`].
 #[derive(Debug, Clone)]
@@ -18,6 +24,17 @@ pub struct FormatOptions {
     /// Share of the data area kept spare beyond native capacity, in parts per million
     /// (`OVER_PROVISION_MIN_PPM..=OVER_PROVISION_MAX_PPM`).
     pub over_provision_ppm: u32,
+    /// Encrypt the store (`docs/format.md`, "Encryption"): its first key slot wraps the data
+    /// key under this secret.
+    pub encryption: Option<Encryption>,
+}
+
+/// How `format` encrypts a store.
+#[derive(Debug, Clone)]
+pub struct Encryption {
+    pub secret: Arc<Secret>,
+    /// Used when the secret is a passphrase.
+    pub kdf: KdfParams,
 }
 
 /// The map cache's default: the map of 128 GiB of logical space stays cached (2 MiB of
@@ -58,6 +75,16 @@ pub struct OpenOptions {
     /// `ZDISK_PACING=on`: it cuts the tail of writes at native capacity but, as measured so
     /// far, costs throughput (docs/space.md, "Pacing").
     pub pacing: bool,
+    /// The passphrase or key file of an encrypted store (required to open one; refused for
+    /// a plain store).
+    pub key: Option<Arc<Secret>>,
+    /// Nonces leased per key-header write (`crypto::cipher`); tests make it small.
+    #[doc(hidden)]
+    pub nonce_lease: u64,
+    /// Sees every nonce an encrypted store hands out (the tests that prove none repeats).
+    #[doc(hidden)]
+    #[cfg(feature = "sim")]
+    pub nonce_observer: Option<NonceObserver>,
 }
 
 impl Default for OpenOptions {
@@ -74,6 +101,10 @@ impl Default for OpenOptions {
             accept_data_loss: false,
             codec_fallback: CodecFallback::from_env(),
             pacing: std::env::var("ZDISK_PACING").is_ok_and(|v| v == "on"),
+            key: None,
+            nonce_lease: crate::crypto::cipher::NONCE_LEASE_DEFAULT,
+            #[cfg(feature = "sim")]
+            nonce_observer: None,
         }
     }
 }
@@ -93,6 +124,8 @@ pub struct StoreInfo {
     /// The logical bytes incompressible data can always fill and overwrite
     /// (`store/capacity.rs`).
     pub native_capacity_bytes: u64,
+    /// Format version 5: the data is encrypted (`docs/format.md`, "Encryption").
+    pub encrypted: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

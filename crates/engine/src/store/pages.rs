@@ -25,6 +25,10 @@ use crate::types::SegmentId;
 const PAGE_BATCH: usize = 256;
 
 impl PageSource for Inner {
+    fn cipher(&self) -> Option<&crate::crypto::cipher::StoreCipher> {
+        self.cipher.as_deref()
+    }
+
     fn read_fragments(&self, at: &[Stored]) -> Result<Vec<Vec<u8>>> {
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); at.len()];
         let mut on_disk = Vec::new();
@@ -127,7 +131,7 @@ impl Inner {
             debts.push(self.walk_debt(p)?);
             let body = p.merged();
             if uniform_constant(&body).is_none() {
-                let (entry, bytes) = page::encode(p.id, &body);
+                let (entry, bytes) = page::encode(p.id, &body, self.cipher.as_deref())?;
                 pages.push((p.id, Block { entry, bytes }));
             }
             bodies.push(body);

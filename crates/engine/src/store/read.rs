@@ -10,6 +10,7 @@ use std::ops::Range;
 
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
 use crate::codec::{decompress_block, CodecTag, DictionarySet, NO_DICTIONARIES};
+use crate::crypto::cipher::{Domain, StoreCipher};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, Stored};
@@ -143,10 +144,24 @@ impl Inner {
     pub(crate) fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: Lba) -> Result<()> {
         let dictionaries = (s.codec == CodecTag::ZstdDict).then(|| self.dictionary_set());
         let dictionaries = dictionaries.as_deref().unwrap_or(&NO_DICTIONARIES);
-        verify_fragment(s, fragment, lba, block, dictionaries).map_err(|why| {
+        verify_fragment(s, fragment, lba, block, dictionaries, self.cipher.as_deref()).map_err(|why| {
             Counters::add(&self.counters.checksum_errors, 1);
             Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
         })
+    }
+
+    /// The dictionary a `ZstdDict` fragment's frame names (an encrypted store's opened
+    /// first); `None` when the bytes do not say (damaged, or not this LBA's).
+    pub(crate) fn named_dictionary(&self, fragment: &[u8], lba: Lba) -> Option<u32> {
+        let pi = Protection::decode(fragment.get(..PI_BYTES)?).ok()?;
+        let output = fragment.get(PI_BYTES..)?;
+        match &self.cipher {
+            Some(cipher) => {
+                let plain = cipher.open(Domain::Block, lba.0, pi.entry.packed(), output).ok()?;
+                crate::codec::frame_dictionary_id(&plain)
+            }
+            None => crate::codec::frame_dictionary_id(output),
+        }
     }
 
     /// One block's current contents, and the map entry they came from.
@@ -171,6 +186,7 @@ pub(crate) fn verify_fragment(
     lba: Lba,
     block: &mut [u8],
     dictionaries: &DictionarySet,
+    cipher: Option<&StoreCipher>,
 ) -> std::result::Result<(), String> {
     let prefix = s.format.prefix_bytes();
     if fragment.len() < prefix || fragment.len() != s.stored_len as usize {
@@ -189,10 +205,21 @@ pub(crate) fn verify_fragment(
             pi.guard
         }
     };
-    if s.format == FragmentFormat::V3
-        && (FragmentEntry { stored_len: s.stored_len, codec: s.codec }).is_zero_block(s.format)
-    {
+    let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
+    if s.format == FragmentFormat::V3 && entry.is_zero_block(s.format) {
         block.fill(0); // an all-zero block's fragment is its protection information alone
+    } else if let Some(cipher) = cipher {
+        // Sealed: the AEAD's tag proves the bytes (and that they are this LBA's, this long,
+        // of this codec); the guard is the stored bytes' CRC, checked first to tell damage
+        // from tampering in the message.
+        if crc32c::crc32c(&fragment[prefix..]) != guard {
+            return Err("CRC32C mismatch".into());
+        }
+        let plain = cipher
+            .open(Domain::Block, lba.0, entry.packed(), &fragment[prefix..])
+            .map_err(|_| "fails authentication".to_string())?;
+        decompress_block(s.codec, &plain, block, dictionaries).map_err(|_| "does not decompress".to_string())?;
+        return Ok(());
     } else if decompress_block(s.codec, &fragment[prefix..], block, dictionaries).is_err() {
         return Err("does not decompress".into());
     }

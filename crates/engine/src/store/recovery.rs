@@ -12,6 +12,7 @@ use super::log::Log;
 use super::segments::BlockCounts;
 use super::state::Inner;
 use crate::backing::Backing;
+use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Checkpoint, Superblock, SUPERBLOCK_SLOT_BYTES};
 use crate::map::page;
@@ -69,9 +70,9 @@ fn pick_superblock(slots: &[u8], backing_size_bytes: u64) -> Result<(Superblock,
 }
 
 /// Step 1: the newest superblock whose checkpoint loads; the older one if it does not.
-pub(crate) fn choose_checkpoint(backing: &dyn Backing) -> Result<Chosen> {
+pub(crate) fn choose_checkpoint(backing: &dyn Backing, cipher: Option<&StoreCipher>) -> Result<Chosen> {
     let (best, other) = read_superblocks(backing)?;
-    let first = match load_checkpoint(backing, &best) {
+    let first = match load_checkpoint(backing, &best, cipher) {
         Ok(checkpoint) => {
             let older = other.filter(|o| o.generation < best.generation);
             return Ok(Chosen { superblock: best, checkpoint, older });
@@ -79,7 +80,7 @@ pub(crate) fn choose_checkpoint(backing: &dyn Backing) -> Result<Chosen> {
         Err(e) => e,
     };
     let Some(other) = other else { return Err(first) };
-    match load_checkpoint(backing, &other) {
+    match load_checkpoint(backing, &other, cipher) {
         Ok(checkpoint) => {
             tracing::warn!("newest checkpoint unreadable ({first}); recovering from the previous one");
             Ok(Chosen { superblock: other, checkpoint, older: None })

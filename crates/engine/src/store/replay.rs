@@ -30,6 +30,7 @@ use super::log::Log;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
 use super::state::Inner;
 use crate::codec::DictionarySet;
+use crate::crypto::cipher::StoreCipher;
 use crate::error::Result;
 use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, HEAD_BYTES};
 use crate::map::PagedMap;
@@ -521,7 +522,11 @@ impl Inner {
         candidates: &mut Vec<(u64, u64)>,
     ) {
         let dictionaries = self.dictionary_set();
-        let tag = &RecordContext { store_tag: self.geometry.store_tag, dictionaries: &dictionaries };
+        let tag = &RecordContext {
+            store_tag: self.geometry.store_tag,
+            dictionaries: &dictionaries,
+            cipher: self.cipher.as_deref(),
+        };
         let mut offset = from;
         loop {
             let next_bytes = match probe(image, base, offset, tag) {
@@ -566,6 +571,7 @@ impl Inner {
         // CRC tells which is what was written.)
         let mut damaged: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
         let dictionaries = self.dictionary_set();
+        let cipher = self.cipher.as_deref();
         let mut at = 0;
         for (lba, fragment) in record.header.body.fragments() {
             let range = at..at + fragment.stored_len as usize;
@@ -575,10 +581,10 @@ impl Inner {
             }
             let stored =
                 crate::map::Stored { offset_bytes: 0, stored_len: fragment.stored_len, codec: fragment.codec, format };
-            if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries) {
+            if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries, cipher) {
                 continue;
             }
-            let flips = one_bit_corrections(stored, lba, &payload[range.clone()], &dictionaries);
+            let flips = one_bit_corrections(stored, lba, &payload[range.clone()], &dictionaries, cipher);
             if flips.is_empty() || damaged.len() >= 4 {
                 return PayloadState::Damaged;
             }
@@ -666,8 +672,14 @@ fn damage_report(record: &FoundRecord, why: &str) -> DamagedRecord {
 }
 
 /// Whether a fragment decodes to its guard (and, in version 3, names this LBA and entry).
-fn fragment_verifies(stored: crate::map::Stored, lba: Lba, bytes: &[u8], dictionaries: &DictionarySet) -> bool {
-    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE], dictionaries).is_ok()
+fn fragment_verifies(
+    stored: crate::map::Stored,
+    lba: Lba,
+    bytes: &[u8],
+    dictionaries: &DictionarySet,
+    cipher: Option<&StoreCipher>,
+) -> bool {
+    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE], dictionaries, cipher).is_ok()
 }
 
 /// Every single-bit flip (as a bit index) that makes a damaged fragment verify.
@@ -676,12 +688,13 @@ fn one_bit_corrections(
     lba: Lba,
     fragment: &[u8],
     dictionaries: &DictionarySet,
+    cipher: Option<&StoreCipher>,
 ) -> Vec<usize> {
     let mut bytes = fragment.to_vec();
     let mut found = Vec::new();
     for i in 0..bytes.len() * 8 {
         bytes[i / 8] ^= 1 << (i % 8);
-        if fragment_verifies(stored, lba, &bytes, dictionaries) {
+        if fragment_verifies(stored, lba, &bytes, dictionaries, cipher) {
             found.push(i);
         }
         bytes[i / 8] ^= 1 << (i % 8);

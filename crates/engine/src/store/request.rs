@@ -21,6 +21,7 @@ use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
 use crate::codec::{write_codec, Codec, CodecTag};
+use crate::crypto::cipher::{Domain, SEAL_OVERHEAD_BYTES};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, WalkItem};
@@ -96,12 +97,12 @@ impl Inner {
 
     /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
     /// already compressing (`codec::write_codec`); counts the choice.
-    pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
+    pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codec_counters;
         let (compressing, busy) = Compressing::enter(&counters.compressing);
         let configured = self.geometry.codec;
         let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
-        let block = self.compress_with(codec, block, lba, scratch);
+        let block = self.compress_with(codec, block, lba, scratch)?;
         drop(compressing);
         if !block.entry.is_zero_block(FragmentFormat::V3) {
             Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
@@ -109,13 +110,13 @@ impl Inner {
                 Counters::add(&counters.fallback_blocks, 1);
             }
         }
-        block
+        Ok(block)
     }
 
     /// Compresses block `lba` with `codec`: its protection information (guard, LBA, length
     /// and codec), then the codec's output (or the block raw when compression does not
     /// pay). An all-zero block stores its protection information alone.
-    pub(crate) fn compress_with(&self, codec: Codec, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Block {
+    pub(crate) fn compress_with(&self, codec: Codec, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         self.compress_fragment(block, lba, scratch, |block, out| codec.compress_block(block, out))
     }
 
@@ -127,20 +128,30 @@ impl Inner {
         lba: Lba,
         scratch: &mut Vec<u8>,
         compress: impl FnOnce(&[u8], &mut Vec<u8>) -> CodecTag,
-    ) -> Block {
-        let guard = crc32c::crc32c(block);
-        let entry = if block.iter().all(|&b| b == 0) {
-            scratch.clear();
-            FragmentEntry::ZERO_BLOCK
-        } else {
-            let codec = compress(block, scratch);
-            FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec }
+    ) -> Result<Block> {
+        if block.iter().all(|&b| b == 0) {
+            let entry = FragmentEntry::ZERO_BLOCK;
+            let bytes = Protection { guard: crc32c::crc32c(block), lba, entry }.encode().to_vec();
+            return Ok(Block { entry, bytes });
+        }
+        let codec = compress(block, scratch);
+        let Some(cipher) = &self.cipher else {
+            let entry = FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec };
+            let mut bytes = Vec::with_capacity(entry.stored_len as usize);
+            bytes.extend_from_slice(&Protection { guard: crc32c::crc32c(block), lba, entry }.encode());
+            bytes.extend_from_slice(scratch);
+            return Ok(Block { entry, bytes });
         };
+        // Encrypted: the codec's output sealed, and the guard the CRC32C of what is stored
+        // (the plaintext's would leak a hash of it).
+        let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + scratch.len()) as u16, codec };
         let mut bytes = Vec::with_capacity(entry.stored_len as usize);
-        bytes.extend_from_slice(&Protection { guard, lba, entry }.encode());
-        bytes.extend_from_slice(scratch);
+        bytes.resize(PI_BYTES, 0);
+        cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
+        let guard = crc32c::crc32c(&bytes[PI_BYTES..]);
+        bytes[..PI_BYTES].copy_from_slice(&Protection { guard, lba, entry }.encode());
         debug_assert_eq!(bytes.len(), entry.stored_len as usize);
-        Block { entry, bytes }
+        Ok(Block { entry, bytes })
     }
 
     /// Locks the stripes of the given partial blocks, in stripe order.
@@ -180,11 +191,11 @@ impl Inner {
                 let in_block = if lba == first_lba { head } else { 0 };
                 let take = (BLOCK_SIZE - in_block).min(data.len() - data_at);
                 if take == BLOCK_SIZE {
-                    blocks.push(self.compress(&data[data_at..data_at + BLOCK_SIZE], lba, &mut scratch));
+                    blocks.push(self.compress(&data[data_at..data_at + BLOCK_SIZE], lba, &mut scratch)?);
                 } else {
                     let (mut block, entry) = self.read_block(lba)?;
                     block[in_block..in_block + take].copy_from_slice(&data[data_at..data_at + take]);
-                    blocks.push(self.compress(&block, lba, &mut scratch));
+                    blocks.push(self.compress(&block, lba, &mut scratch)?);
                     expected.push((lba, entry));
                 }
                 data_at += take;
@@ -300,7 +311,7 @@ impl Inner {
         for (lba, range) in edges {
             let (mut bytes, entry) = self.read_block(lba)?;
             bytes[range].fill(0);
-            let blocks = vec![self.compress(&bytes, lba, &mut scratch)];
+            let blocks = vec![self.compress(&bytes, lba, &mut scratch)?];
             ops.push(Op::Write { start_lba: lba, blocks, expected: vec![(lba, entry)] });
         }
         if full_end > full_start {

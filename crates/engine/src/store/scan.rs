@@ -20,7 +20,10 @@ use crate::codec::{decompress_block, DictionarySet};
 pub(crate) struct RecordContext<'a> {
     pub store_tag: u32,
     pub dictionaries: &'a DictionarySet,
+    /// An encrypted store's: its fragments verify by the CRC32C of their sealed bytes.
+    pub cipher: Option<&'a StoreCipher>,
 }
+use crate::crypto::cipher::StoreCipher;
 use crate::format::v2;
 use crate::format::{
     decode_tail, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection, RecordBody,
@@ -84,9 +87,7 @@ pub(crate) fn parse_record_at(
         return parse_v2_at(image, base, at, context);
     }
     match Head::decode(head) {
-        Ok(head) if head.store_tag == context.store_tag => {
-            from_head(image, base, at, head, Damage::default(), context.dictionaries)
-        }
+        Ok(head) if head.store_tag == context.store_tag => from_head(image, base, at, head, Damage::default(), context),
         Ok(_) => None,
         Err(_) => from_tail_copy(image, base, at, context),
     }
@@ -99,7 +100,7 @@ fn from_head(
     at: usize,
     head: Head,
     mut damage: Damage,
-    dictionaries: &DictionarySet,
+    context: &RecordContext<'_>,
 ) -> Option<FoundRecord> {
     let end = at.checked_add(head.record_len()?)?;
     if end > image.len() {
@@ -112,7 +113,7 @@ fn from_head(
         Ok((copy, body)) if copy == head => body,
         _ => {
             damage.tail = true;
-            body_without_tail(&head, payload, &image[tail_at..end], dictionaries)?
+            body_without_tail(&head, payload, &image[tail_at..end], context)?
         }
     };
     damage.payload = crc32c::crc32c(payload) != head.payload_crc;
@@ -130,12 +131,12 @@ fn from_head(
 /// from the payload's protection information for data and map-pages records, from the
 /// surviving copy of a relocation's entries. None when nothing says what it did (the record
 /// is lost).
-fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], dictionaries: &DictionarySet) -> Option<RecordBody> {
+fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], context: &RecordContext<'_>) -> Option<RecordBody> {
     match head.kind {
         // A map page's protection information names its page where a block's names its
         // LBA, so map-pages records are walked like batches.
         RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
-            let walked = walk_fragments(payload, dictionaries)?;
+            let walked = walk_fragments(payload, context.dictionaries, context.cipher.is_some())?;
             if walked.len() as u64 != head.count {
                 return None;
             }
@@ -166,7 +167,9 @@ fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], dictionaries: &Di
 /// The fragments of a version 3 payload, from their protection information: each must
 /// decode and match its guard, and together they must fill the payload exactly. (An
 /// all-zero block's fragment is its protection information alone.)
-pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet) -> Option<Vec<BatchEntry>> {
+/// In an encrypted store (`sealed`), a fragment's guard is its sealed bytes' CRC32C: the walk
+/// needs no key.
+pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet, sealed: bool) -> Option<Vec<BatchEntry>> {
     let mut entries = Vec::new();
     let mut at = 0;
     let mut block = vec![0u8; BLOCK_SIZE];
@@ -175,6 +178,13 @@ pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet) -> Op
         let fragment = payload.get(at..at + pi.entry.stored_len as usize)?;
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             block.fill(0);
+        } else if sealed {
+            if crc32c::crc32c(&fragment[PI_BYTES..]) != pi.guard {
+                return None;
+            }
+            entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
+            at += fragment.len();
+            continue;
         } else {
             decompress_block(pi.entry.codec, &fragment[PI_BYTES..], &mut block, dictionaries).ok()?;
         }
@@ -197,7 +207,7 @@ fn from_tail_copy(image: &[u8], base: u64, at: usize, context: &RecordContext<'_
     if start != at {
         return None;
     }
-    from_head(image, base, at, copy, Damage { head: true, ..Damage::default() }, context.dictionaries)
+    from_head(image, base, at, copy, Damage { head: true, ..Damage::default() }, context)
 }
 
 /// The first offset at or after `from` holding a valid version 3 head (or a tail's copy of
@@ -357,7 +367,11 @@ impl SegmentCache {
         accept: impl Fn(&FoundRecord) -> bool,
     ) -> Option<FoundRecord> {
         let dictionaries = inner.dictionary_set();
-        let context = RecordContext { store_tag: inner.geometry.store_tag, dictionaries: &dictionaries };
+        let context = RecordContext {
+            store_tag: inner.geometry.store_tag,
+            dictionaries: &dictionaries,
+            cipher: inner.cipher.as_deref(),
+        };
         let (image, base) = self.image_at(inner, offset)?;
         parse_record_near(image, base, offset, &context, accept)
     }

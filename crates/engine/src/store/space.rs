@@ -8,7 +8,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::capacity::{image_bytes, map_page_count, native_capacity};
+use super::capacity::{image_bytes, map_page_count, native_capacity_for};
 use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
@@ -136,7 +136,12 @@ impl Inner {
         let findings = self.recovery.get();
         let damaged = self.degraded().is_some();
         let over_provision_ppm = self.over_provision_ppm.load(Ordering::Acquire);
-        let native = native_capacity(self.geometry.segment_size_bytes, self.geometry.segment_count, over_provision_ppm);
+        let native = native_capacity_for(
+            self.geometry.segment_size_bytes,
+            self.geometry.segment_count,
+            over_provision_ppm,
+            self.cipher.is_some(),
+        );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
         // A store provisioned at or below native capacity cannot run out of space, however
         // full: its low free space is the over-provisioning at work, not a warning.

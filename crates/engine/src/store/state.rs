@@ -152,6 +152,9 @@ pub(crate) struct Inner {
     pub dictionaries: parking_lot::RwLock<super::dictionaries::DictionaryState>,
     /// What recovery found damaged (set once, at open).
     pub recovery: OnceLock<RecoveryFindings>,
+    /// An encrypted store's keys (`crypto/`): fragments are sealed after compression and
+    /// opened before decompression; checkpoints carry a MAC.
+    pub cipher: Option<Arc<crate::crypto::cipher::StoreCipher>>,
 }
 
 impl Inner {

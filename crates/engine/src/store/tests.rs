@@ -20,6 +20,7 @@ fn small_store(seed: u64) -> Store {
         segment_size_bytes: Some(segment_bytes),
         force: true,
         over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
+        encryption: None,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
     Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Encryption, FormatOptions, KdfParams, OpenOptions, Secret, Store};
 
 pub const BLOCK: u64 = 4096;
 
@@ -190,6 +190,17 @@ impl Model {
 /// value at or after its last flushed one, or fails with EIO — never an older value.
 /// Returns how many blocks failed.
 pub fn check_damaged_copy(image: &[u8], model: &Model, records: usize, rng: &mut StdRng) -> Result<usize, String> {
+    check_damaged_copy_with(image, model, records, rng, None)
+}
+
+/// [`check_damaged_copy`] of an encrypted store, opened with `key`.
+pub fn check_damaged_copy_with(
+    image: &[u8],
+    model: &Model,
+    records: usize,
+    rng: &mut StdRng,
+    key: Option<Arc<Secret>>,
+) -> Result<usize, String> {
     use zdisk_engine::sim::inspect;
     let window = inspect::replay_window(image);
     if window.is_empty() {
@@ -208,7 +219,7 @@ pub fn check_damaged_copy(image: &[u8], model: &Model, records: usize, rng: &mut
         flipped.push((r.seq, at, bit));
     }
     let disk = Arc::new(SimDisk::from_image(damaged, 1));
-    let store = match Store::open_backing(disk, &OpenOptions { read_only: true, ..test_options() }) {
+    let store = match Store::open_backing(disk, &OpenOptions { read_only: true, key, ..test_options() }) {
         Ok(store) => store,
         // The newest checkpoint damaged with no older one to fall back to (a crash tore the
         // other superblock slot's write): a refusal to open, not wrong data. Anything else
@@ -270,6 +281,23 @@ pub fn test_options() -> OpenOptions {
 }
 
 pub fn new_disk(segments: u64, segment_bytes: u64, logical_bytes: u64, codec: Codec, seed: u64) -> Arc<SimDisk> {
+    new_disk_with(segments, segment_bytes, logical_bytes, codec, seed, None)
+}
+
+/// A passphrase for tests, with Argon2id at its cheapest (`KdfParams::TEST`).
+pub fn test_encryption(passphrase: &str) -> Encryption {
+    Encryption { secret: Arc::new(Secret::passphrase(passphrase.as_bytes().to_vec())), kdf: KdfParams::TEST }
+}
+
+/// [`new_disk`], encrypted when `encryption` is given.
+pub fn new_disk_with(
+    segments: u64,
+    segment_bytes: u64,
+    logical_bytes: u64,
+    codec: Codec,
+    seed: u64,
+    encryption: Option<Encryption>,
+) -> Arc<SimDisk> {
     let disk = Arc::new(SimDisk::new((1 << 20) + segments * segment_bytes, seed));
     Store::format_backing(
         disk.as_ref(),
@@ -280,6 +308,7 @@ pub fn new_disk(segments: u64, segment_bytes: u64, logical_bytes: u64, codec: Co
             segment_size_bytes: Some(segment_bytes),
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            encryption,
         },
     )
     .expect("format");

@@ -1,0 +1,239 @@
+//! Encrypted stores (`docs/format.md`, "Encryption"; threat model in `docs/guarantees.md`):
+//! round trips for every codec, wrong and missing keys (refused, nothing written), no
+//! plaintext on the backing, and tampering — ciphertext, tag, a fragment moved to another
+//! LBA, a map page, a checkpoint — reading as EIO or refusing the open, never as data.
+//! (The crash model's `encrypted_stores_survive_crashes_and_never_reuse_a_nonce` covers
+//! crashes and nonce uniqueness.)
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use common::*;
+use zdisk_engine::sim::inspect;
+use zdisk_engine::sim::SimDisk;
+use zdisk_engine::{Codec, DictionaryOptions, ErrorKind, OpenOptions, Secret, Store};
+
+const LOGICAL: u64 = 4 << 20;
+/// Bytes a sealed fragment adds: the stored nonce (8) and the tag (16).
+const SEAL_BYTES: usize = 24;
+const PI_BYTES: usize = 12;
+
+fn key(passphrase: &str) -> Option<Arc<Secret>> {
+    Some(Arc::new(Secret::passphrase(passphrase.as_bytes().to_vec())))
+}
+
+fn encrypted_disk(codec: Codec) -> Arc<SimDisk> {
+    new_disk_with(96, 64 << 10, LOGICAL, codec, 7, Some(test_encryption("correct horse")))
+}
+
+fn options(passphrase: &str) -> OpenOptions {
+    OpenOptions { key: key(passphrase), ..test_options() }
+}
+
+/// Writes `data` from offset 0, flushes, checkpoints, closes.
+fn write_and_close(disk: &Arc<SimDisk>, data: &[u8]) {
+    let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
+    store.write(0, data, false).unwrap();
+    store.flush().unwrap();
+    store.checkpoint().unwrap();
+    store.close().unwrap();
+}
+
+fn reopen(disk: &Arc<SimDisk>) -> Store {
+    Store::open_backing(Arc::new(SimDisk::from_image(disk.image(), 1)), &options("correct horse")).unwrap()
+}
+
+#[test]
+fn every_codec_round_trips_encrypted_and_across_a_reopen() {
+    let mut rng = rng(1);
+    let data = [word_text(&mut rng, 1 << 20), block_data(&mut rng, 1 << 20, 40)].concat();
+    // (Raw fragments too: a share of the blocks is incompressible.)
+    for codec in [Codec::Lz4, Codec::Zstd { level: 3 }, Codec::Deflate { level: 6 }] {
+        let disk = encrypted_disk(codec);
+        write_and_close(&disk, &data);
+        let store = reopen(&disk);
+        assert_eq!(read_all(&store)[..data.len()], data[..], "{codec}");
+        assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty(), "{codec}");
+    }
+    // A trained dictionary: sealed in the checkpoint, named by sealed fragments.
+    let disk = encrypted_disk(Codec::Zstd { level: 1 });
+    write_and_close(&disk, &data);
+    let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
+    store.recompress_with_new_dictionary(&DictionaryOptions::default(), &mut |_, _| {}).unwrap();
+    assert!(store.stats().codec.dictionary_count > 0);
+    store.close().unwrap();
+    let store = reopen(&disk);
+    assert_eq!(read_all(&store)[..data.len()], data[..], "dictionary");
+    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
+}
+
+#[test]
+fn a_wrong_or_missing_key_is_refused_and_nothing_is_written() {
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &vec![7u8; 1 << 20]);
+    let before = disk.image();
+    let writes = disk.writes();
+    let wrong = Store::open_backing(disk.clone(), &options("Tr0ub4dor")).err().expect("a wrong key opens nothing");
+    assert_eq!(wrong.kind(), ErrorKind::WrongKey, "{wrong}");
+    let missing = Store::open_backing(disk.clone(), &test_options()).err().expect("no key opens nothing");
+    assert_eq!(missing.kind(), ErrorKind::WrongKey, "{missing}");
+    let file = OpenOptions { key: Some(Arc::new(Secret::key_file(vec![1; 32]))), ..test_options() };
+    assert_eq!(Store::open_backing(disk.clone(), &file).err().unwrap().kind(), ErrorKind::WrongKey);
+    assert_eq!(disk.writes(), writes, "a refused key wrote something");
+    assert!(disk.image() == before);
+    // A key for a plain store is a mistake, said so.
+    let plain = new_disk(96, 64 << 10, LOGICAL, Codec::Lz4, 7);
+    let err = Store::open_backing(plain, &options("correct horse")).err().unwrap();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    // The right key still opens it, read-only too.
+    let store =
+        Store::open_backing(disk.clone(), &OpenOptions { read_only: true, ..options("correct horse") }).unwrap();
+    assert!(read_all(&store)[..1 << 20].iter().all(|&b| b == 7));
+}
+
+/// Every 16-byte window of `text`, and how many of them occur in `image`.
+fn text_windows_found(text: &[u8], image: &[u8]) -> usize {
+    let windows: HashSet<&[u8]> = text.windows(16).step_by(3).collect();
+    image.windows(16).filter(|w| windows.contains(w)).count()
+}
+
+#[test]
+fn the_backing_holds_no_plaintext() {
+    let mut rng = rng(2);
+    // Text zstd and LZ4 keep long literal runs of: a plain store shows them on disk.
+    let text: Vec<u8> = (0..256).flat_map(|i| format!("row {i}: {}\n", rng_sentence(i)).into_bytes()).collect();
+    let data: Vec<u8> = text.iter().copied().cycle().take(2 << 20).collect();
+    let plain = new_disk(96, 64 << 10, LOGICAL, Codec::Lz4, 7);
+    let store = Store::open_backing(plain.clone(), &test_options()).unwrap();
+    store.write(0, &data, false).unwrap();
+    store.flush().unwrap();
+    store.close().unwrap();
+    assert!(text_windows_found(&text, &plain.image()) > 100, "the control: a plain store shows its text");
+    for codec in [Codec::Lz4, Codec::Zstd { level: 1 }, Codec::Deflate { level: 6 }] {
+        let disk = encrypted_disk(codec);
+        write_and_close(&disk, &data);
+        let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
+        // A dictionary trained on the text is part of the checkpoint: sealed too.
+        if codec == (Codec::Zstd { level: 1 }) {
+            store.recompress_with_new_dictionary(&DictionaryOptions::default(), &mut |_, _| {}).unwrap();
+        }
+        store.close().unwrap();
+        let _ = &mut rng;
+        assert_eq!(text_windows_found(&text, &disk.image()), 0, "{codec}: plaintext on the backing");
+    }
+}
+
+fn rng_sentence(i: u64) -> String {
+    let words = ["checkpoint", "segment", "fragment", "ledger", "balance", "customer", "invoice", "shipped"];
+    (0..8).map(|j| words[((i * 7 + j * 3) % 8) as usize]).collect::<Vec<_>>().join(" ")
+}
+
+/// The byte range of LBA `lba`'s newest fragment in an image, and its record's kind.
+fn fragment_of(image: &[u8], lba: u64) -> std::ops::Range<u64> {
+    inspect::records(image)
+        .into_iter()
+        .flat_map(|r| r.fragments)
+        .rfind(|(l, _)| *l == lba)
+        .map(|(_, range)| range)
+        .expect("the block has a fragment")
+}
+
+/// Rewrites a fragment's guard (the CRC32C of its sealed bytes) so that only the AEAD can
+/// tell what changed: what an attacker who knows the format does.
+fn fix_guard(image: &mut [u8], range: &std::ops::Range<u64>) {
+    let (start, end) = (range.start as usize, range.end as usize);
+    let guard = crc32c::crc32c(&image[start + PI_BYTES..end]);
+    image[start..start + 4].copy_from_slice(&guard.to_le_bytes());
+}
+
+fn read_block(store: &Store, lba: u64) -> zdisk_engine::Result<Vec<u8>> {
+    let mut block = vec![0u8; 4096];
+    store.read(lba * 4096, &mut block).map(|()| block)
+}
+
+#[test]
+fn tampered_ciphertext_and_tags_read_as_eio() {
+    let mut rng = rng(3);
+    let data = block_data(&mut rng, 64 * 4096, 30);
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &data);
+    let image = disk.image();
+    let stored = (0..64u64).filter(|&lba| data[lba as usize * 4096..][..4096].iter().any(|&b| b != 0));
+    for lba in stored.step_by(20) {
+        let range = fragment_of(&image, lba);
+        assert!(range.end - range.start > (PI_BYTES + SEAL_BYTES) as u64, "a sealed fragment");
+        // The ciphertext's first byte, the tag's last byte, the stored nonce.
+        for at in [range.start as usize + PI_BYTES + 8, range.end as usize - 1, range.start as usize + PI_BYTES] {
+            let mut tampered = image.clone();
+            tampered[at] ^= 0x40;
+            fix_guard(&mut tampered, &range);
+            let store =
+                Store::open_backing(Arc::new(SimDisk::from_image(tampered, 1)), &options("correct horse")).unwrap();
+            let err = read_block(&store, lba).expect_err("tampered bytes must not read");
+            assert_eq!(err.kind(), ErrorKind::Checksum, "{err}");
+            let other = (lba + 1) % 64;
+            assert_eq!(read_block(&store, other).unwrap(), data[other as usize * 4096..][..4096]);
+        }
+    }
+}
+
+#[test]
+fn a_fragment_moved_to_another_lba_fails_authentication() {
+    // Incompressible blocks: every fragment has the same length, so one fits another's place.
+    let mut rng = rng(4);
+    let data = block_data(&mut rng, 16 * 4096, 100);
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &data);
+    let image = disk.image();
+    let (from, to) = (fragment_of(&image, 3), fragment_of(&image, 9));
+    assert_eq!(from.end - from.start, to.end - to.start);
+    let mut moved = image.clone();
+    let bytes = image[from.start as usize..from.end as usize].to_vec();
+    moved[to.start as usize..to.end as usize].copy_from_slice(&bytes);
+    // Claim LBA 9 in the protection information too, as a forger would.
+    moved[to.start as usize + 4..to.start as usize + 10].copy_from_slice(&9u64.to_le_bytes()[..6]);
+    fix_guard(&mut moved, &to);
+    let store = Store::open_backing(Arc::new(SimDisk::from_image(moved, 1)), &options("correct horse")).unwrap();
+    let err = read_block(&store, 9).expect_err("block 3's bytes must not read as block 9");
+    assert_eq!(err.kind(), ErrorKind::Checksum, "{err}");
+    assert_eq!(read_block(&store, 3).unwrap(), data[3 * 4096..4 * 4096]);
+}
+
+#[test]
+fn a_tampered_map_page_or_checkpoint_is_never_taken_for_data() {
+    let mut rng = rng(5);
+    let data = block_data(&mut rng, 1 << 20, 30);
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &data);
+    let image = disk.image();
+    // A map page: flip a ciphertext byte and fix its guard.
+    let page = inspect::records(&image).into_iter().flat_map(|r| r.pages).last().expect("a map page").1;
+    let mut tampered = image.clone();
+    tampered[page.start as usize + PI_BYTES + 9] ^= 1;
+    fix_guard(&mut tampered, &page);
+    match Store::open_backing(Arc::new(SimDisk::from_image(tampered, 1)), &options("correct horse")) {
+        Ok(store) => {
+            for lba in 0..256u64 {
+                match read_block(&store, lba) {
+                    Ok(block) => assert_eq!(block, data[lba as usize * 4096..][..4096], "block {lba}"),
+                    Err(e) => assert_eq!(e.kind(), ErrorKind::Checksum, "{e}"),
+                }
+            }
+        }
+        Err(e) => assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}"),
+    }
+    // The newest checkpoint's superblock: change a field and fix the slot's CRC. The MAC
+    // refuses it; recovery falls back to the older checkpoint, whose contents are older but
+    // complete (the log since it is replayed), or refuses to open.
+    let sb = inspect::superblock(&image);
+    let slot = (sb.generation % 2) as usize * 16384;
+    let mut tampered = image.clone();
+    tampered[slot + 48] ^= 0x10; // the physical size's low byte
+    let crc = crc32c::crc32c(&tampered[slot..slot + 16380]);
+    tampered[slot + 16380..slot + 16384].copy_from_slice(&crc.to_le_bytes());
+    if let Ok(store) = Store::open_backing(Arc::new(SimDisk::from_image(tampered, 1)), &options("correct horse")) {
+        assert_eq!(read_all(&store)[..data.len()], data[..]);
+    }
+}
