@@ -72,8 +72,16 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     run_ok(Command::new("nbdcopy").arg(&server.uri).arg(&readback));
     std::fs::OpenOptions::new().write(true).open(&readback).unwrap().set_len(text.len() as u64).unwrap();
     assert_eq!(sha256(&readback), sha256(&input));
-    // `stat` needs no key while served: the server's numbers.
-    let stat = s.stat_json(&store);
+    // `stat` needs no key while served: the server's numbers (its live file is rewritten
+    // every second, so the copy shows up within a few).
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let stat = loop {
+        let stat = s.stat_json(&store);
+        if stat["host_write_bytes"].as_u64().unwrap() >= text.len() as u64 || std::time::Instant::now() > deadline {
+            break stat;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.5, "{stat}");
     server.stop();
     assert_eq!(plaintext_windows(&text, &std::fs::read(&store).unwrap()), 0, "plaintext in the backing file");
