@@ -278,8 +278,17 @@ mod tests {
         assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
         assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
         assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
-        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 2, ..sample_superblock() };
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 4, ..sample_superblock() };
         assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
+        // Encryption: flag and version 5 together, never one without the other.
+        let plain_version = Superblock { feature_flags: FEATURE_ENCRYPTED, ..sample_superblock() };
+        assert_eq!(Superblock::decode(&plain_version.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
+        let encrypted = Superblock {
+            feature_flags: FEATURE_ENCRYPTED,
+            format_version: FORMAT_VERSION_ENCRYPTED,
+            ..sample_superblock()
+        };
+        assert!(Superblock::decode(&encrypted.encode()).unwrap().encrypted());
     }
 
     proptest! {
