@@ -237,3 +237,64 @@ fn a_tampered_map_page_or_checkpoint_is_never_taken_for_data() {
         assert_eq!(read_all(&store)[..data.len()], data[..]);
     }
 }
+
+/// Rewrites a trim record's start LBA (in its head and in its tail's copy), with every CRC
+/// fixed: a forgery by an attacker who knows the format but not the key.
+fn forge_trim(image: &mut [u8], record: &inspect::RecordLayout, lba: u64) {
+    let head = record.head.start as usize;
+    let tail_end = record.tail.end as usize;
+    let copy = tail_end - 4 - 64;
+    for at in [head, copy] {
+        image[at + 24..at + 32].copy_from_slice(&lba.to_le_bytes());
+        let crc = crc32c::crc32c(&image[at..at + 60]);
+        image[at + 60..at + 64].copy_from_slice(&crc.to_le_bytes());
+    }
+    let tail = record.tail.start as usize;
+    let crc = crc32c::crc32c(&image[tail..tail_end - 4]);
+    image[tail_end - 4..tail_end].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Writes 16 blocks, checkpoints, trims block 5, flushes and loses power: the trim is in the
+/// log after the checkpoint. Returns the data and the crashed image.
+fn trim_after_checkpoint(disk: &Arc<SimDisk>, options: &OpenOptions) -> (Vec<u8>, Vec<u8>) {
+    let data = block_data(&mut rng(6), 16 * 4096, 100);
+    let store = Store::open_backing(disk.clone(), options).unwrap();
+    store.write(0, &data, false).unwrap();
+    store.flush().unwrap();
+    store.checkpoint().unwrap();
+    store.trim(5 * 4096, 4096, false).unwrap();
+    store.flush().unwrap();
+    disk.power_off();
+    drop(store);
+    (data, disk.crash_image())
+}
+
+#[test]
+fn a_forged_record_in_the_log_is_refused() {
+    let forged_store = |image: Vec<u8>, options: &OpenOptions| {
+        let trim = inspect::replay_window(&image).into_iter().rfind(|r| r.kind == 2).expect("the trim record");
+        let mut forged = image;
+        forge_trim(&mut forged, &trim, 7);
+        Store::open_backing(
+            Arc::new(SimDisk::from_image(forged, 1)),
+            &OpenOptions { accept_data_loss: true, ..options.clone() },
+        )
+    };
+    // The control: a plain store takes the forgery (its CRCs are all an attacker must fix).
+    let plain = new_disk(96, 64 << 10, LOGICAL, Codec::Lz4, 7);
+    let (data, image) = trim_after_checkpoint(&plain, &test_options());
+    let store = forged_store(image, &test_options()).unwrap();
+    assert!(read_block(&store, 7).unwrap() == vec![0; 4096], "the control: the forged trim applies");
+    // Encrypted: the record's MAC does not match its head, so replay does not take it.
+    let disk = encrypted_disk(Codec::Lz4);
+    let (data_e, image) = trim_after_checkpoint(&disk, &options("correct horse"));
+    assert_eq!(data, data_e);
+    let store = forged_store(image, &options("correct horse")).unwrap();
+    for lba in 0..16u64 {
+        match read_block(&store, lba) {
+            Ok(block) if lba == 5 => assert!(block == data[5 * 4096..6 * 4096] || block == vec![0; 4096]),
+            Ok(block) => assert!(block == data[lba as usize * 4096..][..4096], "block {lba} is not what was written"),
+            Err(e) => assert_eq!(e.kind(), ErrorKind::Checksum, "block {lba}: {e}"),
+        }
+    }
+}

@@ -19,9 +19,10 @@ mod record_v2;
 pub use checkpoint::{Checkpoint, DictionaryEntry, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER};
 pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 pub use record::{
-    decode_tail, relocate_entries_from_damaged_tail, BatchEntry, Head, RecordBody, RecordHeader, RecordKind,
-    RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAGIC,
-    RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, EncodedRecord, Head, RecordBody,
+    RecordHeader, RecordKind, RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST,
+    HEAD_BYTES, RECORD_MAC_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES,
+    WRITE_ENTRY_BYTES,
 };
 pub use superblock::{
     ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, SUPERBLOCK_MAC_BYTES,

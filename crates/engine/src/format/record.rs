@@ -59,6 +59,16 @@ pub const BATCH_LBA_LIMIT: u64 = 1 << 48;
 
 pub const FLAG_FIRST: u8 = 1;
 pub const FLAG_LAST: u8 = 2;
+/// The tail carries a MAC over the head and the entries (every record of an encrypted
+/// store, and only those): `entries | MAC | head copy | CRC`.
+pub const FLAG_MAC: u8 = 4;
+/// An encrypted store's record MAC: HMAC-SHA-256 under the metadata key, truncated.
+pub const RECORD_MAC_BYTES: usize = 12;
+/// What a record's MAC covers after the store UUID (which the cipher prepends): a domain
+/// string, the head's 64 bytes, the tail's entries area.
+pub fn record_mac_parts<'a>(head: &'a [u8], entries: &'a [u8]) -> [&'a [u8]; 3] {
+    [b"zdisk record v1", head, entries]
+}
 
 /// What a record says. Kinds 1–7 are version 2's (`record_v2.rs`); 8 on are version 3's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -380,7 +390,16 @@ impl Head {
     /// Bytes of the tail this head announces; None if the count cannot be a record's.
     pub fn tail_len(&self) -> Option<usize> {
         let entries = self.kind.entries_area_bytes(usize::try_from(self.count).ok()?)?;
-        (entries <= 1 << 24).then_some(entries + TAIL_FIXED_BYTES)
+        (entries <= 1 << 24).then_some(entries + self.mac_bytes() + TAIL_FIXED_BYTES)
+    }
+
+    /// Bytes of MAC in the tail: `RECORD_MAC_BYTES` if the head says it has one.
+    pub fn mac_bytes(&self) -> usize {
+        if self.flags & FLAG_MAC != 0 {
+            RECORD_MAC_BYTES
+        } else {
+            0
+        }
     }
 
     /// Bytes of the whole record this head announces.
@@ -455,12 +474,24 @@ impl RecordHeader {
 
     pub fn tail_len(&self) -> usize {
         let (_, count) = self.body.lba_and_count();
-        self.kind().entries_area_bytes(count as usize).expect("a record's entries fit") + TAIL_FIXED_BYTES
+        let mac = if self.flags & FLAG_MAC != 0 { RECORD_MAC_BYTES } else { 0 };
+        self.kind().entries_area_bytes(count as usize).expect("a record's entries fit") + mac + TAIL_FIXED_BYTES
     }
 
-    /// Encodes head and tail in version 3.
+    /// Encodes head and tail in version 3 (a plain store's record: no MAC).
     pub fn encode(&self) -> EncodedRecord {
+        self.encode_with(None)
+    }
+
+    /// Encodes head and tail with `mac` (an encrypted store's `StoreCipher::mac`) over
+    /// `record_mac_parts`, setting `FLAG_MAC`.
+    pub fn encode_authenticated(&self, mac: &dyn Fn(&[&[u8]]) -> [u8; RECORD_MAC_BYTES]) -> EncodedRecord {
+        RecordHeader { flags: self.flags | FLAG_MAC, ..self.clone() }.encode_with(Some(mac))
+    }
+
+    fn encode_with(&self, mac: Option<&dyn Fn(&[&[u8]]) -> [u8; RECORD_MAC_BYTES]>) -> EncodedRecord {
         debug_assert_eq!(self.version, RecordVersion::V3);
+        debug_assert_eq!(mac.is_some(), self.flags & FLAG_MAC != 0);
         let (start_lba, count) = self.body.lba_and_count();
         let mut head = Vec::with_capacity(HEAD_BYTES);
         let mut w = Writer { buf: &mut head };
@@ -482,6 +513,10 @@ impl RecordHeader {
         head.extend_from_slice(&crc.to_le_bytes());
         let mut tail = Vec::with_capacity(self.tail_len());
         self.body.encode_entries(&mut Writer { buf: &mut tail });
+        if let Some(mac) = mac {
+            let tag = mac(&record_mac_parts(&head, &tail));
+            tail.extend_from_slice(&tag);
+        }
         tail.extend_from_slice(&head);
         let tail_crc = crc32c::crc32c(&tail);
         tail.extend_from_slice(&tail_crc.to_le_bytes());
@@ -550,8 +585,44 @@ pub fn decode_tail(tail: &[u8]) -> Result<(Head, RecordBody)> {
     if head.tail_len() != Some(tail.len()) {
         return Err(corrupt("record tail length disagrees with its head"));
     }
-    let body = head.body(&tail[..copy_at])?;
+    let body = head.body(&tail[..copy_at - head.mac_bytes()])?;
     Ok((head, body))
+}
+
+/// Whether a record of an encrypted store is authentic: its head (`head_bytes`, the head
+/// or the tail's copy of it) says it has a MAC, and the MAC in `tail` matches the head and
+/// `body`'s entries — re-encoded, so a body rebuilt from the payload (tail damaged)
+/// verifies as well as one read from the tail. `verify` is `StoreCipher::verify_mac`.
+/// A tail that failed its CRC (`tail_damaged`) may have its flipped bit in the MAC itself:
+/// each of the MAC's 96 single-bit corrections is tried too, so one flipped bit loses no
+/// more in an encrypted store than in a plain one (a forger gains nothing: each try is a
+/// full MAC check).
+pub fn record_is_authentic(
+    head_bytes: &[u8],
+    tail: &[u8],
+    body: &RecordBody,
+    tail_damaged: bool,
+    verify: &dyn Fn(&[&[u8]], &[u8]) -> bool,
+) -> bool {
+    let Ok(head) = Head::decode(head_bytes) else { return false };
+    if head.flags & FLAG_MAC == 0 || head.tail_len() != Some(tail.len()) {
+        return false;
+    }
+    let mut entries = Vec::new();
+    body.encode_entries(&mut Writer { buf: &mut entries });
+    let Some(mac) = tail.get(entries.len()..entries.len() + RECORD_MAC_BYTES) else { return false };
+    let parts = record_mac_parts(&head_bytes[..HEAD_BYTES], &entries);
+    if verify(&parts, mac) {
+        return true;
+    }
+    let mut corrected = mac.to_vec();
+    tail_damaged
+        && (0..RECORD_MAC_BYTES * 8).any(|bit| {
+            corrected[bit / 8] ^= 1 << (bit % 8);
+            let ok = verify(&parts, &corrected);
+            corrected[bit / 8] ^= 1 << (bit % 8);
+            ok
+        })
 }
 
 #[cfg(test)]
@@ -625,6 +696,60 @@ mod tests {
             let (copy, body) = decode_tail(&encoded.tail).unwrap();
             assert_eq!(copy, head, "the tail holds the head's copy");
             assert_eq!(head.header(body), header);
+        }
+    }
+
+    /// A stand-in MAC for the format's tests (the store uses HMAC-SHA-256: `crypto`). Not a
+    /// CRC: a head whose CRC is fixed up leaves a CRC over head and CRC unchanged.
+    fn test_mac(parts: &[&[u8]]) -> [u8; RECORD_MAC_BYTES] {
+        use std::hash::{DefaultHasher, Hasher};
+        let mut hasher = DefaultHasher::new();
+        parts.iter().for_each(|part| hasher.write(part));
+        let hash = hasher.finish().to_le_bytes();
+        let mut mac = [0u8; RECORD_MAC_BYTES];
+        mac[..8].copy_from_slice(&hash);
+        mac
+    }
+
+    #[test]
+    fn an_authenticated_record_carries_a_mac_that_vouches_for_head_and_entries() {
+        let verify = |parts: &[&[u8]], mac: &[u8]| test_mac(parts) == mac;
+        for body in bodies() {
+            let header = sample(body.clone());
+            let encoded = header.encode_authenticated(&test_mac);
+            let head = Head::decode(&encoded.head).unwrap();
+            assert_eq!(head.flags, FLAG_FIRST | FLAG_LAST | FLAG_MAC);
+            assert_eq!(head.tail_len(), Some(encoded.tail.len()));
+            assert_eq!(encoded.tail.len(), header.encode().tail.len() + RECORD_MAC_BYTES);
+            let (copy, decoded) = decode_tail(&encoded.tail).unwrap();
+            assert_eq!((copy, &decoded), (head, &body));
+            assert!(record_is_authentic(&encoded.head, &encoded.tail, &body, false, &verify));
+            // One flipped bit of the MAC: corrected when the tail is known damaged.
+            let mut flipped = encoded.tail.clone();
+            flipped[encoded.tail.len() - 4 - HEAD_BYTES - 3] ^= 0x20;
+            assert!(!record_is_authentic(&encoded.head, &flipped, &body, false, &verify));
+            assert!(record_is_authentic(&encoded.head, &flipped, &body, true, &verify));
+            // Without the MAC (a plain record put in its place), or with another body.
+            let plain = header.encode();
+            assert!(!record_is_authentic(&plain.head, &plain.tail, &body, true, &verify));
+            // A changed entry (an LBA), the tail's CRC fixed.
+            if matches!(body.kind(), RecordKind::Batch | RecordKind::MapPages) {
+                let mut tail = encoded.tail.clone();
+                tail[1] ^= 1;
+                let crc_at = tail.len() - 4;
+                let crc = crc32c::crc32c(&tail[..crc_at]);
+                tail[crc_at..].copy_from_slice(&crc.to_le_bytes());
+                let (_, changed) = decode_tail(&tail).unwrap();
+                assert_ne!(changed, body);
+                assert!(!record_is_authentic(&encoded.head, &tail, &changed, true, &verify));
+            }
+            // A changed head (its CRC fixed): the MAC no longer matches.
+            let mut forged = encoded.head;
+            forged[SEQ_OFFSET] ^= 1;
+            let crc = crc32c::crc32c(&forged[..HEAD_CRC_OFFSET]);
+            forged[HEAD_CRC_OFFSET..].copy_from_slice(&crc.to_le_bytes());
+            assert!(Head::decode(&forged).is_ok());
+            assert!(!record_is_authentic(&forged, &encoded.tail, &body, true, &verify));
         }
     }
 

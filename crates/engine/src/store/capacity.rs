@@ -16,7 +16,9 @@ use super::create::default_segment_size;
 use super::op::RECORD_BLOCKS_MAX;
 use super::space::{checkpoint_room_for, host_reserve_for};
 use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
-use crate::format::{BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES};
+use crate::format::{
+    BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
+};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
 /// Parts per million: the unit of the over-provisioning setting.
@@ -36,8 +38,11 @@ const fn relocated_block_bytes(encrypted: bool) -> u64 {
     let seal = if encrypted { SEAL_OVERHEAD_BYTES } else { 0 };
     (BLOCK_SIZE + PI_BYTES + seal + 2 * RELOCATE_ENTRY_BYTES) as u64
 }
-/// A relocate record's header (with its extra 8 bytes).
-const RELOCATE_HEADER_BYTES: u64 = (RECORD_MIN_BYTES + 8) as u64;
+/// A relocate record's header (with its extra 8 bytes; an encrypted store's with its MAC).
+const fn relocate_header_bytes(encrypted: bool) -> u64 {
+    let mac = if encrypted { RECORD_MAC_BYTES } else { 0 };
+    (RECORD_MIN_BYTES + 8 + mac) as u64
+}
 
 /// How many incompressible blocks a segment holds when GC has packed it: its capacity (which
 /// already leaves room for a fragment that does not fit at the end), less a relocate header
@@ -50,7 +55,7 @@ fn blocks_per_packed_segment(segment_capacity_bytes: u64, encrypted: bool) -> u6
     let block_bytes = relocated_block_bytes(encrypted);
     let estimate = segment_capacity_bytes / block_bytes;
     let headers = estimate.div_ceil(RECORD_BLOCKS_MAX as u64) + 1;
-    segment_capacity_bytes.saturating_sub(headers * RELOCATE_HEADER_BYTES) / block_bytes
+    segment_capacity_bytes.saturating_sub(headers * relocate_header_bytes(encrypted)) / block_bytes
 }
 
 /// How a store's data area divides, for a given over-provisioning.

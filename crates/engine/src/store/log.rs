@@ -25,8 +25,9 @@ use super::state::{new_buffer, AlignedBuf, Inner, SegmentBuffer};
 use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    BatchEntry, ChunkRef, FragmentFormat, RecordBody, RecordHeader, RecordVersion, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT,
-    FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, RecordBody, RecordHeader, RecordVersion, BATCH_ENTRY_BYTES,
+    BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
+    TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::PagedMap;
@@ -514,7 +515,7 @@ impl Inner {
             payload_crc: batch.payload_crc,
             body: RecordBody::Batch { entries: batch.entries },
         };
-        let encoded = header.encode();
+        let encoded = self.encode_record(&header);
         let open = appender.open.as_mut().expect("a batch lives in the open segment");
         let record_at = batch.record_offset_bytes;
         assert_eq!(open.append_offset_bytes, record_at + HEAD_BYTES + batch.payload_len);
@@ -553,7 +554,7 @@ impl Inner {
             payload_crc,
             body,
         };
-        let encoded = header.encode();
+        let encoded = self.encode_record(&header);
         let total = HEAD_BYTES + payload_len + encoded.tail.len();
         let open = appender.open.as_mut().expect("an open segment");
         assert!(
@@ -604,15 +605,24 @@ impl Inner {
         Ok(())
     }
 
+    /// A record's head and tail: with a MAC in an encrypted store (`docs/format.md`).
+    fn encode_record(&self, header: &RecordHeader) -> EncodedRecord {
+        match self.cipher.as_deref() {
+            Some(cipher) => header.encode_authenticated(&|parts| cipher.mac(parts)),
+            None => header.encode(),
+        }
+    }
+
     /// Room left in the open segment (0 if none is open). An open batch's entries and CRC,
-    /// still to be appended, are not room.
+    /// still to be appended, are not room; nor is the MAC every record of an encrypted store
+    /// carries (so a caller that counts `RECORD_MIN_BYTES` per record has it covered).
     pub(crate) fn room(&self, log: &Log) -> usize {
         let appender = &log.appender;
+        let mac = if self.cipher.is_some() { RECORD_MAC_BYTES } else { 0 };
         let trailer = appender.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + TAIL_FIXED_BYTES);
-        appender
-            .open
-            .as_ref()
-            .map_or(0, |o| self.geometry.segment_size_bytes as usize - o.append_offset_bytes - trailer)
+        appender.open.as_ref().map_or(0, |o| {
+            (self.geometry.segment_size_bytes as usize - o.append_offset_bytes - trailer).saturating_sub(mac)
+        })
     }
 
     /// Seals the open segment (queueing it for write-out) and opens the next one: the one

@@ -4,7 +4,8 @@
 //! the map).
 
 use crate::format::{
-    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
+    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
+    WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry};
@@ -104,7 +105,8 @@ impl Op {
 
     /// Log bytes the op takes, conservatively: payload, entries and a header per record.
     pub fn log_bytes(&self, segment_capacity_bytes: u64) -> u64 {
-        let header = RECORD_MIN_BYTES as u64;
+        // An encrypted store's records carry a MAC as well: the bound counts it for all.
+        let header = (RECORD_MIN_BYTES + RECORD_MAC_BYTES) as u64;
         match self {
             Op::Write { blocks, .. } => {
                 let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
@@ -139,7 +141,7 @@ pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
     // Entries twice (each copy with a CRC) per record: see `format::RELOCATE_ENTRY_BYTES`.
     payload
         + 2 * fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + 8) as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + RECORD_MAC_BYTES + 8) as u64
 }
 
 /// Log bytes the batch records holding recompressed `fragments` take: the fragments, an
@@ -151,7 +153,7 @@ pub(crate) fn recompressed_bytes(fragments: &[LiveFragment]) -> u64 {
     let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
     payload
         + fragments.len() as u64 * BATCH_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * RECORD_MIN_BYTES as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + RECORD_MAC_BYTES) as u64
 }
 
 /// Whether a group is only trim and zero records: fixed-size headers, no fragments.

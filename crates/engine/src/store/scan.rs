@@ -26,8 +26,8 @@ pub(crate) struct RecordContext<'a> {
 use crate::crypto::cipher::StoreCipher;
 use crate::format::v2;
 use crate::format::{
-    decode_tail, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection, RecordBody,
-    RecordHeader, RecordKind, DATA_START_BYTES, HEAD_BYTES, PI_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES,
+    decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection,
+    RecordBody, RecordHeader, RecordKind, DATA_START_BYTES, HEAD_BYTES, PI_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES,
 };
 use crate::types::SegmentId;
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
@@ -84,7 +84,8 @@ pub(crate) fn parse_record_at(
     let at = usize::try_from(offset.checked_sub(base)?).ok()?;
     let head = image.get(at..at + HEAD_BYTES.min(image.len().saturating_sub(at)))?;
     if head.len() >= 4 && head[..4] == v2::RECORD_MAGIC_V2.to_le_bytes() {
-        return parse_v2_at(image, base, at, context);
+        // Encrypted stores are version 5: they never held a version 2 record.
+        return context.cipher.is_none().then(|| parse_v2_at(image, base, at, context)).flatten();
     }
     match Head::decode(head) {
         Ok(head) if head.store_tag == context.store_tag => from_head(image, base, at, head, Damage::default(), context),
@@ -109,13 +110,23 @@ fn from_head(
     let payload_at = at + HEAD_BYTES;
     let payload = &image[payload_at..payload_at + head.payload_len as usize];
     let tail_at = payload_at + payload.len();
-    let body = match decode_tail(&image[tail_at..end]) {
+    let tail = &image[tail_at..end];
+    let body = match decode_tail(tail) {
         Ok((copy, body)) if copy == head => body,
         _ => {
             damage.tail = true;
-            body_without_tail(&head, payload, &image[tail_at..end], context)?
+            body_without_tail(&head, payload, tail, context)?
         }
     };
+    if let Some(cipher) = context.cipher {
+        // Forged, stripped of its MAC, or damaged past what the MAC can vouch for: in an
+        // encrypted store such a record is not there (replay treats it as damage).
+        let head_bytes =
+            if damage.head { &tail[tail.len() - 4 - HEAD_BYTES..tail.len() - 4] } else { &image[at..payload_at] };
+        if !record_is_authentic(head_bytes, tail, &body, damage.tail, &|parts, mac| cipher.verify_mac(parts, mac)) {
+            return None;
+        }
+    }
     damage.payload = crc32c::crc32c(payload) != head.payload_crc;
     Some(FoundRecord {
         header: head.header(body),
