@@ -64,6 +64,11 @@ pub const FLAG_LAST: u8 = 2;
 pub const FLAG_MAC: u8 = 4;
 /// An encrypted store's record MAC: HMAC-SHA-256 under the metadata key, truncated.
 pub const RECORD_MAC_BYTES: usize = 12;
+/// Computes a record's MAC over its parts (the store: `StoreCipher::mac`).
+pub type RecordMacFn<'a> = &'a dyn Fn(&[&[u8]]) -> [u8; RECORD_MAC_BYTES];
+/// Checks a MAC against parts (the store: `StoreCipher::verify_mac`).
+pub type RecordVerifyFn<'a> = &'a dyn Fn(&[&[u8]], &[u8]) -> bool;
+
 /// What a record's MAC covers after the store UUID (which the cipher prepends): a domain
 /// string, the head's 64 bytes, the tail's entries area.
 pub fn record_mac_parts<'a>(head: &'a [u8], entries: &'a [u8]) -> [&'a [u8]; 3] {
@@ -485,11 +490,11 @@ impl RecordHeader {
 
     /// Encodes head and tail with `mac` (an encrypted store's `StoreCipher::mac`) over
     /// `record_mac_parts`, setting `FLAG_MAC`.
-    pub fn encode_authenticated(&self, mac: &dyn Fn(&[&[u8]]) -> [u8; RECORD_MAC_BYTES]) -> EncodedRecord {
+    pub fn encode_authenticated(&self, mac: RecordMacFn<'_>) -> EncodedRecord {
         RecordHeader { flags: self.flags | FLAG_MAC, ..self.clone() }.encode_with(Some(mac))
     }
 
-    fn encode_with(&self, mac: Option<&dyn Fn(&[&[u8]]) -> [u8; RECORD_MAC_BYTES]>) -> EncodedRecord {
+    fn encode_with(&self, mac: Option<RecordMacFn<'_>>) -> EncodedRecord {
         debug_assert_eq!(self.version, RecordVersion::V3);
         debug_assert_eq!(mac.is_some(), self.flags & FLAG_MAC != 0);
         let (start_lba, count) = self.body.lba_and_count();
@@ -602,7 +607,7 @@ pub fn record_is_authentic(
     tail: &[u8],
     body: &RecordBody,
     tail_damaged: bool,
-    verify: &dyn Fn(&[&[u8]], &[u8]) -> bool,
+    verify: RecordVerifyFn<'_>,
 ) -> bool {
     let Ok(head) = Head::decode(head_bytes) else { return false };
     if head.flags & FLAG_MAC == 0 || head.tail_len() != Some(tail.len()) {
