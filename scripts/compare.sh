@@ -11,6 +11,9 @@
 # side by side. ZDISK_FORMAT_ARGS adds arguments to `zdisk format` (e.g. "--codec zstd:1");
 # ZDISK_SERVE_ARGS adds arguments to `zdisk serve` (e.g. "-t 32"); ROWS=a,b,... runs only
 # the rows whose names contain one of those words (e.g. ROWS="random read,70/30").
+# ENCRYPTED=1 adds a fourth target, the same store formatted --encrypt (a key file), and the
+# columns "encrypted IOPS" and "encrypted/zdisk"; the stat at the end then shows both
+# stores' comp_ratio (issue 17's side-by-side check).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 zdisk=${ZDISK_BIN:-$here/target/release/zdisk}
@@ -20,15 +23,26 @@ mkdir -p "$dir"
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -f "$dir"/*.sock "$dir"/o.json; }
 pids=()
 trap cleanup EXIT
-rm -f "$dir"/s.zdisk "$dir"/raw.img "$dir"/*.sock
+rm -f "$dir"/s.zdisk "$dir"/e.zdisk "$dir"/raw.img "$dir"/*.sock
 truncate -s 4G "$dir/raw.img"
 # shellcheck disable=SC2086
 "$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G ${ZDISK_FORMAT_ARGS:-} >/dev/null
 # shellcheck disable=SC2086
 "$zdisk" serve "$dir/s.zdisk" --unix "$dir/z.sock" ${ZDISK_SERVE_ARGS:-} >"$dir/serve.log" 2>&1 & pids+=($!)
+targets=(z r m)
+if [[ -n ${ENCRYPTED:-} ]]; then
+  head -c 32 /dev/urandom >"$dir/key"
+  # shellcheck disable=SC2086
+  "$zdisk" format "$dir/e.zdisk" --physical-size 4G --logical-size 4G --encrypt --key-file "$dir/key" \
+    ${ZDISK_FORMAT_ARGS:-} >/dev/null
+  # shellcheck disable=SC2086
+  "$zdisk" serve "$dir/e.zdisk" --unix "$dir/e.sock" --key-file "$dir/key" ${ZDISK_SERVE_ARGS:-} \
+    >"$dir/serve-e.log" 2>&1 & pids+=($!)
+  targets+=(e)
+fi
 qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 --socket="$dir/r.sock" "$dir/raw.img" >"$dir/qemu.log" 2>&1 & pids+=($!)
 nbdkit --foreground -U "$dir/m.sock" memory 4G & pids+=($!)
-for s in z r m; do for _ in $(seq 100); do [[ -S $dir/$s.sock ]] && break; sleep 0.1; done; done
+for s in "${targets[@]}"; do for _ in $(seq 100); do [[ -S $dir/$s.sock ]] && break; sleep 0.1; done; done
 sleep 1
 uri() { echo "nbd+unix:///?socket=$dir/$1.sock"; }
 data=(--buffer_compress_percentage=50 --buffer_compress_chunk=4096 --refill_buffers=1 --size=4g)
@@ -42,11 +56,16 @@ side = j["write"] if j["write"]["iops"] > 0 else j["read"]
 print(f'{j["read"]["iops"] + j["write"]["iops"]:.0f} {side["lat_ns"]["mean"] / 1000:.0f}')
 PY
 }
-for s in z r m; do
+for s in "${targets[@]}"; do
   fio --name=fill --ioengine=nbd --uri="$(uri $s)" --rw=write --bs=128k --iodepth=32 "${data[@]}" >/dev/null 2>&1
 done
-echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
-echo "|---|---|---|---|---|---|---|"
+if [[ -n ${ENCRYPTED:-} ]]; then
+  echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw | encrypted IOPS | encrypted/zdisk |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+else
+  echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
+  echo "|---|---|---|---|---|---|---|"
+fi
 row() { # name rw bs qd [mix]
   if [[ -n ${ROWS:-} ]]; then
     local wanted=0 word
@@ -57,7 +76,12 @@ row() { # name rw bs qd [mix]
   read -r zi zl < <(job z "$2" "$3" "$4" "${5:-}")
   read -r ri rl < <(job r "$2" "$3" "$4" "${5:-}")
   read -r mi _ < <(job m "$2" "$3" "$4" "${5:-}")
-  python3 -c "print(f'| $1 | $zi | $ri | $mi | {$zi/$ri:.2f}x | {$zi/$mi:.2f} | $zl / $rl |')"
+  local extra=""
+  if [[ -n ${ENCRYPTED:-} ]]; then
+    read -r ei _ < <(job e "$2" "$3" "$4" "${5:-}")
+    extra=$(python3 -c "print(f' $ei | {$ei/$zi:.2f} |')")
+  fi
+  python3 -c "print(f'| $1 | $zi | $ri | $mi | {$zi/$ri:.2f}x | {$zi/$mi:.2f} | $zl / $rl |$extra')"
 }
 row "4K random read QD32 (sequentially filled)" randread 4k 32
 row "128K seq read QD32 (sequentially filled)" read 128k 32
@@ -70,3 +94,4 @@ row "4K random read QD32 (after random writes)" randread 4k 32
 row "128K seq read QD32 (after random writes)" read 128k 32
 row "128K seq read QD1 (after random writes)" read 128k 1
 "$zdisk" stat "$dir/s.zdisk"
+if [[ -n ${ENCRYPTED:-} ]]; then "$zdisk" stat "$dir/e.zdisk"; fi

@@ -25,11 +25,17 @@ pub struct KeyArgs {
 }
 
 impl KeyArgs {
+    /// Whether a key option was given (an encrypted store's `stat` reads only the
+    /// checkpoint's numbers without one, rather than asking).
+    pub fn given(&self) -> bool {
+        self.key_file.is_some() || self.passphrase_stdin
+    }
+
     /// The secret that opens `store`: none for a plain store (given options are refused
     /// there by the engine, with a clear error), else from the options or the terminal.
     pub fn secret_for(&self, store: &Path) -> Result<Option<Arc<Secret>>> {
         let info = Store::info(store).with_context(|| format!("reading {}", store.display()))?;
-        if !info.encrypted && self.key_file.is_none() && !self.passphrase_stdin {
+        if !info.encrypted && !self.given() {
             return Ok(None);
         }
         let prompt = format!("Passphrase for {}: ", store.display());
@@ -157,6 +163,7 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
     let (store, slots) = match &args.action {
         KeyAction::List { store } => (store, Store::key_slots(store)?),
         KeyAction::Add(change) | KeyAction::Change(change) => {
+            refuse_if_served(&change.store)?;
             let current = change.key.read(&format!("Passphrase for {}: ", change.store.display()), false)?;
             let new = change.new_secret()?;
             let kdf = change.kdf.params();
@@ -167,6 +174,7 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
             (&change.store, changed(&change.store, &current, what)?)
         }
         KeyAction::Remove { store, slot, key } => {
+            refuse_if_served(store)?;
             let current = key.read(&format!("Passphrase for {}: ", store.display()), false)?;
             (store, changed(store, &current, KeyChange::Remove { slot: *slot })?)
         }
@@ -186,6 +194,18 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
             (SlotKind::Passphrase, None) => println!("slot {}: passphrase", slot.index),
             (SlotKind::KeyFile, _) => println!("slot {}: key file", slot.index),
         }
+    }
+    Ok(())
+}
+
+/// Key slots change only while the store is closed: a server holds its own copy of the key
+/// header (its nonce lease rewrites it). Said before any passphrase is asked for.
+fn refuse_if_served(store: &Path) -> Result<()> {
+    if crate::runtime::store_is_locked(store, zdisk_engine::Lock::Shared)? {
+        bail!(
+            "{} is being served (or open in another process): stop the server (or `zdisk detach`) before changing its key slots",
+            store.display()
+        );
     }
     Ok(())
 }

@@ -298,3 +298,23 @@ fn a_forged_record_in_the_log_is_refused() {
         }
     }
 }
+
+#[test]
+fn capacity_statistics_need_no_key() {
+    let mut rng = rng(7);
+    let data = block_data(&mut rng, 1 << 20, 50);
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &data);
+    let writes = disk.writes();
+    let (info, keyless) = Store::checkpoint_stats_of(disk.clone(), &test_options()).unwrap();
+    assert!(info.encrypted);
+    assert_eq!(disk.writes(), writes, "reading the checkpoint's numbers wrote something");
+    let keyed = reopen(&disk).stats();
+    assert!(keyless.logical_size > 0);
+    // Closed cleanly: the last checkpoint holds everything, so the numbers agree.
+    assert_eq!(
+        (keyless.logical_size, keyless.physical_size, keyless.free_space, keyless.provisioned_cap),
+        (keyed.logical_size, keyed.physical_size, keyed.free_space, keyed.provisioned_cap)
+    );
+    assert_eq!(keyless.comp_ratio, keyed.comp_ratio);
+}

@@ -25,7 +25,7 @@ use sha2::Sha256;
 use zeroize::Zeroizing;
 
 use super::keys::KeyHeader;
-use super::{DataKey, KEY_BYTES};
+use super::{DataKey, KeyMemoryLock, KEY_BYTES};
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -53,9 +53,18 @@ pub enum Domain {
 /// The keys derived from a store's data key, and the nonce source.
 pub struct StoreCipher {
     uuid: [u8; 16],
+    /// Boxed, so the locked pages stay where the keys are however the cipher moves.
+    keys: Box<DerivedKeys>,
+    /// After `keys`: dropped after them (zeroized, then unlocked).
+    _locked: KeyMemoryLock,
+    nonces: NonceSource,
+}
+
+/// The fragment key (as the AEAD's key schedule, zeroized on drop by the `aes` crate's
+/// `zeroize` feature) and the metadata key.
+struct DerivedKeys {
     fragments: Aes256GcmSiv,
     metadata_key: Zeroizing<[u8; KEY_BYTES]>,
-    nonces: NonceSource,
 }
 
 impl std::fmt::Debug for StoreCipher {
@@ -68,12 +77,12 @@ impl StoreCipher {
     /// The cipher of store `uuid`. `nonces` is `None` for a read-only open: it seals nothing.
     pub fn new(uuid: [u8; 16], key: &DataKey, nonces: Option<NonceSource>) -> StoreCipher {
         let fragment_key = derive(key, &uuid, b"zdisk fragments v1");
-        StoreCipher {
-            uuid,
+        let keys = Box::new(DerivedKeys {
             fragments: Aes256GcmSiv::new_from_slice(fragment_key.as_slice()).expect("a 32-byte key"),
             metadata_key: derive(key, &uuid, b"zdisk metadata v1"),
-            nonces: nonces.unwrap_or_else(NonceSource::none),
-        }
+        });
+        let locked = KeyMemoryLock::new(keys.as_ref());
+        StoreCipher { uuid, keys, _locked: locked, nonces: nonces.unwrap_or_else(NonceSource::none) }
     }
 
     /// Seals `plaintext` as a fragment of `domain` with reference tag `tag` whose
@@ -86,6 +95,7 @@ impl StoreCipher {
         out.extend_from_slice(plaintext);
         let aad = self.associated_data(domain, tag, entry_packed);
         let sealed_tag = self
+            .keys
             .fragments
             .encrypt_in_place_detached(&nonce(counter), &aad, &mut out[start..])
             .map_err(|_| Error::new(ErrorKind::InvalidArgument, "fragment too long to seal"))?;
@@ -105,7 +115,8 @@ impl StoreCipher {
         let counter = u64::from_le_bytes(counter.try_into().expect("8 bytes"));
         let mut plaintext = ciphertext.to_vec();
         let aad = self.associated_data(domain, tag, entry_packed);
-        self.fragments
+        self.keys
+            .fragments
             .decrypt_in_place_detached(&nonce(counter), &aad, &mut plaintext, Tag::from_slice(auth))
             .map_err(|_| bad())?;
         Ok(plaintext)
@@ -113,7 +124,7 @@ impl StoreCipher {
 
     /// The MAC of `parts`, concatenated, under the metadata key.
     pub fn mac(&self, parts: &[&[u8]]) -> [u8; MAC_BYTES] {
-        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.metadata_key.as_slice()).expect("any key length");
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(self.keys.metadata_key.as_slice()).expect("any key length");
         mac.update(&self.uuid);
         for part in parts {
             mac.update(part);

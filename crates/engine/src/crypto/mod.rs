@@ -10,13 +10,38 @@
 //!
 //! Invariants:
 //! - Key material lives only in [`DataKey`] and [`Secret`], which zeroize on drop and never
-//!   print their bytes (`Debug` shows a placeholder).
+//!   print their bytes (`Debug` shows a placeholder), and in a `StoreCipher`'s derived keys,
+//!   which sit in locked memory ([`KeyMemoryLock`]) and zeroize on drop.
 //! - No nonce is used twice under one data key: every seal takes the next value of a 64-bit
 //!   counter whose range was made durable in the key header before its first use
 //!   (`keys::KeyHeader::lease`), so a crashed run's values are never handed out again.
 
 pub mod cipher;
 pub mod keys;
+
+/// Keeps a value holding key material out of swap and core dumps for as long as it lives:
+/// locks its pages in memory (`mlock`; a refusal — `RLIMIT_MEMLOCK` — is logged, the store
+/// still opens) and, once per process, marks the process not dumpable (`PR_SET_DUMPABLE` 0:
+/// no core file, no ptrace or /proc/PID/mem by other users). Drop it after the value
+/// (declare it after the value in a struct) so the key is zeroized before its pages unlock.
+pub(crate) struct KeyMemoryLock {
+    _locked: Option<region::LockGuard>,
+}
+
+impl KeyMemoryLock {
+    pub(crate) fn new<T>(value: &T) -> KeyMemoryLock {
+        static NOT_DUMPABLE: std::sync::Once = std::sync::Once::new();
+        NOT_DUMPABLE.call_once(|| {
+            if let Err(e) = rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable) {
+                tracing::warn!("could not exclude the process from core dumps: {e}");
+            }
+        });
+        let locked = region::lock(value as *const T, std::mem::size_of::<T>())
+            .map_err(|e| tracing::warn!("could not lock key memory (raise RLIMIT_MEMLOCK): {e}"))
+            .ok();
+        KeyMemoryLock { _locked: locked }
+    }
+}
 
 use zeroize::{Zeroize, Zeroizing};
 
@@ -92,4 +117,31 @@ pub(crate) fn fill_random(out: &mut [u8]) -> crate::Result<()> {
         out.zeroize();
         crate::Error::new(crate::ErrorKind::Io, format!("reading the random source: {e}"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Locked kB of this process, from /proc/self/status.
+    fn locked_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmLck:")).expect("a VmLck line");
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn key_memory_is_locked_and_the_process_not_dumpable() {
+        let keys = Box::new([0x42u8; 3 * 4096]);
+        let lock = KeyMemoryLock::new(keys.as_ref());
+        assert_eq!(
+            rustix::process::dumpable_behavior().unwrap(),
+            rustix::process::DumpableBehavior::NotDumpable,
+            "a process holding keys must not dump core"
+        );
+        // Under the default RLIMIT_MEMLOCK (8 MiB) or as root, the pages lock.
+        assert!(lock._locked.is_some(), "could not lock 12 KiB of key memory (RLIMIT_MEMLOCK?)");
+        assert!(locked_kib() >= 12, "VmLck {} kB", locked_kib());
+        drop(lock);
+    }
 }

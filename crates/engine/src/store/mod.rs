@@ -81,6 +81,7 @@ use state::{Geometry, Inner, WorkerSignal};
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::cache::FragmentCache;
 use crate::codec::Codec;
+use crate::crypto::cipher::StoreCipher;
 use crate::crypto::keys::SlotInfo;
 use crate::crypto::Secret;
 use crate::error::{Error, ErrorKind, Result};
@@ -140,93 +141,34 @@ impl Store {
         Store::open_backing(Arc::new(backing), options)
     }
 
+    /// The statistics of the closed store at `path` as its newest loadable checkpoint left
+    /// them, without opening it: no key needed (an encrypted store's checkpoint is taken on
+    /// its CRCs, its MAC unchecked), no record replayed, no map page read, nothing written.
+    /// What `zdisk stat` shows for an encrypted store when no key is given.
+    pub fn checkpoint_stats(path: &Path) -> Result<(StoreInfo, Stats)> {
+        let options = OpenOptions { read_only: true, background: false, ..OpenOptions::default() };
+        let backing =
+            backing::open(path, &BackingOptions { access: Access::ReadOnly, direct_io: false, lock: Lock::Shared })?;
+        Store::checkpoint_stats_of(Arc::new(backing), &options)
+    }
+
+    /// [`Store::checkpoint_stats`] on any backing (the simulator in tests).
+    pub fn checkpoint_stats_of(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<(StoreInfo, Stats)> {
+        let chosen = recovery::choose_checkpoint(backing.as_ref(), None)?;
+        let info = create::info_from(&chosen.superblock);
+        let inner = Inner::from_checkpoint(backing, options, None, &chosen)?;
+        // As an open would free them (read-only: nothing is written).
+        inner.settle_segments(&mut inner.log.lock(), &chosen)?;
+        Ok((info, inner.stats()))
+    }
+
     /// Opens and recovers a store on any backing (the simulator in tests).
     pub fn open_backing(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Store> {
         let (newest, _) = recovery::read_superblocks(backing.as_ref())?;
         let cipher = encryption::unlock(&backing, &newest, options)?;
         let chosen = recovery::choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
         let sb = chosen.superblock.clone();
-        let geometry = Geometry {
-            store_tag: create::store_tag(&sb.uuid),
-            segment_size_bytes: sb.segment_size_bytes,
-            segment_count: sb.segment_count(),
-            physical_size_bytes: sb.physical_size_bytes,
-            codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
-        };
-        let logical_size_bytes = recovery::logical_size_bytes(&chosen);
-        let (map, counts) = recovery::build_map(
-            chosen.checkpoint.as_ref(),
-            recovery::block_count(logical_size_bytes),
-            options.map_cache_bytes as usize,
-        )?;
-        let usage = match &chosen.checkpoint {
-            Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
-                return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
-            }
-            Some(cp) => cp.segments.clone(),
-            None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
-        };
-        let mut segments = SegmentTable::recovered(usage);
-        segments.counts = counts;
-        let counters =
-            chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
-        let log = Log {
-            appender: Appender {
-                next_seq: sb.checkpoint_seq + 1,
-                prev_crc: sb.replay_prev_crc,
-                session: create::session_nonce(),
-                open: None,
-                batch: None,
-                sealed_unwritten: VecDeque::new(),
-                buffer_pool: Vec::new(),
-                next_segment: None,
-            },
-            segments,
-            epochs: CheckpointEpochs {
-                snapshot_generation: sb.generation,
-                reuse_horizon_seq: 0,
-                bytes_since_checkpoint: 0,
-                checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-                image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-                release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
-                superseded_carry: Default::default(),
-            },
-        };
-        let inner = Inner {
-            backing,
-            read_cache: FragmentCache::new(options.read_cache_bytes, geometry.segment_count),
-            geometry,
-            read_only: options.read_only,
-            options: options.clone(),
-            map: RwLock::new(Rank::Map, map),
-            log: Mutex::new(Rank::Log, log),
-            io: Mutex::new(Rank::Io, ()),
-            checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
-            buffered: RwLock::new(Rank::Buffered, Vec::new()),
-            counters,
-            codec_counters: Default::default(),
-            codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
-            failed: AtomicBool::new(false),
-            space_exhausted: AtomicBool::new(false),
-            map_write_bytes: AtomicU64::new(0),
-            logical_size_bytes: AtomicU64::new(logical_size_bytes),
-            over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
-            durable_seq: AtomicU64::new(0),
-            block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
-            signal: Mutex::new(Rank::Signal, WorkerSignal { stop: false, kick: false, kick_writer: false }),
-            signal_cv: Condvar::new(),
-            writer_cv: Condvar::new(),
-            gc_lock: Mutex::new(Rank::Gc, ()),
-            foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
-            foreground_rounds: AtomicU64::new(0),
-            pacer: pacing::Pacer::new(),
-            recovery: std::sync::OnceLock::new(),
-            dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
-                chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
-                cipher.as_deref(),
-            )?),
-            cipher,
-        };
+        let inner = Inner::from_checkpoint(backing, options, cipher, &chosen)?;
         let broken_link;
         {
             let mut log = inner.log.lock();
@@ -487,6 +429,100 @@ impl Store {
         }
         self.inner.flush()?;
         self.inner.checkpoint_now()
+    }
+}
+
+impl Inner {
+    /// The store's state as its checkpoint `chosen` left it, before replay: what
+    /// `Store::open_backing` recovers from, and all `Store::checkpoint_stats` reads.
+    fn from_checkpoint(
+        backing: Arc<dyn Backing>,
+        options: &OpenOptions,
+        cipher: Option<Arc<StoreCipher>>,
+        chosen: &recovery::Chosen,
+    ) -> Result<Inner> {
+        let sb = chosen.superblock.clone();
+        let geometry = Geometry {
+            store_tag: create::store_tag(&sb.uuid),
+            segment_size_bytes: sb.segment_size_bytes,
+            segment_count: sb.segment_count(),
+            physical_size_bytes: sb.physical_size_bytes,
+            codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
+        };
+        let logical_size_bytes = recovery::logical_size_bytes(chosen);
+        let (map, counts) = recovery::build_map(
+            chosen.checkpoint.as_ref(),
+            recovery::block_count(logical_size_bytes),
+            options.map_cache_bytes as usize,
+        )?;
+        let usage = match &chosen.checkpoint {
+            Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
+                return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
+            }
+            Some(cp) => cp.segments.clone(),
+            None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
+        };
+        let mut segments = SegmentTable::recovered(usage);
+        segments.counts = counts;
+        let counters =
+            chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
+        let log = Log {
+            appender: Appender {
+                next_seq: sb.checkpoint_seq + 1,
+                prev_crc: sb.replay_prev_crc,
+                session: create::session_nonce(),
+                open: None,
+                batch: None,
+                sealed_unwritten: VecDeque::new(),
+                buffer_pool: Vec::new(),
+                next_segment: None,
+            },
+            segments,
+            epochs: CheckpointEpochs {
+                snapshot_generation: sb.generation,
+                reuse_horizon_seq: 0,
+                bytes_since_checkpoint: 0,
+                checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+                image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+                release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
+                superseded_carry: Default::default(),
+            },
+        };
+        Ok(Inner {
+            backing,
+            read_cache: FragmentCache::new(options.read_cache_bytes, geometry.segment_count),
+            geometry,
+            read_only: options.read_only,
+            options: options.clone(),
+            map: RwLock::new(Rank::Map, map),
+            log: Mutex::new(Rank::Log, log),
+            io: Mutex::new(Rank::Io, ()),
+            checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
+            buffered: RwLock::new(Rank::Buffered, Vec::new()),
+            counters,
+            codec_counters: Default::default(),
+            codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
+            failed: AtomicBool::new(false),
+            space_exhausted: AtomicBool::new(false),
+            map_write_bytes: AtomicU64::new(0),
+            logical_size_bytes: AtomicU64::new(logical_size_bytes),
+            over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
+            durable_seq: AtomicU64::new(0),
+            block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
+            signal: Mutex::new(Rank::Signal, WorkerSignal { stop: false, kick: false, kick_writer: false }),
+            signal_cv: Condvar::new(),
+            writer_cv: Condvar::new(),
+            gc_lock: Mutex::new(Rank::Gc, ()),
+            foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
+            foreground_rounds: AtomicU64::new(0),
+            pacer: pacing::Pacer::new(),
+            recovery: std::sync::OnceLock::new(),
+            dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
+                chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
+                cipher.as_deref(),
+            )?),
+            cipher,
+        })
     }
 }
 

@@ -1,0 +1,71 @@
+//! `cargo bench -p zdisk-engine --bench crypto`: what encryption costs per fragment and per
+//! record on this CPU, with the primitives an encrypted store uses (`docs/format.md`,
+//! "Encryption"): AES-256-GCM-SIV seal and open of a fragment (2 KiB: a 2:1 block; 4 KiB: a
+//! raw one), and the HMAC-SHA-256 of a record's head and entries (a batch of 32 entries).
+//! Also AES-256-GCM for comparison (the nonce-misuse-resistant choice's price). Numbers, not
+//! assertions: compare them with a request's CPU budget (`scripts/compare.sh` IOPS / cores).
+
+use std::time::Instant;
+
+use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+const ROUNDS: usize = 50_000;
+
+fn per_op(what: &str, bytes: usize, mut op: impl FnMut()) {
+    for _ in 0..ROUNDS / 10 {
+        op();
+    }
+    let started = Instant::now();
+    for _ in 0..ROUNDS {
+        op();
+    }
+    let ns = started.elapsed().as_nanos() as f64 / ROUNDS as f64;
+    println!("{what:<44} {bytes:>6} B  {ns:>8.0} ns/op  {:>6.2} GB/s", bytes as f64 / ns);
+}
+
+fn main() {
+    let key = [7u8; 32];
+    let siv = aes_gcm_siv::Aes256GcmSiv::new_from_slice(&key).unwrap();
+    let gcm = aes_gcm::Aes256Gcm::new_from_slice(&key).unwrap();
+    let aad = [1u8; 27];
+    for bytes in [2048usize, 4096] {
+        let mut buf = vec![0x5au8; bytes];
+        let mut nonce = 0u64;
+        per_op("AES-256-GCM-SIV seal", bytes, || {
+            nonce += 1;
+            let mut n = [0u8; 12];
+            n[4..].copy_from_slice(&nonce.to_le_bytes());
+            let tag = siv.encrypt_in_place_detached((&n).into(), &aad, &mut buf).unwrap();
+            std::hint::black_box(tag);
+        });
+        let n = [3u8; 12];
+        let mut sealed = vec![0x5au8; bytes];
+        let tag = siv.encrypt_in_place_detached((&n).into(), &aad, &mut sealed).unwrap();
+        per_op("AES-256-GCM-SIV open (with the copy a read makes)", bytes, || {
+            let mut plain = sealed.clone();
+            siv.decrypt_in_place_detached((&n).into(), &aad, &mut plain, &tag).unwrap();
+            std::hint::black_box(plain);
+        });
+        per_op("AES-256-GCM seal (comparison)", bytes, || {
+            nonce += 1;
+            let mut n = [0u8; 12];
+            n[4..].copy_from_slice(&nonce.to_le_bytes());
+            let tag = gcm.encrypt_in_place_detached((&n).into(), &aad, &mut buf).unwrap();
+            std::hint::black_box(tag);
+        });
+    }
+    let record = vec![9u8; 64 + 32 * 8];
+    per_op("HMAC-SHA-256 of a record (keyed each time)", record.len(), || {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&key).unwrap();
+        mac.update(&record);
+        std::hint::black_box(mac.finalize().into_bytes());
+    });
+    let keyed = <Hmac<Sha256> as Mac>::new_from_slice(&key).unwrap();
+    per_op("HMAC-SHA-256 of a record (pre-keyed clone)", record.len(), || {
+        let mut mac = keyed.clone();
+        mac.update(&record);
+        std::hint::black_box(mac.finalize().into_bytes());
+    });
+}
