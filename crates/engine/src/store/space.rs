@@ -143,17 +143,7 @@ impl Inner {
             self.cipher.is_some(),
         );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
-        // A store provisioned at or below native capacity cannot run out of space, however
-        // full: its low free space is the over-provisioning at work, not a warning.
-        let thin = provisioned_cap > native.bytes;
-        let space_flag = if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
-            2
-        } else if thin && (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64
-        {
-            1
-        } else {
-            0
-        };
+        let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged);
         let host_write_bytes = Counters::get(&c.host_write_bytes);
         let backing_write_bytes = Counters::get(&c.backing_write_bytes);
         let (read_cache_hits, read_cache_misses, read_cache_bytes) = self.read_cache.counters();
@@ -222,6 +212,20 @@ impl Inner {
 }
 
 impl Inner {
+    /// `space_flag`: 2 full (or damaged), 1 low, 0 normal. Only a `thin` store (provisioned
+    /// above native capacity) warns of low space: one at or below native capacity cannot run
+    /// out, however full; its low free space is the over-provisioning at work.
+    fn space_flag(&self, free_space: u64, thin: bool, damaged: bool) -> u8 {
+        if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
+            2
+        } else if thin && (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64
+        {
+            1
+        } else {
+            0
+        }
+    }
+
     /// Codec choices since open, and the dictionary table as it is now.
     fn codec_stats(&self) -> crate::stats::CodecStats {
         let mut codec = self.codec_counters.snapshot();
