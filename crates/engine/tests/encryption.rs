@@ -140,12 +140,12 @@ fn fragment_of(image: &[u8], lba: u64) -> std::ops::Range<u64> {
         .expect("the block has a fragment")
 }
 
-/// Rewrites a fragment's guard (the CRC32C of its sealed bytes) so that only the AEAD can
-/// tell what changed: what an attacker who knows the format does.
-fn fix_guard(image: &mut [u8], range: &std::ops::Range<u64>) {
-    let (start, end) = (range.start as usize, range.end as usize);
-    let guard = crc32c::crc32c(&image[start + PI_BYTES..end]);
-    image[start..start + 4].copy_from_slice(&guard.to_le_bytes());
+/// An encrypted fragment's guard is its placement tag (docs/format.md): a keyed function of
+/// its address and the first 8 bytes of its AEAD tag, which an attacker cannot recompute —
+/// and need not: it does not cover the ciphertext, the stored nonce or the tag's last 8
+/// bytes, so changes there keep it valid and only the AEAD can refuse them.
+fn guard_of(image: &[u8], range: &std::ops::Range<u64>) -> [u8; 4] {
+    image[range.start as usize..][..4].try_into().unwrap()
 }
 
 fn read_block(store: &Store, lba: u64) -> zdisk_engine::Result<Vec<u8>> {
@@ -168,7 +168,7 @@ fn tampered_ciphertext_and_tags_read_as_eio() {
         for at in [range.start as usize + PI_BYTES + 8, range.end as usize - 1, range.start as usize + PI_BYTES] {
             let mut tampered = image.clone();
             tampered[at] ^= 0x40;
-            fix_guard(&mut tampered, &range);
+            assert_eq!(guard_of(&tampered, &range), guard_of(&image, &range), "the guard still holds");
             let store =
                 Store::open_backing(Arc::new(SimDisk::from_image(tampered, 1)), &options("correct horse")).unwrap();
             let err = read_block(&store, lba).expect_err("tampered bytes must not read");
@@ -194,7 +194,8 @@ fn a_fragment_moved_to_another_lba_fails_authentication() {
     moved[to.start as usize..to.end as usize].copy_from_slice(&bytes);
     // Claim LBA 9 in the protection information too, as a forger would.
     moved[to.start as usize + 4..to.start as usize + 10].copy_from_slice(&9u64.to_le_bytes()[..6]);
-    fix_guard(&mut moved, &to);
+    // (Its guard, the placement tag of block 3's address, fails here too; the tag check is
+    // the second line of defence.)
     let store = Store::open_backing(Arc::new(SimDisk::from_image(moved, 1)), &options("correct horse")).unwrap();
     let err = read_block(&store, 9).expect_err("block 3's bytes must not read as block 9");
     assert_eq!(err.kind(), ErrorKind::Checksum, "{err}");
@@ -212,7 +213,6 @@ fn a_tampered_map_page_or_checkpoint_is_never_taken_for_data() {
     let page = inspect::records(&image).into_iter().flat_map(|r| r.pages).last().expect("a map page").1;
     let mut tampered = image.clone();
     tampered[page.start as usize + PI_BYTES + 9] ^= 1;
-    fix_guard(&mut tampered, &page);
     match Store::open_backing(Arc::new(SimDisk::from_image(tampered, 1)), &options("correct horse")) {
         Ok(store) => {
             for lba in 0..256u64 {
@@ -317,4 +317,49 @@ fn capacity_statistics_need_no_key() {
         (keyed.logical_size, keyed.physical_size, keyed.free_space, keyed.provisioned_cap)
     );
     assert_eq!(keyless.comp_ratio, keyed.comp_ratio);
+}
+/// Writes two versions of block 3 (incompressible: every version has the same length) and
+/// closes; returns the first version's and the current fragment's byte ranges and the image.
+fn two_versions(disk: &Arc<SimDisk>, options: &OpenOptions) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+    let mut rng = rng(8);
+    let (old, new) = (block_data(&mut rng, 4096, 100), block_data(&mut rng, 4096, 100));
+    let store = Store::open_backing(disk.clone(), options).unwrap();
+    store.write(3 * 4096, &old, false).unwrap();
+    store.flush().unwrap();
+    store.checkpoint().unwrap();
+    store.write(3 * 4096, &new, false).unwrap();
+    store.close().unwrap();
+    (old, new, disk.image())
+}
+
+#[test]
+fn an_older_version_put_back_where_the_map_points_fails_authentication() {
+    let roll_back = |image: &mut Vec<u8>| {
+        let versions: Vec<_> =
+            inspect::records(image).into_iter().flat_map(|r| r.fragments).filter(|(lba, _)| *lba == 3).collect();
+        let (old, current) = (versions[0].1.clone(), versions[versions.len() - 1].1.clone());
+        assert_eq!(old.end - old.start, current.end - current.start, "same length: the forger's easy case");
+        assert_ne!(old.start, current.start);
+        let bytes = image[old.start as usize..old.end as usize].to_vec();
+        image[current.start as usize..current.end as usize].copy_from_slice(&bytes);
+    };
+    // The control: in a plain store the old version's CRC is as good as the new one's.
+    let plain = new_disk(96, 64 << 10, LOGICAL, Codec::Lz4, 7);
+    let (old, _, mut image) = two_versions(&plain, &test_options());
+    roll_back(&mut image);
+    let store = Store::open_backing(Arc::new(SimDisk::from_image(image, 1)), &test_options()).unwrap();
+    assert!(read_block(&store, 3).unwrap() == old, "the control: a plain store returns the rolled-back version");
+    // Encrypted: the old version was sealed for its own address, not this one.
+    let disk = encrypted_disk(Codec::Lz4);
+    let (_, new, mut image) = two_versions(&disk, &options("correct horse"));
+    let store =
+        Store::open_backing(Arc::new(SimDisk::from_image(image.clone(), 1)), &options("correct horse")).unwrap();
+    assert!(read_block(&store, 3).unwrap() == new);
+    drop(store);
+    roll_back(&mut image);
+    let store = Store::open_backing(Arc::new(SimDisk::from_image(image, 1)), &options("correct horse")).unwrap();
+    match read_block(&store, 3) {
+        Ok(_) => panic!("an older version must not read"),
+        Err(err) => assert_eq!(err.kind(), ErrorKind::Checksum, "{err}"),
+    }
 }

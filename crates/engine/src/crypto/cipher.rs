@@ -18,6 +18,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use aes::cipher::BlockEncrypt;
 use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
 use aes_gcm_siv::{Aes256GcmSiv, Nonce, Tag};
 use hmac::{Hmac, Mac};
@@ -61,9 +62,11 @@ pub struct StoreCipher {
 }
 
 /// The fragment key (as the AEAD's key schedule, zeroized on drop by the `aes` crate's
-/// `zeroize` feature) and the metadata key.
+/// `zeroize` feature), the placement key (an AES-256 key schedule, likewise) and the
+/// metadata key.
 struct DerivedKeys {
     fragments: Aes256GcmSiv,
+    placement: aes::Aes256,
     metadata_key: Zeroizing<[u8; KEY_BYTES]>,
 }
 
@@ -79,6 +82,8 @@ impl StoreCipher {
         let fragment_key = derive(key, &uuid, b"zdisk fragments v1");
         let keys = Box::new(DerivedKeys {
             fragments: Aes256GcmSiv::new_from_slice(fragment_key.as_slice()).expect("a 32-byte key"),
+            placement: aes::Aes256::new_from_slice(derive(key, &uuid, b"zdisk placement v1").as_slice())
+                .expect("a 32-byte key"),
             metadata_key: derive(key, &uuid, b"zdisk metadata v1"),
         });
         let locked = KeyMemoryLock::new(keys.as_ref());
@@ -120,6 +125,22 @@ impl StoreCipher {
             .decrypt_in_place_detached(&nonce(counter), &aad, &mut plaintext, Tag::from_slice(auth))
             .map_err(|_| bad())?;
         Ok(plaintext)
+    }
+
+    /// The placement tag of a sealed fragment (`nonce | ciphertext | tag`) written at byte
+    /// `address`: the first 32 bits of AES-256, under the placement key, of the address and
+    /// the first 8 bytes of the fragment's AEAD tag. It is the fragment's guard in an
+    /// encrypted store (`docs/format.md`, "Sealed fragments"): the log sets it where the
+    /// fragment lands, so an authentic fragment — an older version of the block included —
+    /// put anywhere else fails it. One AES block: cheap enough for the log lock.
+    pub fn placement(&self, address: u64, sealed: &[u8]) -> u32 {
+        let mut block = aes::Block::default();
+        block[..8].copy_from_slice(&address.to_le_bytes());
+        if let Some(tag) = sealed.len().checked_sub(TAG_BYTES).and_then(|at| sealed.get(at..at + 8)) {
+            block[8..].copy_from_slice(tag);
+        }
+        self.keys.placement.encrypt_block(&mut block);
+        u32::from_le_bytes(block[..4].try_into().expect("4 bytes"))
     }
 
     /// The MAC of `parts`, concatenated, under the metadata key.

@@ -8,6 +8,7 @@
 //! read checks the guard (CRC32C of the 4 KiB page) and that the page is the one the parent
 //! meant, so a damaged or misdirected page is an error, never another page's entries.
 
+use super::Stored;
 use crate::codec::{decompress_block, CodecTag};
 use crate::crypto::cipher::{Domain, StoreCipher, SEAL_OVERHEAD_BYTES};
 use crate::error::{Error, ErrorKind, Result};
@@ -73,7 +74,8 @@ pub fn height_for(block_count: u64) -> u8 {
 pub type PageBody = [u64; PAGE_SLOTS];
 
 /// The fragment of a page: protection information, then the page compressed (and, in an
-/// encrypted store, sealed: its guard then is the sealed bytes' CRC32C, as a block's).
+/// encrypted store, sealed: its guard then is the placement tag the log sets where the page
+/// lands, as a block's; zero until then).
 pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Result<(FragmentEntry, Vec<u8>)> {
     let raw: Vec<u8> = body.iter().flat_map(|v| v.to_le_bytes()).collect();
     let plain_guard = crc32c::crc32c(&raw);
@@ -87,16 +89,16 @@ pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Resu
         return Ok((entry, bytes));
     };
     let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + data.len()) as u16, codec };
-    let mut bytes = vec![0u8; PI_BYTES];
+    let mut bytes = Protection { guard: 0, lba: id.tag(), entry }.encode().to_vec();
     cipher.seal(Domain::MapPage, id.tag().0, entry.packed(), &data, &mut bytes)?;
-    let guard = crc32c::crc32c(&bytes[PI_BYTES..]);
-    bytes[..PI_BYTES].copy_from_slice(&Protection { guard, lba: id.tag(), entry }.encode());
     Ok((entry, bytes))
 }
 
-/// Decodes and checks a page's fragment: it must be page `id`, with the length and codec
-/// the pointer gives, and decode to its guard (encrypted: open under the store's key).
-pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8], cipher: Option<&StoreCipher>) -> Result<Box<PageBody>> {
+/// Decodes and checks a page's fragment, at the place `s` its pointer gives: it must be page
+/// `id`, with the length and codec the pointer gives, and decode to its guard (encrypted:
+/// carry the placement tag of that address, and open under the store's key).
+pub fn decode(id: PageId, s: Stored, bytes: &[u8], cipher: Option<&StoreCipher>) -> Result<Box<PageBody>> {
+    let entry = s.fragment_entry();
     let bad = |why: &str| Error::new(ErrorKind::Checksum, format!("map page {id:?}: {why}"));
     if bytes.len() != entry.stored_len as usize || bytes.len() < PI_BYTES {
         return Err(bad("wrong length"));
@@ -108,8 +110,8 @@ pub fn decode(id: PageId, entry: FragmentEntry, bytes: &[u8], cipher: Option<&St
     let mut raw = vec![0u8; BLOCK_SIZE];
     let output = match cipher {
         Some(cipher) => {
-            if crc32c::crc32c(&bytes[PI_BYTES..]) != pi.guard {
-                return Err(bad("CRC32C mismatch"));
+            if cipher.placement(s.offset_bytes, &bytes[PI_BYTES..]) != pi.guard {
+                return Err(bad("fails authentication: not the page written at this address"));
             }
             cipher
                 .open(Domain::MapPage, id.tag().0, entry.packed(), &bytes[PI_BYTES..])
@@ -144,12 +146,24 @@ mod tests {
         let source = crate::crypto::cipher::NonceSource::for_tests();
         let cipher = StoreCipher::new([1; 16], &key, Some(source));
         for cipher in [None, Some(&cipher)] {
-            let (entry, bytes) = encode(id, &body, cipher).unwrap();
-            assert_eq!(*decode(id, entry, &bytes, cipher).unwrap(), body);
-            assert!(decode(PageId { level: 1, index: 78 }, entry, &bytes, cipher).is_err());
+            let (entry, mut bytes) = encode(id, &body, cipher).unwrap();
+            let at = |offset_bytes| Stored {
+                offset_bytes,
+                stored_len: entry.stored_len,
+                codec: entry.codec,
+                format: crate::format::FragmentFormat::V3,
+            };
+            if let Some(cipher) = cipher {
+                // Placed at 1 MiB (what the log does as it appends): elsewhere it does not read.
+                let guard = cipher.placement(1 << 20, &bytes[PI_BYTES..]);
+                bytes[..4].copy_from_slice(&guard.to_le_bytes());
+                assert!(decode(id, at(2 << 20), &bytes, Some(cipher)).is_err());
+            }
+            assert_eq!(*decode(id, at(1 << 20), &bytes, cipher).unwrap(), body);
+            assert!(decode(PageId { level: 1, index: 78 }, at(1 << 20), &bytes, cipher).is_err());
             let mut damaged = bytes.clone();
             damaged[PI_BYTES + 5] ^= 1;
-            assert!(decode(id, entry, &damaged, cipher).is_err());
+            assert!(decode(id, at(1 << 20), &damaged, cipher).is_err());
         }
     }
 

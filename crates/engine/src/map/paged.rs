@@ -553,7 +553,7 @@ impl PagedMap {
         let bases: Vec<Base> = stored
             .iter()
             .zip(&fragments)
-            .map(|(&(id, _, s), bytes)| match page::decode(id, s.fragment_entry(), bytes, src.cipher()) {
+            .map(|(&(id, _, s), bytes)| match page::decode(id, s, bytes, src.cipher()) {
                 Ok(body) => Base::Loaded(Arc::from(body)),
                 Err(e) => {
                     self.damaged_pages.fetch_add(1, Ordering::Relaxed);

@@ -354,7 +354,8 @@ impl Inner {
                 if named != Some(newest.id) {
                     let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
                     let block = Block { entry, bytes: bytes.to_vec() };
-                    older.push(LiveFragment { lba, old: PackedEntry::stored(s), block });
+                    let keeps_guard = !self.placed_at(bytes, s.offset_bytes);
+                    older.push(LiveFragment { lba, old: PackedEntry::stored(s), block, keeps_guard });
                 }
             }
         }

@@ -416,7 +416,8 @@ impl Inner {
                                 FragmentFormat::V3 => Block { entry: *fragment, bytes: bytes.to_vec() },
                                 FragmentFormat::V2 => convert_v2_fragment(bytes, *lba, *fragment),
                             };
-                            live.push(LiveFragment { lba: *lba, old: *here, block });
+                            let keeps_guard = !self.placed_at(&block.bytes, base + range.start as u64);
+                            live.push(LiveFragment { lba: *lba, old: *here, block, keeps_guard });
                         }
                         Ok(())
                     },
@@ -432,6 +433,20 @@ impl Inner {
             checked?;
         }
         Ok(live)
+    }
+
+    /// Whether a fragment read at byte `address` carries that address's placement tag (an
+    /// encrypted store's guard; a plain store's fragments always do: true). One that does
+    /// not is moved with its guard as it is (`LiveFragment::keeps_guard`).
+    pub(crate) fn placed_at(&self, fragment: &[u8], address: u64) -> bool {
+        let Some(cipher) = self.cipher.as_deref() else { return true };
+        match Protection::decode(&fragment[..PI_BYTES]) {
+            Ok(pi) => {
+                pi.entry.is_zero_block(FragmentFormat::V3)
+                    || cipher.placement(address, &fragment[PI_BYTES..]) == pi.guard
+            }
+            Err(_) => false,
+        }
     }
 
     /// Marks page `id` for rewriting if its current version is the fragment at `here`.
@@ -470,9 +485,14 @@ impl Inner {
                 verbatim.push(fragment);
                 continue;
             }
-            // (The bytes are a version 3 fragment: `collect_live` converted older ones.)
+            // (The bytes are a version 3 fragment: `collect_live` converted older ones. Its
+            // old address: an encrypted store's guard is the placement tag of it.)
+            let old_offset = match fragment.old.unpack() {
+                Ok(Entry::Stored(old)) => old.offset_bytes,
+                _ => 0,
+            };
             let stored = Stored {
-                offset_bytes: 0,
+                offset_bytes: old_offset,
                 stored_len: entry.stored_len,
                 codec: entry.codec,
                 format: FragmentFormat::V3,

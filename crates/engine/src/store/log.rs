@@ -25,9 +25,9 @@ use super::state::{new_buffer, AlignedBuf, Inner, SegmentBuffer};
 use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, RecordBody, RecordHeader, RecordVersion, BATCH_ENTRY_BYTES,
-    BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
-    TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, Protection, RecordBody, RecordHeader, RecordVersion,
+    BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MAC_BYTES,
+    RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::PagedMap;
@@ -244,7 +244,7 @@ impl Inner {
                         RangeKind::Trim => RecordBody::Trim { start_lba: *start_lba, block_count: *block_count },
                         RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
                     };
-                    let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[]);
+                    let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[], &[]);
                     self.apply(log, &map, &body, payload_at)?;
                 }
                 Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
@@ -292,7 +292,7 @@ impl Inner {
             };
             let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
             let record_flags = flags.next(last_piece && done + take == blocks.len());
-            let (payload_at, body) = self.put_record(log, record_flags, body, &payload);
+            let (payload_at, body) = self.put_record(log, record_flags, body, &payload, &vec![true; payload.len()]);
             self.apply(log, map, &body, payload_at)?;
             let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
             Counters::add(&self.counters.data_bytes, data_bytes as u64);
@@ -323,7 +323,9 @@ impl Inner {
                 let part = &piece[done..done + take];
                 let body = RecordBody::Relocate { entries: part.iter().map(LiveFragment::relocate_entry).collect() };
                 let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
-                let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload);
+                // (A fragment whose guard did not vouch for its old place keeps it: EIO still.)
+                let placed: Vec<bool> = part.iter().map(|f| !f.keeps_guard).collect();
+                let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload, &placed);
                 let relocated_bytes = self.apply(log, map, &body, payload_at)?;
                 Counters::add(&self.counters.gc_bytes_moved, relocated_bytes);
                 done += take;
@@ -361,7 +363,9 @@ impl Inner {
             let part = &current[done..done + take];
             let entries = part.iter().map(|f| BatchEntry { lba: f.lba, fragment: f.block.entry }).collect();
             let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
-            let (payload_at, body) = self.put_record(log, flags.alone(), RecordBody::Batch { entries }, &payload);
+            let placed = vec![true; payload.len()];
+            let (payload_at, body) =
+                self.put_record(log, flags.alone(), RecordBody::Batch { entries }, &payload, &placed);
             self.apply(log, map, &body, payload_at)?;
             let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
             let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
@@ -388,7 +392,7 @@ impl Inner {
             }
             let take = room.min(bytes.len() - done);
             let part = &bytes[done..done + take];
-            let (payload_at, _) = self.put_record(log, flags.alone(), RecordBody::Checkpoint, &[part]);
+            let (payload_at, _) = self.put_record(log, flags.alone(), RecordBody::Checkpoint, &[part], &[]);
             chunks.push(ChunkRef { offset_bytes: payload_at, length_bytes: take as u32, crc: crc32c::crc32c(part) });
             done += take;
         }
@@ -415,7 +419,8 @@ impl Inner {
             let part = &pages[done..done + take];
             let entries = part.iter().map(|(id, b)| BatchEntry { lba: id.tag(), fragment: b.entry }).collect();
             let payload: Vec<&[u8]> = part.iter().map(|(_, b)| b.bytes.as_slice()).collect();
-            let (mut at, _) = self.put_record(log, flags.alone(), RecordBody::MapPages { entries }, &payload);
+            let placed = vec![true; payload.len()];
+            let (mut at, _) = self.put_record(log, flags.alone(), RecordBody::MapPages { entries }, &payload, &placed);
             for (_, b) in part {
                 offsets.push(at);
                 at += b.bytes.len() as u64;
@@ -453,8 +458,10 @@ impl Inner {
         {
             let mut data = open.buffer.data.write();
             for (i, block) in blocks.iter().enumerate() {
-                data[at..at + block.bytes.len()].copy_from_slice(&block.bytes);
-                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, &block.bytes);
+                let place = &mut data[at..at + block.bytes.len()];
+                place.copy_from_slice(&block.bytes);
+                self.place_fragment(place, self.geometry.segment_base(segment) + at as u64);
+                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, place);
                 entries.push(BatchEntry { lba: start_lba.plus(i as u64), fragment: block.entry });
                 at += block.bytes.len();
             }
@@ -536,12 +543,36 @@ impl Inner {
     }
 
     /// Writes one record into the open segment (which has room for it). Returns the
-    /// physical byte address of its payload, and its body back.
-    fn put_record(&self, log: &mut Log, flags: u8, body: RecordBody, payload: &[&[u8]]) -> (u64, RecordBody) {
+    /// physical byte address of its payload, and its body back. The payload parts `placed`
+    /// marks are fragments: in an encrypted store each gets the placement tag of where it
+    /// lands (`place_fragment`) before the payload's CRC is taken.
+    fn put_record(
+        &self,
+        log: &mut Log,
+        flags: u8,
+        body: RecordBody,
+        payload: &[&[u8]],
+        placed: &[bool],
+    ) -> (u64, RecordBody) {
+        debug_assert!(placed.is_empty() || placed.len() == payload.len());
         let appender = &mut log.appender;
         debug_assert!(appender.batch.is_none(), "a record appended while a batch is open");
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
-        let payload_crc = payload.iter().fold(0u32, |crc, part| crc32c::crc32c_append(crc, part));
+        let open = appender.open.as_mut().expect("an open segment");
+        let segment = open.buffer.segment;
+        let record_at = open.append_offset_bytes;
+        let base = self.geometry.segment_base(segment);
+        let mut data = open.buffer.data.write();
+        let mut at = record_at + HEAD_BYTES;
+        for (i, part) in payload.iter().enumerate() {
+            let place = &mut data[at..at + part.len()];
+            place.copy_from_slice(part);
+            if placed.get(i) == Some(&true) {
+                self.place_fragment(place, base + at as u64);
+            }
+            at += part.len();
+        }
+        let payload_crc = crc32c::crc32c(&data[record_at + HEAD_BYTES..at]);
         let header = RecordHeader {
             version: RecordVersion::V3,
             flags,
@@ -556,30 +587,30 @@ impl Inner {
         };
         let encoded = self.encode_record(&header);
         let total = HEAD_BYTES + payload_len + encoded.tail.len();
-        let open = appender.open.as_mut().expect("an open segment");
-        assert!(
-            open.append_offset_bytes + total <= self.geometry.segment_size_bytes as usize,
-            "record past the segment end"
-        );
-        let segment = open.buffer.segment;
-        let record_at = open.append_offset_bytes;
-        {
-            let mut data = open.buffer.data.write();
-            let mut at = record_at;
-            let tail = std::iter::once(&encoded.tail[..]);
-            for part in std::iter::once(&encoded.head[..]).chain(payload.iter().copied()).chain(tail) {
-                data[at..at + part.len()].copy_from_slice(part);
-                at += part.len();
-            }
-        }
+        assert!(record_at + total <= self.geometry.segment_size_bytes as usize, "record past the segment end");
+        data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
+        data[at..at + encoded.tail.len()].copy_from_slice(&encoded.tail);
+        drop(data);
         open.append_offset_bytes += total;
         log.segments.note_append(segment, (record_at + total) as u64, Some(appender.next_seq));
         appender.prev_crc = encoded.crc;
         appender.next_seq += 1;
         log.epochs.bytes_since_checkpoint += total as u64;
         Counters::add(&self.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
-        let payload_at = self.geometry.segment_base(segment) + (record_at + HEAD_BYTES) as u64;
-        (payload_at, header.body)
+        (base + (record_at + HEAD_BYTES) as u64, header.body)
+    }
+
+    /// Sets, in an encrypted store, the guard of a sealed fragment just put at byte `address`
+    /// to the placement tag of that address (`StoreCipher::placement`): read anywhere else,
+    /// it fails. A plain store's fragment, and an all-zero block's, keep theirs.
+    fn place_fragment(&self, fragment: &mut [u8], address: u64) {
+        let Some(cipher) = self.cipher.as_deref() else { return };
+        let Ok(pi) = Protection::decode(&fragment[..PI_BYTES]) else { return };
+        if pi.entry.is_zero_block(FragmentFormat::V3) {
+            return;
+        }
+        let guard = cipher.placement(address, &fragment[PI_BYTES..]);
+        fragment[..PI_BYTES].copy_from_slice(&Protection { guard, ..pi }.encode());
     }
 
     /// Appends a marker record: only a head and tail, whose durable sequence number proves
@@ -593,7 +624,7 @@ impl Inner {
             return Err(Error::new(ErrorKind::NoSpace, "no room for a marker"));
         }
         self.ensure_room(&mut log, RECORD_MIN_BYTES)?;
-        self.put_record(&mut log, FLAG_FIRST | FLAG_LAST, RecordBody::Marker, &[]);
+        self.put_record(&mut log, FLAG_FIRST | FLAG_LAST, RecordBody::Marker, &[], &[]);
         Ok(log.appender.next_seq - 1)
     }
 
@@ -660,7 +691,13 @@ impl Inner {
         // segment instead of reading the start of every one.
         let next_segment = log.segments.lowest_free();
         log.appender.next_segment = next_segment;
-        self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Link { next_segment: next_segment.map(|s| s.0) }, &[]);
+        self.put_record(
+            log,
+            FLAG_FIRST | FLAG_LAST,
+            RecordBody::Link { next_segment: next_segment.map(|s| s.0) },
+            &[],
+            &[],
+        );
         Ok(())
     }
 }

@@ -31,6 +31,10 @@ pub(crate) struct LiveFragment {
     pub lba: Lba,
     pub old: PackedEntry,
     pub block: Block,
+    /// An encrypted store's fragment whose guard is not the placement tag of where it was
+    /// (damaged or tampered): it moves with that guard, so it still reads as EIO, rather
+    /// than be given a good one at its new place.
+    pub keeps_guard: bool,
 }
 
 impl LiveFragment {

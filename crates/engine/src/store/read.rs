@@ -209,11 +209,11 @@ pub(crate) fn verify_fragment(
     if s.format == FragmentFormat::V3 && entry.is_zero_block(s.format) {
         block.fill(0); // an all-zero block's fragment is its protection information alone
     } else if let Some(cipher) = cipher {
-        // Sealed: the AEAD's tag proves the bytes (and that they are this LBA's, this long,
-        // of this codec); the guard is the stored bytes' CRC, checked first to tell damage
-        // from tampering in the message.
-        if crc32c::crc32c(&fragment[prefix..]) != guard {
-            return Err("CRC32C mismatch".into());
+        // Sealed: the guard is the placement tag of this address (so an authentic fragment
+        // written anywhere else — an older version of this block too — is refused), and the
+        // AEAD's tag proves the bytes, and that they are this LBA's, this long, of this codec.
+        if cipher.placement(s.offset_bytes, &fragment[prefix..]) != guard {
+            return Err("fails authentication: not the fragment written at this address".into());
         }
         let plain = cipher
             .open(Domain::Block, lba.0, entry.packed(), &fragment[prefix..])

@@ -579,8 +579,10 @@ impl Inner {
             if range.is_empty() {
                 continue; // a version 2 all-zero block stores nothing
             }
+            // (Its address: an encrypted store's guard is the placement tag of it.)
+            let offset_bytes = record.payload_offset_bytes + range.start as u64;
             let stored =
-                crate::map::Stored { offset_bytes: 0, stored_len: fragment.stored_len, codec: fragment.codec, format };
+                crate::map::Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec, format };
             if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries, cipher) {
                 continue;
             }

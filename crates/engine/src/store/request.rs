@@ -142,14 +142,13 @@ impl Inner {
             bytes.extend_from_slice(scratch);
             return Ok(Block { entry, bytes });
         };
-        // Encrypted: the codec's output sealed, and the guard the CRC32C of what is stored
-        // (the plaintext's would leak a hash of it).
+        // Encrypted: the codec's output sealed (bound to the LBA). The guard is the placement
+        // tag, which the log sets where the fragment lands (`Inner::place_fragment`); zero
+        // until then (a plaintext CRC would leak a hash of the data).
         let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + scratch.len()) as u16, codec };
         let mut bytes = Vec::with_capacity(entry.stored_len as usize);
-        bytes.resize(PI_BYTES, 0);
+        bytes.extend_from_slice(&Protection { guard: 0, lba, entry }.encode());
         cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
-        let guard = crc32c::crc32c(&bytes[PI_BYTES..]);
-        bytes[..PI_BYTES].copy_from_slice(&Protection { guard, lba, entry }.encode());
         debug_assert_eq!(bytes.len(), entry.stored_len as usize);
         Ok(Block { entry, bytes })
     }

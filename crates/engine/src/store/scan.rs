@@ -23,7 +23,7 @@ pub(crate) struct RecordContext<'a> {
     /// An encrypted store's: its fragments verify by the CRC32C of their sealed bytes.
     pub cipher: Option<&'a StoreCipher>,
 }
-use crate::crypto::cipher::StoreCipher;
+use crate::crypto::cipher::{Domain, StoreCipher};
 use crate::format::v2;
 use crate::format::{
     decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection,
@@ -115,7 +115,7 @@ fn from_head(
         Ok((copy, body)) if copy == head => body,
         _ => {
             damage.tail = true;
-            body_without_tail(&head, payload, tail, context)?
+            body_without_tail(&head, payload, base + payload_at as u64, tail, context)?
         }
     };
     if let Some(cipher) = context.cipher {
@@ -142,12 +142,20 @@ fn from_head(
 /// from the payload's protection information for data and map-pages records, from the
 /// surviving copy of a relocation's entries. None when nothing says what it did (the record
 /// is lost).
-fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], context: &RecordContext<'_>) -> Option<RecordBody> {
+fn body_without_tail(
+    head: &Head,
+    payload: &[u8],
+    payload_address: u64,
+    tail: &[u8],
+    context: &RecordContext<'_>,
+) -> Option<RecordBody> {
     match head.kind {
         // A map page's protection information names its page where a block's names its
         // LBA, so map-pages records are walked like batches.
         RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
-            let walked = walk_fragments(payload, context.dictionaries, context.cipher.is_some())?;
+            let domain = if head.kind == RecordKind::MapPages { Domain::MapPage } else { Domain::Block };
+            let sealed = context.cipher.map(|cipher| (cipher, domain));
+            let walked = walk_fragments(payload, payload_address, context.dictionaries, sealed)?;
             if walked.len() as u64 != head.count {
                 return None;
             }
@@ -178,9 +186,15 @@ fn body_without_tail(head: &Head, payload: &[u8], tail: &[u8], context: &RecordC
 /// The fragments of a version 3 payload, from their protection information: each must
 /// decode and match its guard, and together they must fill the payload exactly. (An
 /// all-zero block's fragment is its protection information alone.)
-/// In an encrypted store (`sealed`), a fragment's guard is its sealed bytes' CRC32C: the walk
-/// needs no key.
-pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet, sealed: bool) -> Option<Vec<BatchEntry>> {
+/// In an encrypted store (`sealed`: its cipher, and what the fragments are), a fragment must
+/// carry the placement tag of its address (the payload starts at `payload_address`) and
+/// open under the key.
+pub(crate) fn walk_fragments(
+    payload: &[u8],
+    payload_address: u64,
+    dictionaries: &DictionarySet,
+    sealed: Option<(&StoreCipher, Domain)>,
+) -> Option<Vec<BatchEntry>> {
     let mut entries = Vec::new();
     let mut at = 0;
     let mut block = vec![0u8; BLOCK_SIZE];
@@ -189,10 +203,12 @@ pub(crate) fn walk_fragments(payload: &[u8], dictionaries: &DictionarySet, seale
         let fragment = payload.get(at..at + pi.entry.stored_len as usize)?;
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             block.fill(0);
-        } else if sealed {
-            if crc32c::crc32c(&fragment[PI_BYTES..]) != pi.guard {
+        } else if let Some((cipher, domain)) = sealed {
+            let body = &fragment[PI_BYTES..];
+            if cipher.placement(payload_address + at as u64, body) != pi.guard {
                 return None;
             }
+            cipher.open(domain, pi.lba.0, pi.entry.packed(), body).ok()?;
             entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
             at += fragment.len();
             continue;
