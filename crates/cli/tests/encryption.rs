@@ -83,32 +83,9 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
         std::thread::sleep(Duration::from_millis(250));
     };
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.5, "{stat}");
-    // Key slots do not change under a server (its nonce lease rewrites the key header);
-    // listing them needs no key and works.
-    let header = |store: &std::path::Path| std::fs::read(store).unwrap()[32 << 10..64 << 10].to_vec();
-    let before = header(&store);
-    for action in [
-        &["key", "add", path, "--key-file", key, "--new-key-file", key][..],
-        &["key", "remove", path, "--slot", "0", "--key-file", key],
-    ] {
-        let out = s.zdisk().args(action).stdin(Stdio::null()).output().unwrap();
-        assert!(!out.status.success(), "{action:?} while served");
-        assert!(String::from_utf8_lossy(&out.stderr).contains("is being served"), "{out:?}");
-    }
-    assert!(header(&store) == before, "a refused key change wrote the key header");
-    assert!(s.zdisk_ok(&["key", "list", path]).contains("slot 0: key file"));
+    key_changes_are_refused_while_served(&s, &store, key);
     server.stop();
-    // Closed: `stat` without a key reads the checkpoint's numbers, and writes nothing.
-    let image = std::fs::read(&store).unwrap();
-    let offline: serde_json::Value = serde_json::from_str(&s.zdisk_ok(&["stat", path, "--json"])).unwrap();
-    assert_eq!(offline["source"], "checkpoint", "{offline}");
-    assert!(offline["comp_ratio"].as_f64().unwrap() > 1.5, "{offline}");
-    assert_eq!(offline["provisioned_cap"], stat["provisioned_cap"], "{offline}");
-    assert!(std::fs::read(&store).unwrap() == image, "a keyless stat wrote to the store");
-    let keyed: serde_json::Value =
-        serde_json::from_str(&s.zdisk_ok(&["stat", path, "--json", "--key-file", key])).unwrap();
-    assert_eq!(keyed["source"], "offline", "{keyed}");
-    assert_eq!(keyed["logical_size"], offline["logical_size"], "closed cleanly: the checkpoint is current");
+    stat_without_a_key_reads_the_checkpoint(&s, &store, key, &stat);
     assert_eq!(plaintext_windows(&text, &std::fs::read(&store).unwrap()), 0, "plaintext in the backing file");
 
     // check: right key clean; no key (stdin not a terminal) and a wrong key refused.
@@ -166,4 +143,38 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     assert_eq!(sha256(&again), sha256(&input));
     common::signal(serve.id(), libc::SIGTERM);
     assert!(common::wait_timeout(&mut serve, Duration::from_secs(30)).success());
+}
+
+/// Key slots do not change under a server (its nonce lease rewrites the key header), and the
+/// refusal writes nothing; listing them needs no key and works.
+fn key_changes_are_refused_while_served(s: &Scratch, store: &std::path::Path, key: &str) {
+    let path = store.to_str().unwrap();
+    let header = |store: &std::path::Path| std::fs::read(store).unwrap()[32 << 10..64 << 10].to_vec();
+    let before = header(store);
+    for action in [
+        &["key", "add", path, "--key-file", key, "--new-key-file", key][..],
+        &["key", "remove", path, "--slot", "0", "--key-file", key],
+    ] {
+        let out = s.zdisk().args(action).stdin(Stdio::null()).output().unwrap();
+        assert!(!out.status.success(), "{action:?} while served");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("is being served"), "{out:?}");
+    }
+    assert!(header(store) == before, "a refused key change wrote the key header");
+    assert!(s.zdisk_ok(&["key", "list", path]).contains("slot 0: key file"));
+}
+
+/// A closed encrypted store's `stat` without a key reads the checkpoint's numbers (the same
+/// as the server's `live`, and as a keyed offline stat after a clean stop) and writes nothing.
+fn stat_without_a_key_reads_the_checkpoint(s: &Scratch, store: &std::path::Path, key: &str, live: &serde_json::Value) {
+    let path = store.to_str().unwrap();
+    let image = std::fs::read(store).unwrap();
+    let offline: serde_json::Value = serde_json::from_str(&s.zdisk_ok(&["stat", path, "--json"])).unwrap();
+    assert_eq!(offline["source"], "checkpoint", "{offline}");
+    assert!(offline["comp_ratio"].as_f64().unwrap() > 1.5, "{offline}");
+    assert_eq!(offline["provisioned_cap"], live["provisioned_cap"], "{offline}");
+    assert!(std::fs::read(store).unwrap() == image, "a keyless stat wrote to the store");
+    let keyed: serde_json::Value =
+        serde_json::from_str(&s.zdisk_ok(&["stat", path, "--json", "--key-file", key])).unwrap();
+    assert_eq!(keyed["source"], "offline", "{keyed}");
+    assert_eq!(keyed["logical_size"], offline["logical_size"], "closed cleanly: the checkpoint is current");
 }
