@@ -177,7 +177,8 @@ impl Inner {
         }
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
-        let relocated_bytes = relocation_bytes(&verbatim) + recompressed_bytes(&recompressed);
+        let extra = self.record_extra_bytes();
+        let relocated_bytes = relocation_bytes(&verbatim, extra) + recompressed_bytes(&recompressed, extra);
         if relocated_bytes > self.geometry.segment_capacity() {
             return Ok(None);
         }

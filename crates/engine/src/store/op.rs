@@ -4,8 +4,7 @@
 //! the map).
 
 use crate::format::{
-    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
-    WRITE_ENTRY_BYTES,
+    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry};
@@ -107,10 +106,10 @@ impl Op {
         }
     }
 
-    /// Log bytes the op takes, conservatively: payload, entries and a header per record.
-    pub fn log_bytes(&self, segment_capacity_bytes: u64) -> u64 {
-        // An encrypted store's records carry a MAC as well: the bound counts it for all.
-        let header = (RECORD_MIN_BYTES + RECORD_MAC_BYTES) as u64;
+    /// Log bytes the op takes, conservatively: payload, entries and a header per record
+    /// (with `record_extra_bytes` more each: an encrypted store's MAC).
+    pub fn log_bytes(&self, segment_capacity_bytes: u64, record_extra_bytes: u64) -> u64 {
+        let header = RECORD_MIN_BYTES as u64 + record_extra_bytes;
         match self {
             Op::Write { blocks, .. } => {
                 let payload: u64 = blocks.iter().map(|b| b.bytes.len() as u64).sum();
@@ -120,8 +119,8 @@ impl Op {
                     + blocks.len() as u64 * entry_bytes as u64
                     + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * header
             }
-            Op::Relocate { fragments } => relocation_bytes(fragments),
-            Op::Recompress { fragments } => recompressed_bytes(fragments),
+            Op::Relocate { fragments } => relocation_bytes(fragments, record_extra_bytes),
+            Op::Recompress { fragments } => recompressed_bytes(fragments, record_extra_bytes),
             Op::Range { .. } => header,
             Op::Checkpoint { bytes } => bytes.len() as u64 + (bytes.len() as u64 / segment_capacity_bytes + 1) * header,
             Op::MapPages { pages } => {
@@ -137,7 +136,7 @@ impl Op {
 
 /// Log bytes the records relocating `fragments` take: the fragments, an entry each, and a
 /// header per record.
-pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
+pub(crate) fn relocation_bytes(fragments: &[LiveFragment], record_extra_bytes: u64) -> u64 {
     if fragments.is_empty() {
         return 0;
     }
@@ -145,19 +144,19 @@ pub(crate) fn relocation_bytes(fragments: &[LiveFragment]) -> u64 {
     // Entries twice (each copy with a CRC) per record: see `format::RELOCATE_ENTRY_BYTES`.
     payload
         + 2 * fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + RECORD_MAC_BYTES + 8) as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * ((RECORD_MIN_BYTES + 8) as u64 + record_extra_bytes)
 }
 
 /// Log bytes the batch records holding recompressed `fragments` take: the fragments, an
 /// entry each, and a header per record.
-pub(crate) fn recompressed_bytes(fragments: &[LiveFragment]) -> u64 {
+pub(crate) fn recompressed_bytes(fragments: &[LiveFragment], record_extra_bytes: u64) -> u64 {
     if fragments.is_empty() {
         return 0;
     }
     let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
     payload
         + fragments.len() as u64 * BATCH_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES + RECORD_MAC_BYTES) as u64
+        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * (RECORD_MIN_BYTES as u64 + record_extra_bytes)
 }
 
 /// Whether a group is only trim and zero records: fixed-size headers, no fragments.
@@ -165,7 +164,7 @@ pub(crate) fn metadata_only(ops: &[Op]) -> bool {
     ops.iter().all(|op| matches!(op, Op::Range { .. }))
 }
 
-/// Log bytes a group of ops takes, conservatively.
-pub(crate) fn group_bytes(ops: &[Op], segment_capacity_bytes: u64) -> u64 {
-    ops.iter().map(|op| op.log_bytes(segment_capacity_bytes)).sum()
+/// Log bytes a group of ops takes, conservatively (`record_extra_bytes`: see `log_bytes`).
+pub(crate) fn group_bytes(ops: &[Op], segment_capacity_bytes: u64, record_extra_bytes: u64) -> u64 {
+    ops.iter().map(|op| op.log_bytes(segment_capacity_bytes, record_extra_bytes)).sum()
 }

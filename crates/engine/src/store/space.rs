@@ -12,8 +12,11 @@ use super::capacity::{image_bytes, map_page_count, native_capacity_for};
 use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
+use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 use crate::error::{Error, ErrorKind};
-use crate::format::{SegmentState, BATCH_ENTRY_BYTES, PI_BYTES, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{
+    SegmentState, BATCH_ENTRY_BYTES, PI_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES,
+};
 use crate::map::DIRTY_PAGES_HARD;
 use crate::stats::{Counters, Stats};
 use crate::BLOCK_SIZE;
@@ -101,11 +104,11 @@ impl Inner {
     /// How many bytes the log lacks for a group of ops of a class (0: it may be appended
     /// now).
     pub(crate) fn shortfall_bytes(&self, log: &Log, ops: &[Op], class: SpaceClass) -> u64 {
-        let bytes = group_bytes(ops, self.geometry.segment_capacity());
+        let bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
         // Fragments do not span segments, so a record carrying them may leave up to a block
         // unused at the open segment's end (a free segment's capacity already allows for
         // that); a trim or zero record is a fixed header and fits whenever its bytes do.
-        let end_waste = if metadata_only(ops) { 0 } else { FRAGMENT_END_WASTE_BYTES };
+        let end_waste = if metadata_only(ops) { 0 } else { self.fragment_end_waste_bytes() };
         let available = self.available_bytes(log).saturating_sub(end_waste);
         (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
     }
@@ -212,6 +215,24 @@ impl Inner {
 }
 
 impl Inner {
+    /// Bytes a record of this store carries beyond a plain one: an encrypted store's MAC.
+    pub(crate) fn record_extra_bytes(&self) -> u64 {
+        if self.cipher.is_some() {
+            RECORD_MAC_BYTES as u64
+        } else {
+            0
+        }
+    }
+
+    /// `FRAGMENT_END_WASTE_BYTES` for this store: an encrypted one's largest fragment is
+    /// larger by its seal, and its record by its MAC.
+    pub(crate) fn fragment_end_waste_bytes(&self) -> u64 {
+        match self.cipher {
+            Some(_) => FRAGMENT_END_WASTE_BYTES + (SEAL_OVERHEAD_BYTES + RECORD_MAC_BYTES) as u64,
+            None => FRAGMENT_END_WASTE_BYTES,
+        }
+    }
+
     /// `space_flag`: 2 full (or damaged), 1 low, 0 normal. Only a `thin` store (provisioned
     /// above native capacity) warns of low space: one at or below native capacity cannot run
     /// out, however full; its low free space is the over-provisioning at work.

@@ -42,14 +42,12 @@ pub(crate) fn round_up(value: u64, to: u64) -> u64 {
 /// A record carrying fragments may leave this much of a segment's end unused: fragments
 /// do not span segments, so one that does not fit starts the next segment. (The largest
 /// fragment — a raw block and its protection information — a record's head and tail, and
-/// an entry; in an encrypted store the fragment's nonce and tag and the record's MAC, which
-/// the bound counts for every store.)
-pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 = (BLOCK_SIZE
-    + crate::format::PI_BYTES
-    + crate::crypto::cipher::SEAL_OVERHEAD_BYTES
-    + crate::format::RECORD_MIN_BYTES
-    + crate::format::RECORD_MAC_BYTES
-    + crate::format::RELOCATE_ENTRY_BYTES) as u64;
+/// an entry. An encrypted store's are larger by the seal and the record MAC:
+/// `Inner::fragment_end_waste_bytes`; a segment's capacity, which leaves twice this, covers
+/// that too.)
+pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 =
+    (BLOCK_SIZE + crate::format::PI_BYTES + crate::format::RECORD_MIN_BYTES + crate::format::RELOCATE_ENTRY_BYTES)
+        as u64;
 
 /// Bytes a full segment of this size can hold for records, conservatively.
 pub(crate) fn segment_capacity_of(segment_size_bytes: u64) -> u64 {
