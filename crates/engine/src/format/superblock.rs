@@ -55,8 +55,13 @@ pub const FEATURE_DICTIONARIES: u64 = 1;
 /// every superblock). Set exactly when the format version is 5 (docs/format.md,
 /// "Encryption"); both say it, so neither older code nor a flipped flag reads it as plain.
 pub const FEATURE_ENCRYPTED: u64 = 2;
+/// Feature flag: an encrypted store's records carry MACs and its fragments' guards are
+/// placement tags (docs/format.md, "Encryption"). Set with `FEATURE_ENCRYPTED` by every
+/// format since 2026-11-25; an encrypted store without it was made by the code before, whose
+/// log this code cannot read (no record would authenticate), and is refused by name.
+pub const FEATURE_AUTHENTICATED_LOG: u64 = 4;
 /// The feature flags this code understands; any other is refused as "newer version".
-pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES | FEATURE_ENCRYPTED;
+pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;
 
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
@@ -180,6 +185,14 @@ impl Superblock {
         if (feature_flags & FEATURE_ENCRYPTED != 0) != (format_version == FORMAT_VERSION_ENCRYPTED) {
             return Err(corrupt("the superblock's version and encryption flag disagree"));
         }
+        if (feature_flags & FEATURE_ENCRYPTED != 0) != (feature_flags & FEATURE_AUTHENTICATED_LOG != 0) {
+            return Err(corrupt(if feature_flags & FEATURE_ENCRYPTED != 0 {
+                "an encrypted store made by zdisk before 2026-11-25 (its records carry no MACs): \
+                 this version cannot read it; recreate the store"
+            } else {
+                "the authenticated-log flag on a plain store"
+            }));
+        }
         CodecTag::from_u8(codec_tag)?;
         if segment_size_bytes == 0
             || !segment_size_bytes.is_multiple_of(crate::SECTOR_SIZE as u64)
@@ -278,17 +291,25 @@ mod tests {
         assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
         assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
         assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
-        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 4, ..sample_superblock() };
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 8, ..sample_superblock() };
         assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
         // Encryption: flag and version 5 together, never one without the other.
-        let plain_version = Superblock { feature_flags: FEATURE_ENCRYPTED, ..sample_superblock() };
+        let encrypted_flags = FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;
+        let plain_version = Superblock { feature_flags: encrypted_flags, ..sample_superblock() };
         assert_eq!(Superblock::decode(&plain_version.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
         let encrypted = Superblock {
-            feature_flags: FEATURE_ENCRYPTED,
+            feature_flags: encrypted_flags,
             format_version: FORMAT_VERSION_ENCRYPTED,
             ..sample_superblock()
         };
         assert!(Superblock::decode(&encrypted.encode()).unwrap().encrypted());
+        // Encrypted without the authenticated log: made by the code before; refused by name.
+        let earlier = Superblock { feature_flags: FEATURE_ENCRYPTED, ..encrypted.clone() };
+        let err = Superblock::decode(&earlier.encode()).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Corrupt);
+        assert!(err.to_string().contains("recreate the store"), "{err}");
+        let stray = Superblock { feature_flags: FEATURE_AUTHENTICATED_LOG, ..sample_superblock() };
+        assert_eq!(Superblock::decode(&stray.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
     }
 
     proptest! {

@@ -15,7 +15,10 @@ use crate::codec::Codec;
 use crate::crypto::cipher::StoreCipher;
 use crate::crypto::keys::{KeyHeader, KEY_HEADER_OFFSETS};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{Superblock, DATA_START_BYTES, FEATURE_ENCRYPTED, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES};
+use crate::format::{
+    Superblock, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG, FEATURE_ENCRYPTED, LOGICAL_SIZE_MAX_BYTES,
+    SUPERBLOCK_MAC_BYTES,
+};
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
 const SEGMENT_BYTES_MIN: u64 = 64 << 10;
@@ -208,7 +211,7 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
         segment_size_bytes,
         codec_tag: options.codec.tag() as u8,
         codec_level: options.codec.level(),
-        feature_flags: if keys.is_some() { FEATURE_ENCRYPTED } else { 0 },
+        feature_flags: if keys.is_some() { FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG } else { 0 },
         checkpoint_seq: 0,
         replay_offset_bytes: DATA_START_BYTES,
         replay_prev_crc: 0,
