@@ -45,6 +45,15 @@ fn reopen(disk: &Arc<SimDisk>) -> Store {
     Store::open_backing(Arc::new(SimDisk::from_image(disk.image(), 1)), &options("correct horse")).unwrap()
 }
 
+/// An encrypted LZ4 store holding `len` bytes of `block_data(seed, len, percent)` from
+/// offset 0, closed; and those bytes.
+fn encrypted_store_holding(seed: u64, len: usize, percent: u32) -> (Arc<SimDisk>, Vec<u8>) {
+    let data = block_data(&mut rng(seed), len, percent);
+    let disk = encrypted_disk(Codec::Lz4);
+    write_and_close(&disk, &data);
+    (disk, data)
+}
+
 #[test]
 fn every_codec_round_trips_encrypted_and_across_a_reopen() {
     let mut rng = rng(1);
@@ -155,10 +164,7 @@ fn read_block(store: &Store, lba: u64) -> zdisk_engine::Result<Vec<u8>> {
 
 #[test]
 fn tampered_ciphertext_and_tags_read_as_eio() {
-    let mut rng = rng(3);
-    let data = block_data(&mut rng, 64 * 4096, 30);
-    let disk = encrypted_disk(Codec::Lz4);
-    write_and_close(&disk, &data);
+    let (disk, data) = encrypted_store_holding(3, 64 * 4096, 30);
     let image = disk.image();
     let stored = (0..64u64).filter(|&lba| data[lba as usize * 4096..][..4096].iter().any(|&b| b != 0));
     for lba in stored.step_by(20) {
@@ -182,10 +188,7 @@ fn tampered_ciphertext_and_tags_read_as_eio() {
 #[test]
 fn a_fragment_moved_to_another_lba_fails_authentication() {
     // Incompressible blocks: every fragment has the same length, so one fits another's place.
-    let mut rng = rng(4);
-    let data = block_data(&mut rng, 16 * 4096, 100);
-    let disk = encrypted_disk(Codec::Lz4);
-    write_and_close(&disk, &data);
+    let (disk, data) = encrypted_store_holding(4, 16 * 4096, 100);
     let image = disk.image();
     let (from, to) = (fragment_of(&image, 3), fragment_of(&image, 9));
     assert_eq!(from.end - from.start, to.end - to.start);
@@ -204,10 +207,7 @@ fn a_fragment_moved_to_another_lba_fails_authentication() {
 
 #[test]
 fn a_tampered_map_page_or_checkpoint_is_never_taken_for_data() {
-    let mut rng = rng(5);
-    let data = block_data(&mut rng, 1 << 20, 30);
-    let disk = encrypted_disk(Codec::Lz4);
-    write_and_close(&disk, &data);
+    let (disk, data) = encrypted_store_holding(5, 1 << 20, 30);
     let image = disk.image();
     // A map page: flip a ciphertext byte and fix its guard.
     let page = inspect::records(&image).into_iter().flat_map(|r| r.pages).last().expect("a map page").1;
@@ -301,10 +301,7 @@ fn a_forged_record_in_the_log_is_refused() {
 
 #[test]
 fn capacity_statistics_need_no_key() {
-    let mut rng = rng(7);
-    let data = block_data(&mut rng, 1 << 20, 50);
-    let disk = encrypted_disk(Codec::Lz4);
-    write_and_close(&disk, &data);
+    let (disk, _) = encrypted_store_holding(7, 1 << 20, 50);
     let writes = disk.writes();
     let (info, keyless) = Store::checkpoint_stats_of(disk.clone(), &test_options()).unwrap();
     assert!(info.encrypted);

@@ -562,17 +562,23 @@ impl Inner {
         let segment = open.buffer.segment;
         let record_at = open.append_offset_bytes;
         let base = self.geometry.segment_base(segment);
-        let mut data = open.buffer.data.write();
-        let mut at = record_at + HEAD_BYTES;
-        for (i, part) in payload.iter().enumerate() {
-            let place = &mut data[at..at + part.len()];
-            place.copy_from_slice(part);
-            if placed.get(i) == Some(&true) {
-                self.place_fragment(place, base + at as u64);
+        let tail_at = record_at + HEAD_BYTES + payload_len;
+        // The payload goes in first (its CRC is of the placed fragments); the buffer's lock
+        // is not held while the head and tail are encoded (an encrypted store's MAC). Nothing
+        // past the append offset is read or written out meanwhile.
+        let payload_crc = {
+            let mut data = open.buffer.data.write();
+            let mut at = record_at + HEAD_BYTES;
+            for (i, part) in payload.iter().enumerate() {
+                let place = &mut data[at..at + part.len()];
+                place.copy_from_slice(part);
+                if placed.get(i) == Some(&true) {
+                    self.place_fragment(place, base + at as u64);
+                }
+                at += part.len();
             }
-            at += part.len();
-        }
-        let payload_crc = crc32c::crc32c(&data[record_at + HEAD_BYTES..at]);
+            crc32c::crc32c(&data[record_at + HEAD_BYTES..tail_at])
+        };
         let header = RecordHeader {
             version: RecordVersion::V3,
             flags,
@@ -588,9 +594,11 @@ impl Inner {
         let encoded = self.encode_record(&header);
         let total = HEAD_BYTES + payload_len + encoded.tail.len();
         assert!(record_at + total <= self.geometry.segment_size_bytes as usize, "record past the segment end");
-        data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
-        data[at..at + encoded.tail.len()].copy_from_slice(&encoded.tail);
-        drop(data);
+        {
+            let mut data = open.buffer.data.write();
+            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
+            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
+        }
         open.append_offset_bytes += total;
         log.segments.note_append(segment, (record_at + total) as u64, Some(appender.next_seq));
         appender.prev_crc = encoded.crc;
