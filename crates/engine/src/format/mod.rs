@@ -26,7 +26,7 @@ pub use record::{
 };
 pub use superblock::{
     ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_AUTHENTICATED_LOG, FEATURE_DICTIONARIES, FEATURE_ENCRYPTED,
-    SUPERBLOCK_MAC_BYTES, SUPERBLOCK_SLOT_BYTES,
+    FEATURE_LOG_JUMPS, SUPERBLOCK_MAC_BYTES, SUPERBLOCK_SLOT_BYTES,
 };
 
 use crate::error::{Error, ErrorKind, Result};

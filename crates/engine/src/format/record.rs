@@ -98,6 +98,10 @@ pub enum RecordKind {
     /// one (the start LBA field; all ones if none was free). Recovery follows it instead of
     /// reading every segment's start.
     Link = 10,
+    /// The log goes on elsewhere: the next record is at the byte address in the start LBA
+    /// field (in another open segment: host writes and GC's relocations fill different
+    /// segments, so data of different ages dies in different segments).
+    Jump = 11,
 }
 
 /// A link record's "no segment was free when this one opened".
@@ -116,6 +120,7 @@ impl RecordKind {
             8 => RecordKind::Marker,
             9 => RecordKind::MapPages,
             10 => RecordKind::Link,
+            11 => RecordKind::Jump,
             _ => return Err(corrupt(format!("unknown record kind {v}"))),
         })
     }
@@ -215,6 +220,9 @@ pub enum RecordBody {
     Link {
         next_segment: Option<u32>,
     },
+    Jump {
+        next_record_bytes: u64,
+    },
 }
 
 impl RecordBody {
@@ -242,7 +250,8 @@ impl RecordBody {
             | RecordBody::Zero { .. }
             | RecordBody::Checkpoint
             | RecordBody::Marker
-            | RecordBody::Link { .. } => Vec::new(),
+            | RecordBody::Link { .. }
+            | RecordBody::Jump { .. } => Vec::new(),
         }
     }
 
@@ -250,7 +259,11 @@ impl RecordBody {
     pub fn maps_nothing(&self) -> bool {
         matches!(
             self,
-            RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. }
+            RecordBody::Checkpoint
+                | RecordBody::Marker
+                | RecordBody::MapPages { .. }
+                | RecordBody::Link { .. }
+                | RecordBody::Jump { .. }
         )
     }
 
@@ -265,6 +278,7 @@ impl RecordBody {
             RecordBody::Marker => RecordKind::Marker,
             RecordBody::MapPages { .. } => RecordKind::MapPages,
             RecordBody::Link { .. } => RecordKind::Link,
+            RecordBody::Jump { .. } => RecordKind::Jump,
         }
     }
 
@@ -279,6 +293,7 @@ impl RecordBody {
             RecordBody::Batch { entries } | RecordBody::MapPages { entries } => (Lba(0), entries.len() as u64),
             RecordBody::Checkpoint | RecordBody::Marker => (Lba(0), 0),
             RecordBody::Link { next_segment } => (Lba(next_segment.map_or(LINK_NONE, u64::from)), 0),
+            RecordBody::Jump { next_record_bytes } => (Lba(*next_record_bytes), 0),
         }
     }
 
@@ -314,7 +329,8 @@ impl RecordBody {
             | RecordBody::Zero { .. }
             | RecordBody::Checkpoint
             | RecordBody::Marker
-            | RecordBody::Link { .. } => {}
+            | RecordBody::Link { .. }
+            | RecordBody::Jump { .. } => {}
         }
     }
 }
@@ -430,6 +446,7 @@ impl Head {
                     s => Some(u32::try_from(s).map_err(|_| corrupt("link to a segment past any store's end"))?),
                 },
             },
+            RecordKind::Jump => RecordBody::Jump { next_record_bytes: self.start_lba.0 },
             RecordKind::Relocate => RecordBody::Relocate { entries: first_relocate_copy(entry_bytes, count)? },
             RecordKind::Trim => RecordBody::Trim { start_lba: self.start_lba, block_count: count },
             RecordKind::Zero => RecordBody::Zero { start_lba: self.start_lba, block_count: count },
@@ -687,6 +704,7 @@ mod tests {
             },
             RecordBody::Link { next_segment: Some(77) },
             RecordBody::Link { next_segment: None },
+            RecordBody::Jump { next_record_bytes: (1 << 20) + 4096 * 3 },
         ]
     }
 

@@ -160,7 +160,7 @@ fn decode_body(kind: RecordKind, lba: Lba, count: u64, r: &mut Reader<'_>) -> Re
                 _ => RecordBody::Checkpoint,
             }
         }
-        RecordKind::Marker | RecordKind::MapPages | RecordKind::Link => {
+        RecordKind::Marker | RecordKind::MapPages | RecordKind::Link | RecordKind::Jump => {
             return Err(corrupt("a version 3 record kind in a version 2 header"))
         }
     })
@@ -232,7 +232,11 @@ pub fn encode(header: &RecordHeader, out: &mut Vec<u8>) -> u32 {
         }
         RecordBody::Relocate { entries } => (0, entries.len() as u64),
         RecordBody::Batch { entries } => (0, entries.len() as u64),
-        RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. } => {
+        RecordBody::Checkpoint
+        | RecordBody::Marker
+        | RecordBody::MapPages { .. }
+        | RecordBody::Link { .. }
+        | RecordBody::Jump { .. } => {
             unreachable!("version 3 record kinds are never encoded in version 2")
         }
     };

@@ -60,8 +60,15 @@ pub const FEATURE_ENCRYPTED: u64 = 2;
 /// format since 2026-11-25; an encrypted store without it was made by the code before, whose
 /// log this code cannot read (no record would authenticate), and is refused by name.
 pub const FEATURE_AUTHENTICATED_LOG: u64 = 4;
+/// Feature flag: the log may hold jump records (kind 11: host writes and GC's relocations
+/// in two open segments, docs/format.md, "Records"). Set by every format since 2026-11-25
+/// and kept by every checkpoint; code from before refuses such a store as "newer version"
+/// instead of ending its replay at the first jump. A store formatted before keeps one open
+/// segment (its native capacity was computed for one).
+pub const FEATURE_LOG_JUMPS: u64 = 8;
 /// The feature flags this code understands; any other is refused as "newer version".
-pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;
+pub const FEATURES_KNOWN: u64 =
+    FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS;
 
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
@@ -291,7 +298,7 @@ mod tests {
         assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
         assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
         assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
-        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 8, ..sample_superblock() };
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 16, ..sample_superblock() };
         assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
         // Encryption: flag and version 5 together, never one without the other.
         let encrypted_flags = FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;

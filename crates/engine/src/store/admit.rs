@@ -15,6 +15,7 @@ use super::log::{Appended, Attempt};
 use super::op::{metadata_only, Op};
 use super::space::SpaceClass;
 use super::state::Inner;
+use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::Counters;
 
@@ -189,13 +190,19 @@ impl Inner {
         // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
         // checkpoint is far above a typical one on a large store).
         let checkpoints_bytes = if pay_checkpoints { 2 * self.log.lock().epochs.checkpoint_bytes * 5 / 4 } else { 0 };
+        // GC reads victims from disk, so sealed segments still in memory are none: under a
+        // burst of writes they may be all the garbage there is. Write them out first.
+        if !self.log.lock().appender.sealed_unwritten.is_empty() {
+            self.write_out(WriteOut::WholeSectors)?;
+        }
         let want_bytes = shortfall_bytes.max(self.geometry.segment_size_bytes) + checkpoints_bytes;
         let victims_max = if pay_checkpoints { PAYING_GC_VICTIMS_MAX } else { FOREGROUND_GC_VICTIMS_MAX };
         let mut cleaned = 0;
         let mut gained_bytes = 0;
         let mut freed = 0;
         while cleaned < victims_max && gained_bytes < want_bytes {
-            match self.gc_once(GcMode::Foreground) {
+            let mode = if pay_checkpoints { GcMode::Stalled } else { GcMode::Foreground };
+            match self.gc_once(mode) {
                 Ok(Some(bytes)) => {
                     cleaned += 1;
                     gained_bytes += bytes;

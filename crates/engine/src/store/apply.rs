@@ -125,7 +125,11 @@ pub(crate) fn apply_record(
                 }
             }
         }
-        RecordBody::Checkpoint | RecordBody::Marker | RecordBody::MapPages { .. } | RecordBody::Link { .. } => {}
+        RecordBody::Checkpoint
+        | RecordBody::Marker
+        | RecordBody::MapPages { .. }
+        | RecordBody::Link { .. }
+        | RecordBody::Jump { .. } => {}
     }
     Ok(applied)
 }

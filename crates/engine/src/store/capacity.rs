@@ -2,7 +2,7 @@
 //! and overwrite in any pattern, forever, without ENOSPC (docs/space.md, "Native capacity
 //! and over-provisioning").
 //!
-//! It is what is left of the data area after the host reserve, the open segment, metadata
+//! It is what is left of the data area after the host reserve, the open segments, metadata
 //! at its worst and the operator's over-provisioning (OP), counted in incompressible blocks
 //! as densely as GC packs them. Why that suffices: GC can always run (the reserves of `space.rs`),
 //! and with live data at most `1 - OP` of the data segments' block slots, the emptiest
@@ -72,16 +72,19 @@ pub struct NativeCapacity {
 /// The native capacity of a plain store with this geometry and over-provisioning.
 #[cfg(test)]
 pub fn native_capacity(segment_size_bytes: u64, segment_count: u64, over_provision_ppm: u32) -> NativeCapacity {
-    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, false)
+    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, false, true)
 }
 
 /// The native capacity of a store, plain or encrypted, with this geometry and
-/// over-provisioning.
+/// over-provisioning; `cold_stream`: GC's output has an open segment of its own (stores
+/// formatted since 2026-11-25, superblock feature flag `FEATURE_LOG_JUMPS`), whose room host
+/// writes cannot use.
 pub fn native_capacity_for(
     segment_size_bytes: u64,
     segment_count: u64,
     over_provision_ppm: u32,
     encrypted: bool,
+    cold_stream: bool,
 ) -> NativeCapacity {
     debug_assert!(over_provision_ppm < PPM);
     let capacity = super::state::segment_capacity_of(segment_size_bytes);
@@ -94,9 +97,10 @@ pub fn native_capacity_for(
     let map_pages = map_page_count(logical_bytes);
     let page_bytes = relocated_block_bytes(encrypted) - 2 * RELOCATE_ENTRY_BYTES as u64 + BATCH_ENTRY_BYTES as u64;
     let metadata_bytes = 2 * map_pages * page_bytes + 2 * image_bytes(segment_count);
-    // The host reserve and (below) the open segment.
+    // The host reserve and (below) the open segments.
     let reserve_bytes = host_reserve_for(capacity, checkpoint);
-    let kept_segments = (reserve_bytes + metadata_bytes).div_ceil(capacity) + 1;
+    let open_segments = if cold_stream { 2 } else { 1 };
+    let kept_segments = (reserve_bytes + metadata_bytes).div_ceil(capacity) + open_segments;
     let data_segments = segment_count.saturating_sub(kept_segments);
     let slots = data_segments * blocks_per_segment;
     let blocks = slots - (slots as u128 * over_provision_ppm as u128).div_ceil(PPM as u128) as u64;
@@ -117,7 +121,7 @@ pub fn native_capacity_of_physical(
         return 0;
     }
     let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;
-    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, encrypted).bytes
+    native_capacity_for(segment_size_bytes, segment_count, over_provision_ppm, encrypted, true).bytes
 }
 
 /// Pages of a map covering `logical_bytes` (leaves and every level above them).

@@ -34,7 +34,7 @@ use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG,
-    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
+    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
@@ -112,7 +112,8 @@ impl Inner {
             replay_prev_crc: snapshot.replay_prev_crc,
             checkpoint_chunks: appended.chunks,
             // Older code refuses a store that keeps a dictionary (docs/format.md, "Dictionaries").
-            feature_flags: (durable_sb.feature_flags & (FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG))
+            feature_flags: (durable_sb.feature_flags
+                & (FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS))
                 | if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };

@@ -16,8 +16,8 @@ use crate::crypto::cipher::StoreCipher;
 use crate::crypto::keys::{KeyHeader, KEY_HEADER_OFFSETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
-    Superblock, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG, FEATURE_ENCRYPTED, LOGICAL_SIZE_MAX_BYTES,
-    SUPERBLOCK_MAC_BYTES,
+    Superblock, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS,
+    LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES,
 };
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -58,6 +58,7 @@ pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
             sb.segment_count(),
             sb.over_provision_ppm,
             sb.encrypted(),
+            sb.feature_flags & FEATURE_LOG_JUMPS != 0,
         )
         .bytes,
         encrypted: sb.encrypted(),
@@ -184,10 +185,8 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
     }
     validate_logical_size(options.logical_size_bytes)?;
     validate_over_provision(options.over_provision_ppm)?;
-    if native_capacity_for(segment_size_bytes, segment_count, options.over_provision_ppm, options.encryption.is_some())
-        .bytes
-        == 0
-    {
+    let encrypted = options.encryption.is_some();
+    if native_capacity_for(segment_size_bytes, segment_count, options.over_provision_ppm, encrypted, true).bytes == 0 {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!(
@@ -211,7 +210,8 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
         segment_size_bytes,
         codec_tag: options.codec.tag() as u8,
         codec_level: options.codec.level(),
-        feature_flags: if keys.is_some() { FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG } else { 0 },
+        feature_flags: FEATURE_LOG_JUMPS
+            | if keys.is_some() { FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG } else { 0 },
         checkpoint_seq: 0,
         replay_offset_bytes: DATA_START_BYTES,
         replay_prev_crc: 0,

@@ -71,7 +71,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use lock::{Mutex, Rank, RwLock};
-use log::{Appender, CheckpointEpochs, Log};
+use log::{Appender, CheckpointEpochs, Log, Stream};
 use op::RangeKind;
 use parking_lot::Condvar;
 use request::{Durability, BLOCK_LOCK_STRIPES};
@@ -85,7 +85,7 @@ use crate::crypto::cipher::StoreCipher;
 use crate::crypto::keys::SlotInfo;
 use crate::crypto::Secret;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{SegmentUsage, FORMAT_VERSION};
+use crate::format::{SegmentUsage, FEATURE_LOG_JUMPS, FORMAT_VERSION};
 use crate::stats::{Counters, Stats};
 use crate::BLOCK_SIZE;
 
@@ -170,6 +170,7 @@ impl Store {
         let sb = chosen.superblock.clone();
         let inner = Inner::from_checkpoint(backing, options, cipher, &chosen)?;
         let broken_link;
+        let unlinked;
         {
             let mut log = inner.log.lock();
             let findings = inner.replay(&mut log, &sb)?;
@@ -181,8 +182,19 @@ impl Store {
             log.appender.next_segment = continue_in.filter(|&s| log.segments.is_free(s));
             inner.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
             broken_link = continue_in.is_some() && log.appender.next_segment.is_none();
+            unlinked = continue_in.is_none() && log.appender.next_seq > sb.checkpoint_seq + 1;
         }
         let writable = !options.read_only && inner.degraded().is_none();
+        if writable && unlinked {
+            // The log ended in a segment that names none to go on in (a cold segment, or
+            // none was free when it opened): a later recovery from the retained checkpoints
+            // would have to read every segment's start to find this run's records. A
+            // checkpoint now spares it that; on a full store, it may wait.
+            match inner.checkpoint_now() {
+                Err(e) if e.kind() == ErrorKind::NoSpace => tracing::warn!("checkpoint at open: {e}"),
+                other => other?,
+            }
+        }
         if writable && broken_link {
             // The segment the last link names is not free: the log goes on elsewhere, where
             // replay from the retained checkpoints would not look. Checkpoint past the break.
@@ -256,6 +268,7 @@ impl Store {
             geometry.segment_count,
             over_provision_ppm,
             self.inner.cipher.is_some(),
+            self.inner.cold_stream,
         );
         let stored = self.inner.stats().physical_size;
         if stored > native.bytes {
@@ -476,6 +489,8 @@ impl Inner {
                 sealed_unwritten: VecDeque::new(),
                 buffer_pool: Vec::new(),
                 next_segment: None,
+                stream: Stream::Host,
+                parked: None,
             },
             segments,
             epochs: CheckpointEpochs {
@@ -504,7 +519,9 @@ impl Inner {
             codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
+            cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,
             map_write_bytes: AtomicU64::new(0),
+            gc_cold_bytes_moved: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
             durable_seq: AtomicU64::new(0),

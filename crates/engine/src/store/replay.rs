@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap};
 use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
-use super::state::Inner;
+use super::state::{Geometry, Inner};
 use crate::codec::DictionarySet;
 use crate::crypto::cipher::StoreCipher;
 use crate::error::Result;
@@ -152,8 +152,27 @@ struct Cursor {
 }
 
 impl Cursor {
-    fn after(record: &FoundRecord, segment: SegmentId) -> Cursor {
-        Cursor { offset: record.end_bytes, seq: record.header.seq + 1, prev_crc: Some(record.crc), segment }
+    /// Where the record after `record` is expected: right after it, or — after a jump —
+    /// where the jump says (in the segment it names, which the log then follows).
+    fn after(record: &FoundRecord, geometry: &Geometry) -> Cursor {
+        let next = Cursor {
+            offset: record.end_bytes,
+            seq: record.header.seq + 1,
+            prev_crc: Some(record.crc),
+            segment: geometry.segment_of(record.offset_bytes),
+        };
+        match record.header.body {
+            RecordBody::Jump { next_record_bytes } if geometry.in_data_area(next_record_bytes) => {
+                Cursor { offset: next_record_bytes, segment: geometry.segment_of(next_record_bytes), ..next }
+            }
+            _ => next,
+        }
+    }
+
+    /// Whether the next record is expected at a segment's start (a jump named a segment
+    /// about to be opened): then that segment, not a link, is where the log goes on.
+    fn at_segment_start(&self, geometry: &Geometry) -> bool {
+        self.offset == geometry.segment_base(self.segment)
     }
 }
 
@@ -228,12 +247,17 @@ impl Inner {
             let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
             self.note_replayed(&map, log, &record, damage_free)?;
             let segment = self.geometry.segment_of(record.offset_bytes);
-            cursor = Cursor::after(&record, segment);
+            cursor = Cursor::after(&record, &self.geometry);
             last_record_offset = record.offset_bytes;
-            if let RecordBody::Link { next_segment } = record.header.body {
-                // Links are no part of any group: one may open a segment in a group's middle.
-                starts.links.insert(segment, next_segment.map(SegmentId));
-                continue;
+            match record.header.body {
+                // Links and jumps are no part of any group: a link may open a segment in a
+                // group's middle.
+                RecordBody::Link { next_segment } => {
+                    starts.links.insert(segment, next_segment.map(SegmentId));
+                    continue;
+                }
+                RecordBody::Jump { .. } => continue,
+                _ => {}
             }
             if record.header.flags & FLAG_FIRST != 0 {
                 group.clear();
@@ -253,7 +277,13 @@ impl Inner {
             let complete = last.what.ends_with("(complete)");
             last.torn_tail = complete && last.offset_bytes == last_record_offset;
         }
-        findings.continue_in = self.link_of(&mut cache, &mut starts, cursor.segment);
+        findings.continue_in = if cursor.at_segment_start(&self.geometry) {
+            // A jump named a segment whose link never became durable: the log goes on there
+            // (it is free: nothing of this history was written to it).
+            Some(cursor.segment)
+        } else {
+            self.link_of(&mut cache, &mut starts, cursor.segment)
+        };
         findings.indexed = starts.index.is_some();
         log.appender.next_seq = cursor.seq;
         log.appender.prev_crc = cursor.prev_crc.unwrap_or(0);
@@ -622,7 +652,7 @@ impl Inner {
     /// The highest `durable_seq` among the records chained after `from`, looking no
     /// further once one reaches `target` (0 if none is found).
     fn chained_claim(&self, cache: &mut SegmentCache, starts: &mut Starts, from: &FoundRecord, target: u64) -> u64 {
-        let mut cursor = Cursor::after(from, self.geometry.segment_of(from.offset_bytes));
+        let mut cursor = Cursor::after(from, &self.geometry);
         let mut claim = 0;
         for _ in 0..PROOF_RECORDS_MAX {
             let Some(next) = self.next_record(cache, starts, cursor) else { break };
@@ -633,7 +663,7 @@ impl Inner {
             if let RecordBody::Link { next_segment } = next.header.body {
                 starts.links.insert(self.geometry.segment_of(next.offset_bytes), next_segment.map(SegmentId));
             }
-            cursor = Cursor::after(&next, self.geometry.segment_of(next.offset_bytes));
+            cursor = Cursor::after(&next, &self.geometry);
         }
         claim
     }

@@ -155,6 +155,12 @@ impl SegmentTable {
         self.free.first().copied()
     }
 
+    /// The lowest free segment other than `reserved` (the one the other stream's link
+    /// named), which stays free.
+    pub fn lowest_free_except(&self, reserved: Option<SegmentId>) -> Option<SegmentId> {
+        self.free.iter().copied().find(|&id| Some(id) != reserved)
+    }
+
     /// Whether segment `id` is free.
     pub fn is_free(&self, id: SegmentId) -> bool {
         self.free.contains(&id)

@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 
 use super::capacity::{image_bytes, map_page_count, native_capacity_for};
-use super::log::Log;
+use super::log::{Log, Stream, JUMP_RESERVE_BYTES};
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
 use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
@@ -89,27 +89,36 @@ impl Inner {
         self.reserve_bytes(log, SpaceClass::Host).div_ceil(self.geometry.segment_capacity())
     }
 
-    /// Bytes the log can still take: free segments and the open segment's room.
+    /// Bytes the log can still take for any record: free segments and the host stream's
+    /// open segment's room. (The cold stream's room takes only GC's output: it counts for
+    /// that alone, see `shortfall_bytes`; a new cold segment is taken with room to spare.)
     pub(crate) fn available_bytes(&self, log: &Log) -> u64 {
-        log.segments.free_count() as u64 * self.geometry.segment_capacity() + self.room(log) as u64
+        log.segments.free_count() as u64 * self.geometry.segment_capacity() + self.stream_room(log, Stream::Host) as u64
     }
 
     /// Bytes of the data area that hold no records: free and cleaned segments and the open
-    /// segment's room.
+    /// segments' room.
     pub(crate) fn unused_bytes(&self, log: &Log) -> u64 {
         let empty = (log.segments.free_count() + log.segments.cleaned_count()) as u64;
-        empty * self.geometry.segment_size_bytes + self.room(log) as u64
+        let open_room = self.stream_room(log, Stream::Host) + self.stream_room(log, Stream::Cold);
+        empty * self.geometry.segment_size_bytes + open_room as u64
     }
 
-    /// How many bytes the log lacks for a group of ops of a class (0: it may be appended
-    /// now).
-    pub(crate) fn shortfall_bytes(&self, log: &Log, ops: &[Op], class: SpaceClass) -> u64 {
-        let bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
+    /// How many bytes the log lacks for a group of ops of a class going to `stream` (0: it
+    /// may be appended now).
+    pub(crate) fn shortfall_bytes(&self, log: &Log, ops: &[Op], class: SpaceClass, stream: Stream) -> u64 {
+        let mut bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
         // Fragments do not span segments, so a record carrying them may leave up to a block
         // unused at the open segment's end (a free segment's capacity already allows for
         // that); a trim or zero record is a fixed header and fits whenever its bytes do.
         let end_waste = if metadata_only(ops) { 0 } else { self.fragment_end_waste_bytes() };
-        let available = self.available_bytes(log).saturating_sub(end_waste);
+        let mut available = self.available_bytes(log).saturating_sub(end_waste);
+        if stream == Stream::Cold {
+            // Its own room, which may leave a block's end unused too, and the jump into it
+            // from the host stream.
+            available += (self.stream_room(log, Stream::Cold) as u64).saturating_sub(end_waste);
+            bytes += JUMP_RESERVE_BYTES as u64;
+        }
         (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
     }
 
@@ -126,7 +135,7 @@ impl Inner {
         let log = self.log.lock();
         let segment_size = self.geometry.segment_size_bytes;
         let SegmentTotals { live, page_bytes, garbage, reclaimable } = segment_totals(&log.segments, segment_size);
-        let open_room = log.appender.open.as_ref().map_or(0, |o| segment_size - o.append_offset_bytes as u64);
+        let open_room = log.appender.open_segments().map(|o| segment_size - o.append_offset_bytes as u64).sum::<u64>();
         let reserve = self.reserve_bytes(&log, SpaceClass::Host);
         let free_bytes = log.segments.free_count() as u64 * segment_size;
         let free_space = (free_bytes + reclaimable + open_room).saturating_sub(reserve);
@@ -144,6 +153,7 @@ impl Inner {
             self.geometry.segment_count,
             over_provision_ppm,
             self.cipher.is_some(),
+            self.cold_stream,
         );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
         let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged);
@@ -208,6 +218,7 @@ impl Inner {
             map_damaged_pages: map.damaged_pages,
             map_page_bytes: page_bytes,
             map_write_bytes: Counters::get(&self.map_write_bytes),
+            gc_cold_bytes_moved: Counters::get(&self.gc_cold_bytes_moved),
             paced_writes: self.pacer.paced_writes(),
             paced_wait_ns: self.pacer.paced_wait_ns(),
         }

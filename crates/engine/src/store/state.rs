@@ -73,6 +73,11 @@ impl Geometry {
         SegmentId(((offset_bytes - DATA_START_BYTES) / self.segment_size_bytes) as u32)
     }
 
+    /// Whether a byte address lies in a segment (a jump record's target must).
+    pub fn in_data_area(&self, offset_bytes: u64) -> bool {
+        offset_bytes >= DATA_START_BYTES && offset_bytes < self.segment_base(SegmentId(self.segment_count as u32))
+    }
+
     /// Bytes a full segment can hold for records, conservatively.
     pub fn segment_capacity(&self) -> u64 {
         segment_capacity_of(self.segment_size_bytes)
@@ -127,10 +132,16 @@ pub(crate) struct Inner {
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
     pub map_write_bytes: AtomicU64,
+    /// Bytes GC moved into the cold stream since open (not persisted).
+    pub gc_cold_bytes_moved: AtomicU64,
     pub failed: AtomicBool,
     /// A host request was refused for lack of space (`space_flag` 2) and none has
     /// succeeded since.
     pub space_exhausted: AtomicBool,
+    /// GC's output may go to the cold stream (`log.rs`, `Stream`): the store was formatted
+    /// with it (superblock feature flag `FEATURE_LOG_JUMPS`; its native capacity counts the
+    /// second open segment).
+    pub cold_stream: bool,
     pub logical_size_bytes: AtomicU64,
     /// The over-provisioning the superblock records (`capacity.rs`; changed by
     /// `Store::set_over_provision`).

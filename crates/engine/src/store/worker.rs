@@ -65,9 +65,11 @@ impl Inner {
             }
             let pending = {
                 let log = self.log.lock();
-                let open = log.appender.open.as_ref();
                 !log.appender.sealed_unwritten.is_empty()
-                    || open.is_some_and(|o| o.append_offset_bytes - o.written_offset_bytes >= SECTOR_SIZE)
+                    || log
+                        .appender
+                        .open_segments()
+                        .any(|o| o.append_offset_bytes - o.written_offset_bytes >= SECTOR_SIZE)
             };
             if pending {
                 if let Err(e) = self.write_out(WriteOut::WholeSectors) {
@@ -116,8 +118,7 @@ impl Inner {
     pub(crate) fn background_step(&self) -> Result<bool> {
         let (unwritten, sealed) = {
             let log = self.log.lock();
-            let open = log.appender.open.as_ref();
-            (open.map_or(0, |o| o.append_offset_bytes - o.written_offset_bytes), log.appender.sealed_unwritten.len())
+            (log.appender.unwritten_bytes(), log.appender.sealed_unwritten.len())
         };
         if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.write_out(WriteOut::WholeSectors)?;

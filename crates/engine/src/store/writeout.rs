@@ -2,8 +2,8 @@
 //!
 //! Invariants:
 //! - No sector that may hold acknowledged data is written twice: write-out without a flush
-//!   writes whole sectors only; a flush pads the open segment to the next sector and
-//!   appends continue after the padding.
+//!   writes whole sectors only; a flush pads the open segments (both streams') to the next
+//!   sector and appends continue after the padding.
 //! - Backing writes of log data are serialised (the `io` lock), so a sync covers every
 //!   write before it, and `durable_seq` advances only after the sync.
 //! - A sealed segment leaves the buffered list (readers go to disk) only after its bytes
@@ -72,8 +72,8 @@ impl Inner {
         Ok(target_seq)
     }
 
-    /// What to write: every sealed segment's unwritten rest, and the open segment's whole
-    /// sectors (all of it, padded, for a flush). Closes the open batch first.
+    /// What to write: every sealed segment's unwritten rest, and the open segments' whole
+    /// sectors (all of it, padded, for a flush: both streams'). Closes the open batch first.
     fn take_write_jobs(&self, mode: WriteOut) -> (Vec<WriteJob>, u64) {
         let sector = SECTOR_SIZE;
         let mut jobs = Vec::new();
@@ -86,7 +86,10 @@ impl Inner {
             let start = sealed.written_offset_bytes.min(end);
             jobs.push(WriteJob { buffer: sealed.buffer, start_bytes: start, end_bytes: end, sealed: true });
         }
-        if let Some(open) = log.appender.open.as_mut() {
+        let log = &mut *log;
+        let appender = &mut log.appender;
+        let opens = appender.open.iter_mut().chain(appender.parked.as_mut().map(|p| &mut p.open));
+        for open in opens {
             let end = match mode {
                 WriteOut::Flush => {
                     let padded = round_up(open.append_offset_bytes as u64, sector as u64) as usize;
