@@ -138,10 +138,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     }
     let mut crashes = 0;
     let mut no_space = 0;
-    let mut map_misses = 0;
-    let mut recompressed = 0;
-    let mut recompressed_dictionary = 0;
-    let mut cold_moved = 0;
+    let mut totals = Totals::default();
     for cycle in 0..s.cycles {
         // The fault of damage after a crash: single-bit flips in the records recovery must
         // replay, checked on a copy (the run goes on with the undamaged image).
@@ -162,10 +159,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         }
         nonces.check().map_err(|e| format!("cycle {cycle}: {e}"))?;
         crashes += disk.crashed() as usize;
-        map_misses += store.stats().map_cache_misses;
-        recompressed += store.stats().codec.recompressed_fragments;
-        recompressed_dictionary += store.stats().codec.recompressed_fragments_dictionary;
-        cold_moved += store.stats().gc_cold_bytes_moved;
+        totals.add(&store.stats());
         disk.power_off();
         drop(store);
         disk = Arc::new(SimDisk::from_image(disk.crash_image(), rng.gen()));
@@ -176,31 +170,56 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     if !report.problems.is_empty() {
         return Err(format!("check found problems: {:?}", report.problems));
     }
-    map_misses += store.stats().map_cache_misses;
-    if s.map_cache_bytes != 0 && map_misses < 10 * s.cycles as u64 {
-        return Err(format!(
-            "the small map cache missed only {map_misses} times in {} cycles: it is not evicting",
-            s.cycles
-        ));
-    }
-    if s.codec_fallback == CodecFallback::Always && codec != Codec::Lz4 && recompressed == 0 {
-        return Err(format!("GC recompressed nothing in {} cycles", s.cycles));
-    }
-    if s.cold_stream && cold_moved == 0 {
-        return Err(format!("GC moved nothing into the cold stream in {} cycles", s.cycles));
-    }
-    if s.dictionaries && recompressed_dictionary == 0 {
-        return Err(format!("no fragment was recompressed with a dictionary in {} cycles", s.cycles));
-    }
+    totals.map_misses += store.stats().map_cache_misses;
+    totals.check(s, codec)?;
     nonces.check()?;
     if s.encrypted && nonces.count() == 0 {
         return Err("an encrypted run sealed nothing".into());
     }
+    let Totals { recompressed, recompressed_dictionary, cold_moved, .. } = totals;
     let dictionaries = store.stats().codec.dictionary_count;
     eprintln!(
         "{recompressed} fragments recompressed, {recompressed_dictionary} with a dictionary; {dictionaries} kept; {cold_moved} bytes moved into the cold stream"
     );
-    Ok((crashes, no_space, map_misses))
+    Ok((crashes, no_space, totals.map_misses))
+}
+
+/// What a run's stores did, summed over its cycles: each scenario's feature must have run.
+#[derive(Default)]
+struct Totals {
+    map_misses: u64,
+    recompressed: u64,
+    recompressed_dictionary: u64,
+    cold_moved: u64,
+}
+
+impl Totals {
+    fn add(&mut self, stats: &zdisk_engine::Stats) {
+        self.map_misses += stats.map_cache_misses;
+        self.recompressed += stats.codec.recompressed_fragments;
+        self.recompressed_dictionary += stats.codec.recompressed_fragments_dictionary;
+        self.cold_moved += stats.gc_cold_bytes_moved;
+    }
+
+    fn check(&self, s: &Scenario, codec: Codec) -> Result<(), String> {
+        let cycles = s.cycles;
+        if s.map_cache_bytes != 0 && self.map_misses < 10 * cycles as u64 {
+            let misses = self.map_misses;
+            return Err(format!(
+                "the small map cache missed only {misses} times in {cycles} cycles: it is not evicting"
+            ));
+        }
+        if s.codec_fallback == CodecFallback::Always && codec != Codec::Lz4 && self.recompressed == 0 {
+            return Err(format!("GC recompressed nothing in {cycles} cycles"));
+        }
+        if s.cold_stream && self.cold_moved == 0 {
+            return Err(format!("GC moved nothing into the cold stream in {cycles} cycles"));
+        }
+        if s.dictionaries && self.recompressed_dictionary == 0 {
+            return Err(format!("no fragment was recompressed with a dictionary in {cycles} cycles"));
+        }
+        Ok(())
+    }
 }
 
 /// One random operation of a cycle against the store and the model; returns whether the power

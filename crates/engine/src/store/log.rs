@@ -12,56 +12,32 @@
 //!   that the records before it were not torn.
 //! - Fragments never span segments; a record that does not fit seals the segment.
 //! - Two streams, one chain: host writes and metadata go to the host stream's open segment,
-//!   GC's output to the cold stream's (when the store has room for a second open segment).
-//!   The log leaves one for the other only through a jump record naming the byte address
-//!   of the next record, so replay still follows one history record by record. A cold
-//!   segment always keeps room for that jump (`JUMP_RESERVE_BYTES`).
+//!   GC's output to the cold stream's, with a jump record between them (`streams.rs`).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::apply::{apply_record, Live};
-use super::lock::{Rank, RwLock};
-use super::op::{group_bytes, Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
+use super::op::{Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
 use super::segments::SegmentTable;
 use super::space::SpaceClass;
-use super::state::{new_buffer, AlignedBuf, Inner, SegmentBuffer};
+use super::state::{AlignedBuf, Inner, SegmentBuffer};
+use super::streams::{ParkedStream, Stream};
 use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, Protection, RecordBody, RecordHeader, RecordVersion,
-    BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MAC_BYTES,
-    RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MIN_BYTES,
+    RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::PagedMap;
 use crate::stats::Counters;
 use crate::types::{Lba, SegmentId};
-use crate::SECTOR_SIZE;
 
 /// Buffered log bytes past which the writer thread is woken.
 pub(crate) const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
-
-/// Which open segment a record goes to (see the module's invariants). GC relocates data
-/// that outlived the segment it was written to: likely cold. Kept apart from new host
-/// writes, it fills segments that stay full, while host segments die whole — the
-/// separation that lets skewed workloads pay less GC than uniform ones (docs/space.md,
-/// "Hot and cold").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Stream {
-    Host,
-    Cold,
-}
-
-/// Room a cold segment keeps for the jump record back to the host stream, so leaving it
-/// never takes a new segment: a record's fixed bytes and, encrypted, its MAC — and a sector
-/// less one, which a flush's padding may take from it.
-pub(crate) const JUMP_RESERVE_BYTES: usize = RECORD_MIN_BYTES + RECORD_MAC_BYTES + SECTOR_SIZE - 1;
-
-/// Free segments (beyond the group and the host reserve) a new cold segment needs: it
-/// strands its room for host writes until GC fills it.
-const COLD_SEGMENT_SPARE_SEGMENTS: u64 = 2;
 
 /// Everything the log lock guards.
 pub(crate) struct Log {
@@ -87,25 +63,6 @@ pub(crate) struct Appender {
     pub stream: Stream,
     /// The other stream's open segment, while records go to this one.
     pub parked: Option<ParkedStream>,
-}
-
-/// The open segment of the stream records are not going to now.
-pub(crate) struct ParkedStream {
-    pub open: OpenSegment,
-    /// What its link named (as `Appender::next_segment`).
-    pub next_segment: Option<SegmentId>,
-}
-
-impl Appender {
-    /// Both streams' open segments.
-    pub fn open_segments(&self) -> impl Iterator<Item = &OpenSegment> {
-        self.open.iter().chain(self.parked.as_ref().map(|p| &p.open))
-    }
-
-    /// Bytes appended to the open segments but not written out yet.
-    pub fn unwritten_bytes(&self) -> usize {
-        self.open_segments().map(|o| o.append_offset_bytes - o.written_offset_bytes).sum()
-    }
 }
 
 /// Checkpoint bookkeeping the appender and the space rules need.
@@ -146,6 +103,13 @@ pub(crate) struct OpenBatch {
     entries: Vec<BatchEntry>,
     payload_len: usize,
     payload_crc: u32,
+}
+
+impl OpenBatch {
+    /// Bytes still to be appended when it closes: its entries and the tail's fixed part.
+    pub(super) fn trailer_bytes(&self) -> usize {
+        self.entries.len() * BATCH_ENTRY_BYTES + TAIL_FIXED_BYTES
+    }
 }
 
 pub(crate) struct SealedSegment {
@@ -255,31 +219,6 @@ impl Inner {
             }
         }
         Ok(true)
-    }
-
-    /// The stream a group goes to: GC's output to the cold one when its open segment has
-    /// room for it, or the store has room to spare for a new one — a cold segment's room is
-    /// no host write's (`available_bytes` leaves it out), so a new one is taken only while
-    /// free space is well above the host reserve, and near full GC's output shares the host
-    /// stream as it always did.
-    fn stream_for(&self, log: &Log, ops: &[Op], class: SpaceClass) -> Stream {
-        let gc_output =
-            !ops.is_empty() && ops.iter().all(|op| matches!(op, Op::Relocate { .. } | Op::Recompress { .. }));
-        if !gc_output || !matches!(class, SpaceClass::Gc | SpaceClass::GcSettled) || !self.cold_stream {
-            return Stream::Host;
-        }
-        let bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
-        let needed = bytes + self.fragment_end_waste_bytes();
-        if self.stream_room(log, Stream::Cold) as u64 >= needed {
-            return Stream::Cold;
-        }
-        let capacity = self.geometry.segment_capacity();
-        let spare = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
-        if spare >= needed + COLD_SEGMENT_SPARE_SEGMENTS * capacity {
-            Stream::Cold
-        } else {
-            Stream::Host
-        }
     }
 
     /// Appends a group whose space was checked, and publishes its map entries.
@@ -627,7 +566,7 @@ impl Inner {
     /// physical byte address of its payload, and its body back. The payload parts `placed`
     /// marks are fragments: in an encrypted store each gets the placement tag of where it
     /// lands (`place_fragment`) before the payload's CRC is taken.
-    fn put_record(
+    pub(super) fn put_record(
         &self,
         log: &mut Log,
         flags: u8,
@@ -702,53 +641,6 @@ impl Inner {
         fragment[..PI_BYTES].copy_from_slice(&Protection { guard, ..pi }.encode());
     }
 
-    /// Makes `stream` the one records go to. Leaving the current one takes a jump record
-    /// in it that names where the other stream's next record goes: its open segment's
-    /// append offset, or — it has none, or no room for a record — the start of the segment
-    /// it opens next (whose first record, as every segment's, is its link).
-    fn switch_stream(&self, log: &mut Log, stream: Stream) -> Result<()> {
-        if log.appender.stream == stream {
-            return Ok(());
-        }
-        self.close_batch(log);
-        if log.appender.stream == Stream::Host {
-            self.ensure_room(log, RECORD_MIN_BYTES)?;
-        }
-        // (A cold segment always has room for its jump: `room` keeps it.)
-        let reserved = log.appender.next_segment;
-        let resume = match log.appender.parked.take() {
-            Some(p) if self.open_room(&p.open, stream) >= RECORD_MIN_BYTES => Ok(p),
-            Some(p) => {
-                let next = p.next_segment.filter(|&id| log.segments.is_free(id));
-                self.seal(log, p.open);
-                Err(next.or_else(|| log.segments.lowest_free_except(reserved)))
-            }
-            None => Err(log.segments.lowest_free_except(reserved)),
-        };
-        let next_record_bytes = match &resume {
-            Ok(p) => self.geometry.segment_base(p.open.buffer.segment) + p.open.append_offset_bytes as u64,
-            Err(Some(id)) => self.geometry.segment_base(*id),
-            Err(None) => return Err(Error::new(ErrorKind::NoSpace, "no free segment")),
-        };
-        self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Jump { next_record_bytes }, &[], &[]);
-        let appender = &mut log.appender;
-        let open = appender.open.take().expect("the stream left has an open segment");
-        appender.parked = Some(ParkedStream { open, next_segment: appender.next_segment.take() });
-        appender.stream = stream;
-        match resume {
-            Ok(p) => {
-                appender.open = Some(p.open);
-                appender.next_segment = p.next_segment;
-            }
-            Err(id) => {
-                // `open_new_segment` opens the segment the jump named and writes its link.
-                appender.next_segment = id;
-                self.open_new_segment(log)?;
-            }
-        }
-        Ok(())
-    }
-
     /// Appends a marker record: only a head and tail, whose durable sequence number proves
     /// to a later recovery that the records before it were durable (written when the store
     /// goes idle after a flush; `worker.rs`). Returns its sequence number.
@@ -766,7 +658,7 @@ impl Inner {
     }
 
     /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
-    fn ensure_room(&self, log: &mut Log, bytes: usize) -> Result<()> {
+    pub(super) fn ensure_room(&self, log: &mut Log, bytes: usize) -> Result<()> {
         if log.appender.open.is_none() || self.room(log) < bytes {
             self.open_new_segment(log)?;
         }
@@ -779,111 +671,5 @@ impl Inner {
             Some(cipher) => header.encode_authenticated(&|parts| cipher.mac(parts)),
             None => header.encode(),
         }
-    }
-
-    /// Room left in the open segment (0 if none is open). An open batch's entries and CRC,
-    /// still to be appended, are not room; nor is the MAC every record of an encrypted store
-    /// carries (so a caller that counts `RECORD_MIN_BYTES` per record has it covered); nor,
-    /// in a cold segment, the jump back to the host stream.
-    pub(crate) fn room(&self, log: &Log) -> usize {
-        let appender = &log.appender;
-        let trailer = appender.batch.as_ref().map_or(0, |b| b.entries.len() * BATCH_ENTRY_BYTES + TAIL_FIXED_BYTES);
-        appender.open.as_ref().map_or(0, |o| self.open_room(o, appender.stream).saturating_sub(trailer))
-    }
-
-    /// Room left in a stream's open segment, whether records go there now or not.
-    pub(crate) fn stream_room(&self, log: &Log, stream: Stream) -> usize {
-        let appender = &log.appender;
-        if appender.stream == stream {
-            self.room(log)
-        } else {
-            appender.parked.as_ref().map_or(0, |p| self.open_room(&p.open, stream))
-        }
-    }
-
-    /// Room in an open segment of `stream` (no batch counted).
-    fn open_room(&self, open: &OpenSegment, stream: Stream) -> usize {
-        let mac = if self.cipher.is_some() { RECORD_MAC_BYTES } else { 0 };
-        let jump = if stream == Stream::Cold { JUMP_RESERVE_BYTES } else { 0 };
-        (self.geometry.segment_size_bytes as usize - open.append_offset_bytes).saturating_sub(mac + jump)
-    }
-
-    /// Seals both streams' open segments, so GC may take everything written so far (an
-    /// explicit recompression; the cost is their unused room). The host stream goes on in
-    /// the segment its link named.
-    pub(crate) fn seal_open_segments(&self) -> Result<()> {
-        let mut log = self.log.lock();
-        self.check_writable()?;
-        self.close_batch(&mut log);
-        if log.appender.open.is_some() {
-            self.switch_stream(&mut log, Stream::Host)?;
-        }
-        if let Some(parked) = log.appender.parked.take() {
-            self.seal(&mut log, parked.open);
-        }
-        if let Some(open) = log.appender.open.take() {
-            self.seal(&mut log, open);
-        }
-        Ok(())
-    }
-
-    /// Queues a segment no stream appends to any more for write-out.
-    fn seal(&self, log: &mut Log, open: OpenSegment) {
-        log.segments.seal(open.buffer.segment, open.append_offset_bytes as u64);
-        log.appender.sealed_unwritten.push_back(SealedSegment {
-            buffer: open.buffer,
-            end_offset_bytes: open.append_offset_bytes,
-            written_offset_bytes: open.written_offset_bytes,
-        });
-    }
-
-    /// Seals the open segment (queueing it for write-out) and opens the next one of its
-    /// stream. The host stream's is the one its link named, else the lowest free; its first
-    /// record is its link. The cold stream names no segment ahead (only the host stream
-    /// holds one back from the free set, so neither can run out of segments for the other's
-    /// sake): a full cold segment ends in a jump to the next one, whose link names none.
-    fn open_new_segment(&self, log: &mut Log) -> Result<()> {
-        self.close_batch(log);
-        let cold = log.appender.stream == Stream::Cold;
-        let reserved = if cold { log.appender.parked.as_ref().and_then(|p| p.next_segment) } else { None };
-        let id = match log.appender.next_segment.take() {
-            Some(id) => Some(id),
-            None => log.segments.lowest_free_except(reserved),
-        }
-        .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
-        if cold && log.appender.open.is_some() {
-            // (The cold segment kept room for it.)
-            let next_record_bytes = self.geometry.segment_base(id);
-            self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Jump { next_record_bytes }, &[], &[]);
-        }
-        if let Some(open) = log.appender.open.take() {
-            self.seal(log, open);
-        }
-        let id = log.segments.open(id).ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
-        let size = self.geometry.segment_size_bytes as usize;
-        let data = match log.appender.buffer_pool.pop() {
-            Some(mut buf) => {
-                buf.fill(0);
-                buf
-            }
-            None => new_buffer(size),
-        };
-        let buffer = Arc::new(SegmentBuffer { segment: id, data: RwLock::new(Rank::SegmentData, data) });
-        // Once per segment: let the worker see whether GC or a checkpoint is due.
-        self.kick_worker();
-        self.buffered.write().push(Arc::clone(&buffer));
-        log.appender.open = Some(OpenSegment { buffer, append_offset_bytes: 0, written_offset_bytes: 0 });
-        // Name the segment that comes next, so recovery follows the log from segment to
-        // segment instead of reading the start of every one.
-        let next_segment = if cold { None } else { log.segments.lowest_free() };
-        log.appender.next_segment = next_segment;
-        self.put_record(
-            log,
-            FLAG_FIRST | FLAG_LAST,
-            RecordBody::Link { next_segment: next_segment.map(|s| s.0) },
-            &[],
-            &[],
-        );
-        Ok(())
     }
 }

@@ -54,6 +54,7 @@ mod scan;
 mod segments;
 mod space;
 mod state;
+mod streams;
 #[cfg(test)]
 mod tests;
 mod worker;
@@ -71,12 +72,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use lock::{Mutex, Rank, RwLock};
-use log::{Appender, CheckpointEpochs, Log, Stream};
+use log::{Appender, CheckpointEpochs, Log};
 use op::RangeKind;
 use parking_lot::Condvar;
 use request::{Durability, BLOCK_LOCK_STRIPES};
 use segments::SegmentTable;
 use state::{Geometry, Inner, WorkerSignal};
+use streams::Stream;
 
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::cache::FragmentCache;

@@ -9,9 +9,10 @@
 use std::sync::atomic::Ordering;
 
 use super::capacity::{image_bytes, map_page_count, native_capacity_for};
-use super::log::{Log, Stream, JUMP_RESERVE_BYTES};
+use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
+use super::streams::{Stream, JUMP_RESERVE_BYTES};
 use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 use crate::error::{Error, ErrorKind};
 use crate::format::{
