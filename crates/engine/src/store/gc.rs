@@ -331,12 +331,15 @@ impl Inner {
         Ok(found.into_iter().collect())
     }
 
-    /// Chooses a victim. A store whose GC output has a stream of its own (`log.rs`,
-    /// `Stream`) takes the best cost-benefit victim, settled or not, in the background and
-    /// the foreground alike — except after a foreground round that gained nothing
-    /// (`GcMode::Stalled`), which takes the emptiest, settled ones first. With one stream
-    /// (stores formatted before), cost-benefit in the background, the emptiest in the
-    /// foreground, settled segments first. Measured: docs/space.md, "Hot and cold".
+    /// Chooses a victim. A store whose GC output has a stream of its own (`streams.rs`)
+    /// takes the best cost-benefit victim, settled or not, in the background and the
+    /// foreground alike — except when a writer waits and free segments are short (fewer
+    /// than the host reserve and two), or after a foreground round that gained nothing
+    /// (`GcMode::Stalled`): then the emptiest, settled ones first, which give back the most
+    /// soonest (without that, a store at native capacity with 1% OP got ENOSPC about once
+    /// in 20 runs of `space::a_store_at_native_capacity_…`). With one stream (stores
+    /// formatted before), cost-benefit in the background, the emptiest in the foreground,
+    /// settled segments first. Measured: docs/space.md, "Hot and cold".
     ///
     /// Why settled segments need not come first with two streams: a segment written after
     /// the reuse horizon is freed only after up to two more checkpoints, so taking one ties
@@ -362,7 +365,7 @@ impl Inner {
         // A segment written after the reuse horizon can be cleaned but not freed before
         // up to two more checkpoints (see above).
         let horizon = log.epochs.reuse_horizon_seq;
-        let settled_first = !separated || mode == GcMode::Stalled;
+        let settled_first = !separated || mode == GcMode::Stalled || (foreground && short);
         let greedy = foreground && settled_first;
         let mut best: Option<(bool, f64, SegmentId)> = None;
         for (id, s) in log.segments.iter() {
