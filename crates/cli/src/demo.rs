@@ -167,6 +167,63 @@ fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
     Ok(filled)
 }
 
+/// Where the demo works: `--dir` (created if missing), else a temporary directory (returned
+/// too: it is removed when dropped, unless `--keep`).
+fn scratch_dir(args: &DemoArgs) -> Result<(Option<tempfile::TempDir>, std::path::PathBuf)> {
+    Ok(match &args.dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir)?;
+            (None, dir.clone())
+        }
+        None => {
+            let temp = tempfile::Builder::new().prefix("zdisk-demo.").tempdir()?;
+            let path = temp.path().to_path_buf();
+            (Some(temp), path)
+        }
+    })
+}
+
+/// Packs `tree` into the tar file `archive`; returns its size.
+fn pack_tree(tar: &Path, tree: &Path, archive: &Path) -> Result<u64> {
+    let parent = tree.parent().unwrap_or(Path::new("/"));
+    let name = tree.file_name().context("the tree has no name")?;
+    let status =
+        Command::new(tar).arg("-cf").arg(archive).arg("-C").arg(parent).arg(name).stderr(Stdio::null()).status()?;
+    // tar exits 1 when files changed while read; the archive is still usable.
+    if !matches!(status.code(), Some(0) | Some(1)) {
+        bail!("tar failed: {status}");
+    }
+    Ok(std::fs::metadata(archive)?.len())
+}
+
+/// fio writes `size` bytes of 2:1 data at `offset` through NBD (128 KiB, QD16) and verifies
+/// them; returns the write phase's bytes per second.
+fn fio_write_verified(fio: &Path, scratch: &Path, uri: &str, offset: u64, size: u64) -> Result<u64> {
+    let output = runtime::run(
+        Command::new(fio)
+            .current_dir(scratch)
+            .arg("--verify_state_save=0")
+            .arg("--name=demo-2to1")
+            .arg("--ioengine=nbd")
+            .arg(format!("--uri={uri}"))
+            .arg("--rw=write")
+            .arg("--bs=128k")
+            .arg("--iodepth=16")
+            .arg(format!("--offset={offset}"))
+            .arg(format!("--size={size}"))
+            .arg("--buffer_compress_percentage=50")
+            .arg("--buffer_compress_chunk=4096")
+            .arg("--refill_buffers")
+            .arg("--verify=crc32c")
+            .arg("--verify_fatal=1")
+            .arg("--output-format=json"),
+    )?;
+    // fio's nbd engine prints "fio: connected to NBD server" before the JSON.
+    let json = output.find('{').map(|start| &output[start..]).unwrap_or(&output);
+    let report: serde_json::Value = serde_json::from_str(json).context("parsing fio's JSON output")?;
+    Ok(report["jobs"][0]["write"]["bw_bytes"].as_u64().unwrap_or(0))
+}
+
 pub fn run(args: &DemoArgs) -> Result<()> {
     let nbdcopy = runtime::tool("nbdcopy", "ZDISK_NBDCOPY")?;
     let fio = runtime::tool("fio", "ZDISK_FIO")?;
@@ -176,18 +233,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         None => default_tree()?,
     };
 
-    let temp = match &args.dir {
-        Some(dir) => {
-            std::fs::create_dir_all(dir)?;
-            None
-        }
-        None => Some(tempfile::Builder::new().prefix("zdisk-demo.").tempdir()?),
-    };
-    let scratch = match (&args.dir, &temp) {
-        (Some(dir), _) => dir.clone(),
-        (None, Some(temp)) => temp.path().to_path_buf(),
-        (None, None) => unreachable!("a temporary directory is made when --dir is absent"),
-    };
+    let (temp, scratch) = scratch_dir(args)?;
     let store = scratch.join("demo.zdisk");
     let socket = scratch.join("demo.sock");
 
@@ -199,15 +245,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
 
     step(&format!("packing a real file tree: {}", tree.display()));
     let archive = scratch.join("tree.tar");
-    let parent = tree.parent().unwrap_or(Path::new("/"));
-    let name = tree.file_name().context("the tree has no name")?;
-    let status =
-        Command::new(&tar).arg("-cf").arg(&archive).arg("-C").arg(parent).arg(name).stderr(Stdio::null()).status()?;
-    // tar exits 1 when files changed while read; the archive is still usable.
-    if !matches!(status.code(), Some(0) | Some(1)) {
-        bail!("tar failed: {status}");
-    }
-    let archive_bytes = std::fs::metadata(&archive)?.len();
+    let archive_bytes = pack_tree(&tar, &tree, &archive)?;
     if archive_bytes > info.logical_size_bytes / 2 {
         bail!("the tree ({}) is too big for the demo store; pass --tree", human_bytes(archive_bytes));
     }
@@ -245,29 +283,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
         human_bytes(fio_size)
     ));
     let started = Instant::now();
-    let output = runtime::run(
-        Command::new(&fio)
-            .current_dir(&scratch)
-            .arg("--verify_state_save=0")
-            .arg("--name=demo-2to1")
-            .arg("--ioengine=nbd")
-            .arg(format!("--uri={}", server.uri))
-            .arg("--rw=write")
-            .arg("--bs=128k")
-            .arg("--iodepth=16")
-            .arg(format!("--offset={fio_offset}"))
-            .arg(format!("--size={fio_size}"))
-            .arg("--buffer_compress_percentage=50")
-            .arg("--buffer_compress_chunk=4096")
-            .arg("--refill_buffers")
-            .arg("--verify=crc32c")
-            .arg("--verify_fatal=1")
-            .arg("--output-format=json"),
-    )?;
-    // fio's nbd engine prints "fio: connected to NBD server" before the JSON.
-    let json = output.find('{').map(|start| &output[start..]).unwrap_or(&output);
-    let report: serde_json::Value = serde_json::from_str(json).context("parsing fio's JSON output")?;
-    let write_bytes_s = report["jobs"][0]["write"]["bw_bytes"].as_u64().unwrap_or(0);
+    let write_bytes_s = fio_write_verified(&fio, &scratch, &server.uri, fio_offset, fio_size)?;
     eprintln!(
         "    written and verified in {:.2} s (write phase {}/s)",
         started.elapsed().as_secs_f64(),

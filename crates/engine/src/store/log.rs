@@ -341,10 +341,7 @@ impl Inner {
                 let placed: Vec<bool> = part.iter().map(|f| !f.keeps_guard).collect();
                 let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload, &placed);
                 let relocated_bytes = self.apply(log, map, &body, payload_at)?;
-                Counters::add(&self.counters.gc_bytes_moved, relocated_bytes);
-                if log.appender.stream == Stream::Cold {
-                    Counters::add(&self.gc_cold_bytes_moved, relocated_bytes);
-                }
+                self.count_gc_moved(log, relocated_bytes);
                 done += take;
             }
         }
@@ -386,10 +383,7 @@ impl Inner {
             self.apply(log, map, &body, payload_at)?;
             let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
             let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
-            Counters::add(&self.counters.gc_bytes_moved, new_bytes);
-            if log.appender.stream == Stream::Cold {
-                Counters::add(&self.gc_cold_bytes_moved, new_bytes);
-            }
+            self.count_gc_moved(log, new_bytes);
             Counters::add(&self.codec_counters.recompressed_fragments, take as u64);
             let with_dictionary =
                 part.iter().filter(|f| f.block.entry.codec == crate::codec::CodecTag::ZstdDict).count();
@@ -398,6 +392,14 @@ impl Inner {
             done += take;
         }
         Ok(())
+    }
+
+    /// Counts bytes GC moved (and, into the cold stream, `gc_cold_bytes_moved`).
+    fn count_gc_moved(&self, log: &Log, bytes: u64) {
+        Counters::add(&self.counters.gc_bytes_moved, bytes);
+        if log.appender.stream == Stream::Cold {
+            Counters::add(&self.gc_cold_bytes_moved, bytes);
+        }
     }
 
     /// Checkpoint-chunk records holding `bytes`; returns where the chunks went.

@@ -202,11 +202,12 @@ impl Inner {
         self.close_batch(log);
         let cold = log.appender.stream == Stream::Cold;
         let reserved = if cold { log.appender.parked.as_ref().and_then(|p| p.next_segment) } else { None };
-        let id = match log.appender.next_segment.take() {
-            Some(id) => Some(id),
-            None => log.segments.lowest_free_except(reserved),
-        }
-        .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
+        let id = log
+            .appender
+            .next_segment
+            .take()
+            .or_else(|| log.segments.lowest_free_except(reserved))
+            .ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
         if cold && log.appender.open.is_some() {
             // (The cold segment kept room for it.)
             let next_record_bytes = self.geometry.segment_base(id);
