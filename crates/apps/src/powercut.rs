@@ -172,6 +172,9 @@ fn start(ctx: &Ctx, db: Db, datadir: &Path) -> Result<Server> {
     }
 }
 
+/// The store's physical and logical size.
+const STORE_BYTES: u64 = 2 << 30;
+
 fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Result_) -> Result<()> {
     let db = a.db;
     let text = ctx.work.join("text.txt");
@@ -179,51 +182,12 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
     let lua = ctx.work.join("zdisk_oltp.lua");
     std::fs::write(&lua, db::LUA)?;
     let store = ctx.work.join("db.zdisk");
-    let size: u64 = 2 << 30;
     let format_args: Vec<String> = a.zdisk_codec.iter().flat_map(|c| ["--codec".to_string(), c.clone()]).collect();
     let mnt = ctx.work.join("mnt");
     let datadir = mnt.join(if db == Db::Mysql { "mysql" } else { "pgdata" });
 
     // Load once, with the guard off from the start.
-    {
-        let dev = Device::zdisk_new(ctx, &store, size, size, &format_args)?;
-        stack::mkfs_ext4(&dev.path)?;
-        let m = Mount::new(&dev.path, &mnt, "noatime")?;
-        match db {
-            Db::Mysql => db::mysql_install(&datadir)?,
-            Db::Postgres => {
-                db::chown_postgres(&m.dir)?;
-                db::pg_initdb(&datadir)?
-            }
-        }
-        let server = start(ctx, db, &datadir)?;
-        server.sql("", "CREATE DATABASE sbtest")?;
-        progress("loading the data set");
-        match db {
-            Db::Mysql => {
-                let mut c = db::sysbench_command(&server, &lua, &text, setup.tables, setup.table_size)?;
-                c.args(["--threads=2", "prepare"]);
-                sys::run(&mut c).context("sysbench prepare")?;
-            }
-            Db::Postgres => {
-                sys::run(
-                    sys::cmd("pgbench")?
-                        .arg("-h")
-                        .arg(&server.socket)
-                        .args(["-U", "postgres", "-i", "-q", "-s"])
-                        .arg(setup.scale.to_string())
-                        .arg("sbtest"),
-                )
-                .context("pgbench -i")?;
-            }
-        }
-        server.stop()?;
-        if db == Db::Mysql {
-            result.checker_self_test = Some(innochecksum_self_test(ctx, &datadir)?);
-        }
-        m.unmount()?;
-        dev.detach()?;
-    }
+    load_data_set(ctx, db, setup, (&store, &mnt, &datadir), (&lua, &text), &format_args, result)?;
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     for n in 1..=setup.cycles {
@@ -280,38 +244,7 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
             cy.details.push(format!("zdisk check: {}", String::from_utf8_lossy(&check.stdout).trim()));
         }
 
-        let (m, dev) = attach_and_mount(ctx, &store, &mnt)?;
-        if db == Db::Mysql {
-            let (bad, msgs) = innochecksum_all(&datadir)?;
-            cy.bad_pages_before_recovery = bad;
-            cy.details.extend(msgs);
-        }
-        let log = ctx.work.join(format!("{}.log", db.name()));
-        let log_len = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
-        match start(ctx, db, &datadir) {
-            Ok(server) => {
-                cy.recovered = true;
-                cy.recovery_errors = recovery_errors(&log, log_len, db);
-                match verify_online(&server, db, setup) {
-                    Ok((tables_ok, invariant_ok, msgs)) => {
-                        cy.tables_ok = tables_ok;
-                        cy.invariant_ok = invariant_ok;
-                        cy.details.extend(msgs);
-                    }
-                    Err(e) => cy.details.push(format!("verification failed: {e:#}")),
-                }
-                server.stop()?;
-            }
-            Err(e) => cy.details.push(format!("recovery failed: {e:#}")),
-        }
-        let (bad, msgs) = match db {
-            Db::Mysql => innochecksum_all(&datadir)?,
-            Db::Postgres => pg_checksums(&datadir)?,
-        };
-        cy.bad_pages_after_recovery = bad;
-        cy.details.extend(msgs);
-        m.unmount()?;
-        dev.detach()?;
+        recover_and_verify(ctx, db, setup, (&store, &mnt, &datadir), &mut cy)?;
         cy.passed = cy.zdisk_check_clean
             && cy.recovered
             && cy.recovery_errors.is_empty()
@@ -319,25 +252,7 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
             && cy.invariant_ok
             && cy.bad_pages_before_recovery == 0
             && cy.bad_pages_after_recovery == 0;
-        progress(&format!(
-            "cycle {n}: {} (zdisk check {}, bad pages {}+{}, tables {}, invariant {}{})",
-            if cy.passed { "ok" } else { "FAILED" },
-            if cy.zdisk_check_clean { "clean" } else { "DAMAGED" },
-            cy.bad_pages_before_recovery,
-            cy.bad_pages_after_recovery,
-            if cy.tables_ok { "ok" } else { "BAD" },
-            if cy.invariant_ok { "ok" } else { "BROKEN" },
-            if cy.recovery_errors.is_empty() {
-                String::new()
-            } else {
-                format!(", recovery errors: {:?}", cy.recovery_errors)
-            }
-        ));
-        if !cy.passed {
-            for d in &cy.details {
-                progress(&format!("  cycle {n}: {d}"));
-            }
-        }
+        report_cycle(n, &cy);
         result.cycles.push(cy);
     }
     Ok(())
@@ -472,6 +387,119 @@ fn innochecksum_self_test(ctx: &Ctx, datadir: &Path) -> Result<String> {
         bail!("innochecksum did not detect a deliberately torn page: the page check cannot be trusted");
     }
     Ok("innochecksum reports a deliberately torn page (page 4, second half from page 5)".into())
+}
+
+/// Formats and attaches the store, makes the filesystem and the database, and loads the data
+/// set (MySQL: and self-tests the page checker); leaves the store detached.
+fn load_data_set(
+    ctx: &Ctx,
+    db: Db,
+    setup: &Setup,
+    (store, mnt, datadir): (&Path, &Path, &Path),
+    (lua, text): (&Path, &Path),
+    format_args: &[String],
+    result: &mut Result_,
+) -> Result<()> {
+    let dev = Device::zdisk_new(ctx, store, STORE_BYTES, STORE_BYTES, format_args)?;
+    stack::mkfs_ext4(&dev.path)?;
+    let m = Mount::new(&dev.path, mnt, "noatime")?;
+    match db {
+        Db::Mysql => db::mysql_install(datadir)?,
+        Db::Postgres => {
+            db::chown_postgres(&m.dir)?;
+            db::pg_initdb(datadir)?
+        }
+    }
+    let server = start(ctx, db, datadir)?;
+    server.sql("", "CREATE DATABASE sbtest")?;
+    progress("loading the data set");
+    match db {
+        Db::Mysql => {
+            let mut c = db::sysbench_command(&server, lua, text, setup.tables, setup.table_size)?;
+            c.args(["--threads=2", "prepare"]);
+            sys::run(&mut c).context("sysbench prepare")?;
+        }
+        Db::Postgres => {
+            sys::run(
+                sys::cmd("pgbench")?
+                    .arg("-h")
+                    .arg(&server.socket)
+                    .args(["-U", "postgres", "-i", "-q", "-s"])
+                    .arg(setup.scale.to_string())
+                    .arg("sbtest"),
+            )
+            .context("pgbench -i")?;
+        }
+    }
+    server.stop()?;
+    if db == Db::Mysql {
+        result.checker_self_test = Some(innochecksum_self_test(ctx, datadir)?);
+    }
+    m.unmount()?;
+    dev.detach()?;
+    Ok(())
+}
+
+/// After a cut: attach the store again, check every page before the database recovers,
+/// start it (recovery), verify tables and the invariant online, check every page again.
+fn recover_and_verify(ctx: &Ctx, db: Db, setup: &Setup, paths: (&Path, &Path, &Path), cy: &mut Cycle) -> Result<()> {
+    let (store, mnt, datadir) = paths;
+    let (m, dev) = attach_and_mount(ctx, store, mnt)?;
+    if db == Db::Mysql {
+        let (bad, msgs) = innochecksum_all(datadir)?;
+        cy.bad_pages_before_recovery = bad;
+        cy.details.extend(msgs);
+    }
+    let log = ctx.work.join(format!("{}.log", db.name()));
+    let log_len = std::fs::metadata(&log).map(|m| m.len()).unwrap_or(0);
+    match start(ctx, db, datadir) {
+        Ok(server) => {
+            cy.recovered = true;
+            cy.recovery_errors = recovery_errors(&log, log_len, db);
+            match verify_online(&server, db, setup) {
+                Ok((tables_ok, invariant_ok, msgs)) => {
+                    cy.tables_ok = tables_ok;
+                    cy.invariant_ok = invariant_ok;
+                    cy.details.extend(msgs);
+                }
+                Err(e) => cy.details.push(format!("verification failed: {e:#}")),
+            }
+            server.stop()?;
+        }
+        Err(e) => cy.details.push(format!("recovery failed: {e:#}")),
+    }
+    let (bad, msgs) = match db {
+        Db::Mysql => innochecksum_all(datadir)?,
+        Db::Postgres => pg_checksums(datadir)?,
+    };
+    cy.bad_pages_after_recovery = bad;
+    cy.details.extend(msgs);
+    m.unmount()?;
+    dev.detach()?;
+    Ok(())
+}
+
+/// One line per cycle, and its details when it failed.
+fn report_cycle(n: u32, cy: &Cycle) {
+    progress(&format!(
+        "cycle {n}: {} (zdisk check {}, bad pages {}+{}, tables {}, invariant {}{})",
+        if cy.passed { "ok" } else { "FAILED" },
+        if cy.zdisk_check_clean { "clean" } else { "DAMAGED" },
+        cy.bad_pages_before_recovery,
+        cy.bad_pages_after_recovery,
+        if cy.tables_ok { "ok" } else { "BAD" },
+        if cy.invariant_ok { "ok" } else { "BROKEN" },
+        if cy.recovery_errors.is_empty() {
+            String::new()
+        } else {
+            format!(", recovery errors: {:?}", cy.recovery_errors)
+        }
+    ));
+    if !cy.passed {
+        for d in &cy.details {
+            progress(&format!("  cycle {n}: {d}"));
+        }
+    }
 }
 
 #[cfg(test)]
