@@ -74,6 +74,16 @@ pub struct ServeArgs {
     /// records wrote read their older contents. Run `zdisk check` first: it names the loss.
     #[arg(long)]
     pub accept_data_loss: bool,
+    /// Idle work starts after this many seconds without a request (default 2; 0: never):
+    /// it recompresses what the write path stored with its LZ4 fallback, and trains the
+    /// store's first dictionary (docs/space.md, "Idle work"), one segment at a time.
+    #[arg(long, value_name = "SECONDS", value_parser = parse_seconds)]
+    pub idle_after: Option<f64>,
+    /// Do not train a dictionary unasked (a store formatted since 2026-11-25 otherwise
+    /// trains one while idle once it holds 16 MiB of blocks; `zdisk recompress --train`
+    /// still does).
+    #[arg(long)]
+    pub no_auto_dictionary: bool,
     /// Write nbdkit's pid here once it is ready to serve.
     #[arg(long, value_name = "PATH")]
     pub pid_file: Option<PathBuf>,
@@ -134,6 +144,13 @@ fn split_host_port(addr: &str) -> Result<(String, String)> {
     Ok((host.to_string(), port.to_string()))
 }
 
+fn parse_seconds(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if (0.0..=86_400.0).contains(&s) => Ok(s),
+        _ => Err(format!("{text:?} is not a number of seconds between 0 and 86400")),
+    }
+}
+
 fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
     match text.parse::<f64>() {
         Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
@@ -185,6 +202,12 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if let Some(fraction) = args.low_space {
         command.arg(format!("low_space={fraction}"));
+    }
+    if let Some(seconds) = args.idle_after {
+        command.arg(format!("idle_after={}", (seconds * 1000.0).round() as u64));
+    }
+    if args.no_auto_dictionary {
+        command.arg("auto_dictionary=false");
     }
     command.arg(format!("rundir={}", runtime::run_dir().display()));
     command.stdin(Stdio::null());

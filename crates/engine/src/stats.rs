@@ -166,6 +166,12 @@ pub struct CodecStats {
     pub dictionary_bytes: u64,
     #[serde(default)]
     pub dictionary_newest_id: u64,
+    /// Dictionaries the store trained on its own while idle, and segments idle work
+    /// recompressed (`store/idle.rs`), since open.
+    #[serde(default)]
+    pub dictionaries_trained_idle: u64,
+    #[serde(default)]
+    pub idle_segments_recompressed: u64,
 }
 
 /// The live counters behind [`CodecStats`], and the load signal of the adaptive fallback.
@@ -183,6 +189,12 @@ pub struct CodecCounters {
     /// recompressing them (damaged ones): while it does not move, a recompression may free
     /// the older dictionaries (`store/dictionaries.rs`).
     pub older_dictionary_fragments_kept: AtomicU64,
+    pub dictionaries_trained_idle: AtomicU64,
+    pub idle_segments_recompressed: AtomicU64,
+    /// Blocks without a dictionary that recompression compressed with the newest one (kept
+    /// or not), and the fragment bytes it made of them: idle work's retraining signal.
+    pub dictionary_trial_blocks: AtomicU64,
+    pub dictionary_trial_bytes: AtomicU64,
 }
 
 /// Counts the calling thread as inside block compression (the fallback's load signal) until
@@ -219,6 +231,8 @@ impl CodecCounters {
             dictionary_count: 0,
             dictionary_bytes: 0,
             dictionary_newest_id: 0,
+            dictionaries_trained_idle: get(&self.dictionaries_trained_idle),
+            idle_segments_recompressed: get(&self.idle_segments_recompressed),
         }
     }
 }

@@ -48,6 +48,8 @@ struct Config {
     map_cache_bytes: u64,
     low_space_fraction: f64,
     accept_data_loss: bool,
+    idle_after: Option<std::time::Duration>,
+    auto_dictionary_blocks: Option<u64>,
     run_dir: PathBuf,
     /// An encrypted store's passphrase or key file, read when configured.
     key: Option<Arc<Secret>>,
@@ -66,6 +68,8 @@ impl Default for Config {
             map_cache_bytes: defaults.map_cache_bytes,
             low_space_fraction: defaults.low_space_fraction,
             accept_data_loss: false,
+            idle_after: defaults.idle_after,
+            auto_dictionary_blocks: defaults.auto_dictionary_blocks,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
             key: None,
         }
@@ -153,6 +157,8 @@ impl Server for Handle {
              map_cache=SIZE        block map pages and changes in memory (default 256M)\n\
              accept_data_loss=BOOL serve for writing a store whose recovery lost records\n\
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
+             idle_after=MS         idle work after MS ms without requests (default 2000; 0: never)\n\
+             auto_dictionary=BOOL  train the first dictionary while idle (default true)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)\n\
              key-file=PATH         an encrypted store's key file\n\
              passphrase-file=PATH  an encrypted store's passphrase: the first line of PATH\n\
@@ -201,6 +207,16 @@ impl Server for Handle {
                 config.low_space_fraction = fraction;
             }
             "accept_data_loss" => config.accept_data_loss = nbdkit::parse_bool(value)?,
+            "idle_after" => {
+                let ms: u64 = value.parse().map_err(|_| einval(format!("idle_after={value}: not milliseconds")))?;
+                config.idle_after = (ms > 0).then(|| std::time::Duration::from_millis(ms));
+            }
+            "auto_dictionary" => {
+                config.auto_dictionary_blocks = match nbdkit::parse_bool(value)? {
+                    true => OpenOptions::default().auto_dictionary_blocks,
+                    false => None,
+                };
+            }
             "rundir" => config.run_dir = PathBuf::from(value),
             // Read now: a pipe's contents are there once, and before nbdkit forks.
             "key-file" => {
@@ -256,6 +272,8 @@ impl Server for Handle {
             map_cache_bytes: config.map_cache_bytes,
             low_space_fraction: config.low_space_fraction,
             accept_data_loss: config.accept_data_loss,
+            idle_after: config.idle_after,
+            auto_dictionary_blocks: config.auto_dictionary_blocks,
             key: config.key.clone(),
             ..OpenOptions::default()
         };

@@ -40,7 +40,7 @@ use crate::format::DictionaryEntry;
 use crate::format::FragmentEntry;
 use crate::map::{Entry, PackedEntry, Stored, WalkItem};
 use crate::types::{Lba, SegmentId};
-use crate::{BLOCK_SIZE, SECTOR_SIZE};
+use crate::SECTOR_SIZE;
 
 /// Blocks sampled for training at most: 4 MiB of blocks, picked across the store (zstd
 /// suggests about 100 times the dictionary's size; 4 MiB trained a 112 KiB dictionary in
@@ -171,31 +171,40 @@ impl Inner {
     }
 
     /// Up to `blocks_max` blocks picked evenly across the stored blocks of the map (not
-    /// zeroes, not holes), read and decoded as a host read would.
-    pub(crate) fn sample_blocks(&self, blocks_max: usize) -> Result<Vec<Vec<u8>>> {
-        let mut stored: Vec<Lba> = Vec::new();
+    /// zeroes, not holes), read and decoded as a host read would. One walk of the map; the
+    /// memory it takes is the sample's (every `step`-th stored block from the `skip`-th,
+    /// the step from the segment table's count of stored blocks: another `skip` picks other
+    /// blocks, where there are enough).
+    pub(crate) fn sample_blocks(&self, blocks_max: usize, skip: u64) -> Result<Vec<Vec<u8>>> {
+        let stored_blocks = self.log.lock().segments.counts.stored;
+        let step = stored_blocks.div_ceil(blocks_max.max(1) as u64).max(1);
+        let mut picked: Vec<Lba> = Vec::new();
+        let mut seen = 0u64;
         {
             let map = self.map.read();
             map.walk_current(0, map.block_count(), self, &mut |item| {
-                match item {
-                    WalkItem::Leaf(first, body) => {
-                        for (i, &value) in body.iter().enumerate() {
-                            if matches!(PackedEntry(value).unpack(), Ok(Entry::Stored(_))) {
-                                stored.push(Lba(first.first_lba().0 + i as u64));
+                if let WalkItem::Leaf(first, body) = item {
+                    for (i, &value) in body.iter().enumerate() {
+                        if matches!(PackedEntry(value).unpack(), Ok(Entry::Stored(_))) {
+                            if seen % step == skip % step && picked.len() < blocks_max {
+                                picked.push(Lba(first.first_lba().0 + i as u64));
                             }
+                            seen += 1;
                         }
                     }
-                    WalkItem::Constant(..) | WalkItem::Page(_) => {}
                 }
                 Ok(())
             })?;
         }
-        let step = stored.len().div_ceil(blocks_max.max(1)).max(1);
-        let mut samples = Vec::new();
-        for &lba in stored.iter().step_by(step) {
-            let mut block = vec![0u8; BLOCK_SIZE];
-            self.read(lba.0 * BLOCK_SIZE as u64, &mut block)?;
-            samples.push(block);
+        let mut samples = Vec::with_capacity(picked.len());
+        for lba in picked {
+            // (Not a host read: not counted as one, so idle work does not see the host.)
+            match self.read_block(lba) {
+                Ok((block, _)) => samples.push(block),
+                // A damaged block is no sample; reads of it fail as they should.
+                Err(e) if matches!(e.kind(), ErrorKind::Checksum | ErrorKind::Corrupt) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(samples)
     }
@@ -204,7 +213,7 @@ impl Inner {
     /// comment: durable in both retained checkpoints before it is `newest`).
     pub(crate) fn train_and_install(&self, options: &DictionaryOptions) -> Result<(Arc<Dictionary>, DictionaryReport)> {
         self.check_writable()?;
-        let samples = self.sample_blocks(options.sample_blocks_max)?;
+        let samples = self.sample_blocks(options.sample_blocks_max, 0)?;
         // zstd's builder wants enough material; a nearly empty store has nothing to learn.
         if samples.len() < 8 {
             return Err(Error::new(

@@ -272,7 +272,7 @@ impl Inner {
 
     /// Two checkpoints (the reuse horizon is the older retained one) and the freeing they
     /// allow: every segment cleaned before becomes free.
-    fn make_cleaned_free(&self) -> Result<()> {
+    pub(crate) fn make_cleaned_free(&self) -> Result<()> {
         self.checkpoint_now()?;
         self.checkpoint_now()?;
         self.free_cleaned().map(|_| ())
@@ -281,7 +281,7 @@ impl Inner {
     /// Cleans `segment` recompressing into `target`; false when it is not a victim GC may
     /// take (open, unwritten, waiting for its pages), its relocation does not fit, or nothing
     /// in it gets smaller.
-    fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
+    pub(crate) fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
         let _checkpoint = self.checkpoint.lock();
         let _gc = self.gc_lock.lock();
         self.check_writable()?;
@@ -301,7 +301,7 @@ impl Inner {
     /// order (found by walking the current map: the segment table does not know codecs).
     /// Into a dictionary: a dictionary fragment in a segment first used since that
     /// dictionary became GC's is one of its own (`dictionaries.rs`), so not a reason.
-    fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
+    pub(crate) fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
         let since_seq = target.dictionary.as_ref().map_or(0, |d| self.dictionaries.read().since_seq_of(d.id));
         let first_seqs: Vec<u64> = {
             let log = self.log.lock();
@@ -552,6 +552,10 @@ impl Inner {
                     continue;
                 }
             };
+            if target.dictionary.is_some() && entry.codec != CodecTag::ZstdDict {
+                Counters::add(&counters.dictionary_trial_blocks, 1);
+                Counters::add(&counters.dictionary_trial_bytes, new.bytes.len() as u64);
+            }
             let smaller = new.bytes.len() < fragment.block.bytes.len();
             if (smaller || older_dictionary) && !new.entry.is_zero_block(FragmentFormat::V3) {
                 recompressed.push(LiveFragment { block: new, ..fragment });

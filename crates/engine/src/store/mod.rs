@@ -40,6 +40,7 @@ mod create;
 pub(crate) mod dictionaries;
 mod encryption;
 mod gc;
+mod idle;
 pub(crate) mod lock;
 mod log;
 mod op;

@@ -75,6 +75,14 @@ pub struct OpenOptions {
     /// `ZDISK_PACING=on`: it cuts the tail of writes at native capacity but, as measured so
     /// far, costs throughput (docs/space.md, "Pacing").
     pub pacing: bool,
+    /// Idle work (`store/idle.rs`) starts once the host has sent no request for this long:
+    /// recompression of what the write path stored with its fallback codec, and the first
+    /// dictionary. None: never. Defaults to `ZDISK_IDLE_AFTER_MS`, else 2 s.
+    pub idle_after: Option<std::time::Duration>,
+    /// Train the store's first zstd dictionary on its own, when idle, once it holds this
+    /// many stored blocks (default 4096: 16 MiB; None: never). A store with a dictionary is
+    /// refused by zdisk versions before dictionaries (docs/format.md, "Dictionaries").
+    pub auto_dictionary_blocks: Option<u64>,
     /// The passphrase or key file of an encrypted store (required to open one; refused for
     /// a plain store).
     pub key: Option<Arc<Secret>>,
@@ -101,11 +109,28 @@ impl Default for OpenOptions {
             accept_data_loss: false,
             codec_fallback: CodecFallback::from_env(),
             pacing: std::env::var("ZDISK_PACING").is_ok_and(|v| v == "on"),
+            idle_after: idle_after_from_env(),
+            auto_dictionary_blocks: Some(super::idle::AUTO_DICTIONARY_BLOCKS_MIN),
             key: None,
             nonce_lease: crate::crypto::cipher::NONCE_LEASE_DEFAULT,
             #[cfg(feature = "sim")]
             nonce_observer: None,
         }
+    }
+}
+
+/// `ZDISK_IDLE_AFTER_MS` (milliseconds; 0 or "off": never), else the default.
+fn idle_after_from_env() -> Option<std::time::Duration> {
+    match std::env::var("ZDISK_IDLE_AFTER_MS") {
+        Ok(v) if v == "off" || v == "0" => None,
+        Ok(v) => match v.parse::<u64>() {
+            Ok(ms) => Some(std::time::Duration::from_millis(ms)),
+            Err(_) => {
+                tracing::warn!("ZDISK_IDLE_AFTER_MS={v:?} is not a number of milliseconds; using the default");
+                Some(super::idle::IDLE_AFTER_DEFAULT)
+            }
+        },
+        Err(_) => Some(super::idle::IDLE_AFTER_DEFAULT),
     }
 }
 

@@ -1,5 +1,5 @@
-//! The segment table: each segment's state and usage, the free set, and the counts of what
-//! the map references.
+//! The segment table: each segment's state and usage, the free set, the counts of what
+//! the map references, and (in memory) hints of where idle recompression has work.
 //!
 //! A segment's life: Free → Open (appended to) → Sealed → Cleaned (emptied by GC, or all its
 //! data died) → Free (under the reuse rule, `checkpoint.rs`). Every transition is a method
@@ -11,10 +11,11 @@
 //! segment has no live bytes and no page bytes; `live_bytes` is at least the sum of the
 //! stored lengths of the map entries pointing into the segment (equal once the map's owed
 //! removals are settled — every checkpoint settles them); `page_bytes` is the bytes of the
-//! map pages in it that a retained checkpoint references.
+//! map pages in it that a retained checkpoint references; a free segment's hint is zero.
 
 use std::collections::BTreeSet;
 
+use crate::codec::CodecTag;
 use crate::format::{SegmentState, SegmentUsage};
 use crate::map::{Delta, Entry, PackedEntry};
 use crate::types::SegmentId;
@@ -81,7 +82,33 @@ pub(crate) struct SegmentTable {
     /// Segments whose data GC moved but which still hold map pages a retained checkpoint
     /// references: they empty as checkpoints rewrite and release those pages.
     awaiting_pages: BTreeSet<SegmentId>,
+    /// Per segment, the compressed fragments without a dictionary that joined the map
+    /// there since open (replay included): where idle recompression looks (`idle.rs`).
+    /// In memory only, and counted on joining alone — a hint, not a count of live ones.
+    hints: Vec<RecompressHint>,
+    /// Counts hint increments: idle work looks through the hints again only when it moved.
+    hint_generation: u64,
     pub counts: BlockCounts,
+}
+
+/// Fragments that joined the map in a segment, by what recompression could make of them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct RecompressHint {
+    /// LZ4 fragments: the write path's fallback in a store of a slower codec.
+    pub lz4: u32,
+    /// Compressed fragments without a dictionary, LZ4 included.
+    pub plain: u32,
+}
+
+impl RecompressHint {
+    /// The fragments recompression takes: into a dictionary every one without, else LZ4's.
+    pub fn taken(self, into_dictionary: bool) -> u32 {
+        if into_dictionary {
+            self.plain
+        } else {
+            self.lz4
+        }
+    }
 }
 
 impl SegmentTable {
@@ -89,6 +116,7 @@ impl SegmentTable {
     /// are sealed: after a restart nothing is appended to them again. The free set is
     /// built by [`SegmentTable::settle_at_open`].
     pub fn recovered(mut usage: Vec<SegmentUsage>) -> SegmentTable {
+        let usage_len = usage.len();
         for s in usage.iter_mut() {
             if s.state == SegmentState::Open {
                 s.state = SegmentState::Sealed;
@@ -100,6 +128,8 @@ impl SegmentTable {
             pinned: Vec::new(),
             unparseable: Vec::new(),
             awaiting_pages: BTreeSet::new(),
+            hints: vec![RecompressHint::default(); usage_len],
+            hint_generation: 0,
             counts: BlockCounts::default(),
         }
     }
@@ -132,6 +162,7 @@ impl SegmentTable {
         assert_eq!(usage.state, SegmentState::Free, "segment {id} in the free set is {:?}", usage.state);
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
+        self.hints[id.index()] = RecompressHint::default();
         Some(id)
     }
 
@@ -147,6 +178,7 @@ impl SegmentTable {
         assert_eq!(usage.state, SegmentState::Free, "segment {id} in the free set is {:?}", usage.state);
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
+        self.hints[id.index()] = RecompressHint::default();
         Some(id)
     }
 
@@ -233,6 +265,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "freeing segment {id} with live data");
         assert_eq!(usage.page_bytes, 0, "freeing segment {id} with live map pages");
         *usage = SegmentUsage::FREE;
+        self.hints[id.index()] = RecompressHint::default();
         self.free.insert(id);
     }
 
@@ -243,6 +276,7 @@ impl SegmentTable {
         let usage = &mut self.usage[id.index()];
         self.free.remove(&id);
         *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
+        self.hints[id.index()] = RecompressHint::default();
     }
 
     /// At open, after replay: segments that hold nothing live and lie behind the reuse
@@ -264,6 +298,7 @@ impl SegmentTable {
             }
             if s.state == SegmentState::Free {
                 *s = SegmentUsage::FREE;
+                self.hints[i] = RecompressHint::default();
                 self.free.insert(id);
             }
         }
@@ -318,7 +353,40 @@ impl SegmentTable {
     /// Accounts for a map entry joining or leaving the map: the live bytes of the segment
     /// it points into, and the block counts.
     pub fn account(&mut self, entry: PackedEntry, delta: Delta, segment_of: impl Fn(u64) -> SegmentId) {
+        if delta == Delta::Add {
+            self.note_hint(entry, &segment_of);
+        }
         account_entry(&mut self.usage, &mut self.counts, entry, delta, segment_of);
+    }
+
+    /// A fragment joined the map: counted in its segment's hint if recompression could
+    /// make something of it.
+    fn note_hint(&mut self, entry: PackedEntry, segment_of: impl Fn(u64) -> SegmentId) {
+        let Ok(Entry::Stored(s)) = entry.unpack() else { return };
+        let hint = &mut self.hints[segment_of(s.offset_bytes).index()];
+        match s.codec {
+            CodecTag::Lz4 => {
+                hint.lz4 = hint.lz4.saturating_add(1);
+                hint.plain = hint.plain.saturating_add(1);
+            }
+            CodecTag::Zstd | CodecTag::Deflate => hint.plain = hint.plain.saturating_add(1),
+            CodecTag::Raw | CodecTag::ZstdDict => return,
+        }
+        self.hint_generation += 1;
+    }
+
+    pub fn hint(&self, id: SegmentId) -> RecompressHint {
+        self.hints[id.index()]
+    }
+
+    pub fn hint_generation(&self) -> u64 {
+        self.hint_generation
+    }
+
+    /// Idle recompression looked at segment `id`: nothing more to find there until new
+    /// fragments join it.
+    pub fn clear_hint(&mut self, id: SegmentId) {
+        self.hints[id.index()] = RecompressHint::default();
     }
 
     /// Takes free segments out of the free set (and out of GC's reach) until `keep` are

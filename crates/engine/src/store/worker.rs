@@ -8,6 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::gc::GcMode;
+use super::idle::IdleWork;
 use super::log::WRITE_OUT_THRESHOLD_BYTES;
 use super::state::{Inner, WorkerSignal};
 use super::writeout::WriteOut;
@@ -98,11 +99,12 @@ impl Inner {
     }
 
     pub(crate) fn worker_loop(&self) {
+        let mut idle = IdleWork::default();
         while self.wait_for_work(Thread::Worker) {
             if self.check_writable().is_err() {
                 continue;
             }
-            match self.background_step() {
+            match self.background_step().and_then(|busy| Ok(busy || self.idle_step(&mut idle)?)) {
                 Ok(true) => self.kick_worker(),
                 Ok(false) => {}
                 // GC's relocations ran into its reserve: on a store at native capacity that

@@ -1,0 +1,348 @@
+//! Idle work (docs/space.md, "Idle work"): what the worker does once the host has left the
+//! store alone for `OpenOptions::idle_after` — the capacity the write path left behind.
+//!
+//! - **The first dictionary**: a zstd store that holds `AUTO_DICTIONARY_BLOCKS_MIN` stored
+//!   blocks and has never had a dictionary trains one on a sample of its blocks and installs
+//!   it (`dictionaries.rs`: durable in both retained checkpoints before anything uses it);
+//!   then every segment holding a compressed fragment is queued, found by one walk of the
+//!   map, to be recompressed into it. `OpenOptions::auto_dictionary_blocks` sets the
+//!   threshold or turns it off. Only stores that zdisk versions without dictionaries refuse
+//!   already (formatted with the log's second stream) get one unasked.
+//! - **Retraining**: when blocks written since the newest dictionary compress clearly worse
+//!   with it than the store's blocks did when it was measured (its *baseline*: the ratio
+//!   it makes of a sample of the store's blocks other than those it was trained on), the
+//!   data has changed: a new dictionary is trained on a fresh sample of the store and
+//!   becomes the newest. The signal is what recompression (idle work and GC) made of
+//!   blocks without a dictionary with the newest one, kept or not
+//!   (`dictionary_trial_*`), over at least `RETRAIN_WINDOW_BLOCKS` and not while the queue
+//!   below recompresses the very data the dictionary was trained on; the threshold is
+//!   `RETRAIN_BELOW_BASELINE` of the baseline. Fragments of older dictionaries stay until GC
+//!   moves them (it recompresses them into the newest) or `zdisk recompress --train` frees
+//!   them; idle work stops retraining at `AUTO_DICTIONARIES_MAX` dictionaries.
+//! - **Recompression**, one segment a step: the queue first, then the segment with the most
+//!   fragments the target takes among those the segment table's hints name (fragments that
+//!   joined the map since open: LZ4 ones, the write path's fallback, or with a dictionary
+//!   every compressed one without it). A segment is cleaned as `zdisk recompress` cleans it
+//!   (`gc.rs`: only smaller fragments replace old ones, a concurrent overwrite wins); after
+//!   `IDLE_FREE_AFTER_SEGMENTS` cleaned, or when nothing is left, two checkpoints make them
+//!   free again.
+//!
+//! Each step does at most one segment (tens of milliseconds) and looks again whether the
+//! host is still away: a host request waits for at most one step. Idle work never runs
+//! while free space is short (GC's cushion and two segments more): it needs room to move
+//! into, and GC's work comes first.
+
+use std::time::{Duration, Instant};
+
+use super::dictionaries::DictionaryOptions;
+use super::gc::RecompressTarget;
+use super::state::Inner;
+use crate::codec::{Codec, CodecTag};
+use crate::error::Result;
+use crate::stats::Counters;
+use crate::types::SegmentId;
+
+/// Stored blocks a store holds before it trains its first dictionary on its own (unless
+/// told): 16 MiB, four times the most `sample_blocks` reads, so the sample is spread over
+/// the data rather than being all of it.
+pub const AUTO_DICTIONARY_BLOCKS_MIN: u64 = 4096;
+
+/// Blocks recompressed with the newest dictionary before their ratio is compared with its
+/// baseline (8 MiB: enough that one odd file does not retrain the store).
+const RETRAIN_WINDOW_BLOCKS: u64 = 2048;
+
+/// Retrain when the window's ratio falls below this share of the baseline. Text of the
+/// same kind measured 1.00–1.01 of its baseline in `tests/idle.rs`, text of another
+/// vocabulary 0.68.
+const RETRAIN_BELOW_BASELINE: f64 = 0.8;
+
+/// Idle work retrains only while the store keeps fewer dictionaries than this (older ones
+/// stay while fragments name them: `zdisk recompress --train` frees them).
+const AUTO_DICTIONARIES_MAX: usize = 4;
+
+/// Blocks the baseline is measured on.
+const BASELINE_SAMPLE_BLOCKS: usize = 256;
+
+/// How long the host must have been away before idle work starts, unless told.
+pub const IDLE_AFTER_DEFAULT: Duration = Duration::from_secs(2);
+
+/// Segments idle recompression cleans before two checkpoints free them: the space they held
+/// comes back in steps, and the checkpoints cost little beside 16 segments' moves.
+const IDLE_FREE_AFTER_SEGMENTS: u32 = 16;
+
+/// What the worker remembers between idle steps.
+#[derive(Debug)]
+pub(crate) struct IdleWork {
+    /// The host's request count when last looked at, and since when it has not changed.
+    host_ops: u64,
+    quiet_since: Instant,
+    /// Segments to recompress into a dictionary just installed, taken first.
+    queue: Vec<SegmentId>,
+    /// Segments cleaned that wait for the checkpoints that free them.
+    cleaned_unfreed: u32,
+    /// Training failed once (too few distinct blocks, say): not tried again in this run.
+    training_failed: bool,
+    /// The newest dictionary's baseline once measured: its id, the ratio, and the trial
+    /// counters (blocks, bytes) then — the window starts there.
+    baseline: Option<Baseline>,
+    /// When the hints last named nothing to do: their generation and the newest
+    /// dictionary's id then. Looking through every segment's hint again waits for a change
+    /// (a store of a million segments would otherwise scan them ten times a second).
+    nothing_hinted: Option<(u64, u32)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Baseline {
+    dictionary_id: u32,
+    ratio: f64,
+    trial_blocks: u64,
+    trial_bytes: u64,
+}
+
+impl Default for IdleWork {
+    fn default() -> IdleWork {
+        IdleWork {
+            host_ops: 0,
+            quiet_since: Instant::now(),
+            queue: Vec::new(),
+            cleaned_unfreed: 0,
+            training_failed: false,
+            baseline: None,
+            nothing_hinted: None,
+        }
+    }
+}
+
+impl Inner {
+    /// One step of idle work, if the host has been away long enough; returns whether it did
+    /// any (the worker then goes again at once).
+    pub(crate) fn idle_step(&self, watch: &mut IdleWork) -> Result<bool> {
+        let Some(idle_after) = self.options.idle_after else { return Ok(false) };
+        let host_ops = self.host_request_count();
+        if host_ops != watch.host_ops {
+            watch.host_ops = host_ops;
+            watch.quiet_since = Instant::now();
+            return Ok(false);
+        }
+        if watch.quiet_since.elapsed() < idle_after || !self.idle_has_room() {
+            return Ok(false);
+        }
+        // The queue recompresses the data a dictionary was trained on: no signal of change.
+        if !watch.queue.is_empty() {
+            watch.baseline = None;
+        }
+        let train = self.wants_first_dictionary() || (watch.queue.is_empty() && self.wants_retraining(watch)?);
+        if train && !watch.training_failed {
+            let (dictionary, report) = match self.train_and_install(&self.idle_dictionary_options()) {
+                Ok(trained) => trained,
+                Err(e) => {
+                    watch.training_failed = true;
+                    tracing::warn!("no dictionary trained while idle: {e}");
+                    return Ok(false);
+                }
+            };
+            Counters::add(&self.codec_counters.dictionaries_trained_idle, 1);
+            tracing::info!(
+                "trained dictionary {} ({} bytes) on {} blocks in {} ms while idle",
+                report.id,
+                report.size_bytes,
+                report.sample_blocks,
+                report.training_ms
+            );
+            if report.id == 1 {
+                watch.queue = self.segments_holding(&RecompressTarget::dictionary(dictionary, false))?;
+                watch.queue.reverse(); // taken from the back: lowest segment first
+            }
+            return Ok(true);
+        }
+        let Some(target) = self.idle_target() else { return Ok(false) };
+        match self.next_idle_segment(watch, &target) {
+            Some(segment) => {
+                let cleaned = self.recompress_segment(segment, &target)?;
+                self.log.lock().segments.clear_hint(segment);
+                if cleaned {
+                    Counters::add(&self.codec_counters.idle_segments_recompressed, 1);
+                    watch.cleaned_unfreed += 1;
+                    if watch.cleaned_unfreed >= IDLE_FREE_AFTER_SEGMENTS {
+                        self.make_cleaned_free()?;
+                        watch.cleaned_unfreed = 0;
+                    }
+                }
+                Ok(true)
+            }
+            None if watch.cleaned_unfreed > 0 => {
+                self.make_cleaned_free()?;
+                watch.cleaned_unfreed = 0;
+                // Segments those checkpoints unpinned may be GC's to take now.
+                watch.nothing_hinted = None;
+                Ok(true)
+            }
+            None if self.open_segment_hinted(&target) => {
+                // The last writes before the host left are in an open segment, which GC
+                // does not take: seal it (its unused room comes back when it is cleaned).
+                self.seal_open_segments()?;
+                self.flush()?;
+                watch.nothing_hinted = None;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Whether an open segment holds fragments `target` would take.
+    fn open_segment_hinted(&self, target: &RecompressTarget) -> bool {
+        let into_dictionary = target.dictionary.is_some();
+        let log = self.log.lock();
+        let hinted =
+            log.appender.open_segments().any(|open| log.segments.hint(open.buffer.segment).taken(into_dictionary) > 0);
+        hinted
+    }
+
+    /// Host requests since open that touch data (reads, writes, trims, zeroes).
+    fn host_request_count(&self) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.counters;
+        c.read_ops.load(Relaxed) + c.write_ops.load(Relaxed) + c.trim_ops.load(Relaxed) + c.zero_ops.load(Relaxed)
+    }
+
+    /// Whether free space leaves idle work room to move into beyond what GC keeps.
+    fn idle_has_room(&self) -> bool {
+        let log = self.log.lock();
+        let needed = self.host_reserve_segments(&log) + self.cushion_segments() + 2;
+        log.segments.free_count() as u64 >= needed
+    }
+
+    /// A zstd store that never had a dictionary and holds enough blocks to train one on.
+    fn wants_first_dictionary(&self) -> bool {
+        let Some(blocks_min) = self.options.auto_dictionary_blocks else { return false };
+        // A store older zdisk versions can still open stays so: only stores formatted since
+        // the log got its second stream (2026-11-25, which those versions refuse anyway)
+        // get a dictionary unasked. Older ones get one from `recompress --train`.
+        if !self.cold_stream || !matches!(self.geometry.codec, Codec::Zstd { .. }) {
+            return false;
+        }
+        let never_had_one = {
+            let state = self.dictionaries.read();
+            state.table.is_empty() && state.next_id == 1
+        };
+        never_had_one && self.log.lock().segments.counts.stored >= blocks_min
+    }
+
+    /// Whether the data has changed under the newest dictionary (module comment). Measures
+    /// the baseline first if it is not known (once per dictionary and run).
+    fn wants_retraining(&self, watch: &mut IdleWork) -> Result<bool> {
+        let Some(newest) = self.newest_dictionary() else { return Ok(false) };
+        if self.options.auto_dictionary_blocks.is_none() || !self.cold_stream {
+            return Ok(false);
+        }
+        if self.dictionaries.read().table.len() >= AUTO_DICTIONARIES_MAX {
+            // Freeing older ones rewrites every fragment still naming them in one pass: an
+            // operator's `zdisk recompress --train`, not idle work's.
+            return Ok(false);
+        }
+        let counters = &self.codec_counters;
+        let trials = || {
+            use std::sync::atomic::Ordering::Relaxed;
+            (counters.dictionary_trial_blocks.load(Relaxed), counters.dictionary_trial_bytes.load(Relaxed))
+        };
+        let baseline = match watch.baseline {
+            Some(b) if b.dictionary_id == newest.id => b,
+            _ => {
+                let Some(ratio) = self.dictionary_baseline(&newest)? else { return Ok(false) };
+                let (trial_blocks, trial_bytes) = trials();
+                let baseline = Baseline { dictionary_id: newest.id, ratio, trial_blocks, trial_bytes };
+                tracing::debug!("dictionary {} baseline ratio {ratio:.3}", newest.id);
+                watch.baseline = Some(baseline);
+                return Ok(false);
+            }
+        };
+        let (blocks, bytes) = trials();
+        let (window_blocks, window_bytes) = (blocks - baseline.trial_blocks, bytes - baseline.trial_bytes);
+        if window_blocks < RETRAIN_WINDOW_BLOCKS || window_bytes == 0 {
+            return Ok(false);
+        }
+        let window_ratio = (window_blocks * crate::BLOCK_SIZE as u64) as f64 / window_bytes as f64;
+        if window_ratio >= RETRAIN_BELOW_BASELINE * baseline.ratio {
+            // Still fits: a new window from here.
+            watch.baseline = Some(Baseline { trial_blocks: blocks, trial_bytes: bytes, ..baseline });
+            return Ok(false);
+        }
+        tracing::info!(
+            "dictionary {}: new blocks compress {window_ratio:.2}:1 with it, its baseline {:.2}:1; retraining",
+            newest.id,
+            baseline.ratio
+        );
+        Ok(true)
+    }
+
+    /// The ratio `dictionary` makes of a sample of the store's blocks other than those a
+    /// training picks (fragment bytes as stored: protection information, and an encrypted
+    /// store's seal, included). None when the store holds too few.
+    fn dictionary_baseline(&self, dictionary: &crate::codec::Dictionary) -> Result<Option<f64>> {
+        let stored_blocks = self.log.lock().segments.counts.stored;
+        let training_step = stored_blocks.div_ceil(super::dictionaries::TRAINING_SAMPLE_BLOCKS_MAX as u64).max(1);
+        let samples = self.sample_blocks(BASELINE_SAMPLE_BLOCKS, training_step / 2)?;
+        if samples.len() < BASELINE_SAMPLE_BLOCKS / 4 {
+            return Ok(None);
+        }
+        let overhead = crate::format::PI_BYTES
+            + if self.cipher.is_some() { crate::crypto::cipher::SEAL_OVERHEAD_BYTES } else { 0 };
+        let mut out = Vec::new();
+        let mut stored_bytes = 0;
+        for block in &samples {
+            dictionary.compress_block(block, &mut out); // (raw when it does not pay)
+            stored_bytes += out.len() + overhead;
+        }
+        Ok(Some((samples.len() * crate::BLOCK_SIZE) as f64 / stored_bytes as f64))
+    }
+
+    /// The defaults `recompress --train` uses, but a dictionary no bigger than a 32nd of
+    /// the sample (zstd's builder fails or overfits on fewer samples; only a store smaller
+    /// than 4 MiB of blocks, where the threshold was lowered, gets a smaller one).
+    fn idle_dictionary_options(&self) -> DictionaryOptions {
+        let defaults = DictionaryOptions::default();
+        let stored_blocks = self.log.lock().segments.counts.stored;
+        let sample_bytes = stored_blocks.min(defaults.sample_blocks_max as u64) as usize * crate::BLOCK_SIZE;
+        DictionaryOptions { size_bytes: defaults.size_bytes.min(sample_bytes / 32), ..defaults }
+    }
+
+    /// What idle recompression makes fragments into: the newest dictionary, else the
+    /// store's codec when the write path's fallback (LZ4) is another.
+    fn idle_target(&self) -> Option<RecompressTarget> {
+        match self.newest_dictionary() {
+            Some(dictionary) => Some(RecompressTarget::dictionary(dictionary, false)),
+            None if self.geometry.codec.tag() != CodecTag::Lz4 => {
+                Some(RecompressTarget::codec(self.geometry.codec, false))
+            }
+            None => None,
+        }
+    }
+
+    /// The next segment to recompress: the queue's, else the hinted one with the most
+    /// fragments `target` takes. Only segments GC could take now.
+    fn next_idle_segment(&self, watch: &mut IdleWork, target: &RecompressTarget) -> Option<SegmentId> {
+        let unwritten = self.unwritten_segments();
+        let log = self.log.lock();
+        while let Some(segment) = watch.queue.pop() {
+            if log.segments.is_victim_candidate(segment, &unwritten) {
+                return Some(segment);
+            }
+        }
+        let into_dictionary = target.dictionary.as_ref().map_or(0, |d| d.id);
+        let now = (log.segments.hint_generation(), into_dictionary);
+        if watch.nothing_hinted == Some(now) {
+            return None;
+        }
+        let best = log
+            .segments
+            .iter()
+            .filter(|&(id, _)| log.segments.is_victim_candidate(id, &unwritten))
+            .map(|(id, _)| (log.segments.hint(id).taken(into_dictionary != 0), id))
+            .filter(|&(count, _)| count > 0)
+            .max();
+        // (Segments not GC's to take yet — open, unwritten, pinned — are looked at again
+        // when a hint next moves: the host's next write does that.)
+        watch.nothing_hinted = best.is_none().then_some(now);
+        best.map(|(_, id)| id)
+    }
+}
