@@ -44,7 +44,8 @@ pub(crate) enum Admitted {
 enum RoundOutcome {
     /// Try the append again.
     Retry,
-    GiveUp(&'static str),
+    /// The message says what the round found, for the operator (and for a test that fails).
+    GiveUp(String),
 }
 
 impl Inner {
@@ -66,7 +67,7 @@ impl Inner {
                 return Err(Error::new(ErrorKind::NoSpace, EXHAUSTED));
             }
             let outcome = if rounds >= FOREGROUND_GC_ROUNDS_MAX {
-                RoundOutcome::GiveUp(EXHAUSTED)
+                RoundOutcome::GiveUp(format!("{EXHAUSTED} ({FOREGROUND_GC_ROUNDS_MAX} rounds of GC did not make room)"))
             } else {
                 rounds += 1;
                 self.foreground_gc_round(shortfall_bytes, &mut stalled_rounds)?
@@ -133,6 +134,7 @@ impl Inner {
         let (cleaned, mut freed) = self.clean_for(shortfall_bytes, *stalled_rounds > 0)?;
         // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
         // the previous one, so two free everything cleaned before the first.
+        let mut checkpoint_failed = None;
         for _ in 0..2 {
             let (short, waiting) = {
                 let log = self.log.lock();
@@ -143,7 +145,10 @@ impl Inner {
             }
             match self.checkpoint_now() {
                 Ok(()) => {}
-                Err(e) if e.kind() == ErrorKind::NoSpace => break,
+                Err(e) if e.kind() == ErrorKind::NoSpace => {
+                    checkpoint_failed = Some(e);
+                    break;
+                }
                 Err(e) => return Err(e),
             }
             freed += self.free_cleaned()?;
@@ -166,15 +171,22 @@ impl Inner {
         if Counters::get(&self.counters.host_write_bytes) > host_written_before {
             return Ok(RoundOutcome::Retry);
         }
+        let why = |what: &str| {
+            let log = self.log.lock();
+            let checkpoint = checkpoint_failed.as_ref().map_or(String::new(), |e| format!("; checkpoint: {e}"));
+            RoundOutcome::GiveUp(format!(
+                "{EXHAUSTED} ({what}: the round cleaned {cleaned} and freed {freed} segments; {} free, {} cleaned \
+                 waiting for the reuse horizon, {} bytes available for {shortfall_bytes} short{checkpoint})",
+                log.segments.free_count(),
+                log.segments.cleaned_count(),
+                self.available_bytes(&log),
+            ))
+        };
         if cleaned == 0 && freed == 0 {
-            return Ok(RoundOutcome::GiveUp(EXHAUSTED));
+            return Ok(why("GC found nothing to clean"));
         }
         *stalled_rounds += 1;
-        Ok(if *stalled_rounds >= 2 {
-            RoundOutcome::GiveUp("physical space is exhausted (GC cannot give back space)")
-        } else {
-            RoundOutcome::Retry
-        })
+        Ok(if *stalled_rounds >= 2 { why("GC cannot give back space") } else { RoundOutcome::Retry })
     }
 
     /// Cleans victims until they give back what a writer lacks (no more: every segment GC
