@@ -59,6 +59,9 @@ pub struct StoreCipher {
     /// After `keys`: dropped after them (zeroized, then unlocked).
     _locked: KeyMemoryLock,
     nonces: NonceSource,
+    /// Placement tags bind the segment's use as well as the address (superblock feature
+    /// `FEATURE_PLACEMENT_USE`); false in stores formatted before 2026-11-26.
+    placement_binds_use: bool,
 }
 
 /// The fragment key (as the AEAD's key schedule, zeroized on drop by the `aes` crate's
@@ -87,7 +90,20 @@ impl StoreCipher {
             metadata_key: derive(key, &uuid, b"zdisk metadata v1"),
         });
         let locked = KeyMemoryLock::new(keys.as_ref());
-        StoreCipher { uuid, keys, _locked: locked, nonces: nonces.unwrap_or_else(NonceSource::none) }
+        StoreCipher {
+            uuid,
+            keys,
+            _locked: locked,
+            nonces: nonces.unwrap_or_else(NonceSource::none),
+            placement_binds_use: true,
+        }
+    }
+
+    /// The cipher of a store formatted before placement tags bound the segment's use: its
+    /// tags are of the address alone (`placement`).
+    pub fn with_address_only_placement(mut self) -> StoreCipher {
+        self.placement_binds_use = false;
+        self
     }
 
     /// Seals `plaintext` as a fragment of `domain` with reference tag `tag` whose
@@ -128,18 +144,28 @@ impl StoreCipher {
     }
 
     /// The placement tag of a sealed fragment (`nonce | ciphertext | tag`) written at byte
-    /// `address`: the first 32 bits of AES-256, under the placement key, of the address and
-    /// the first 8 bytes of the fragment's AEAD tag. It is the fragment's guard in an
+    /// `address` of a segment whose current use began with record `use_seq`: the first 32
+    /// bits of AES-256, under the placement key, of the address and the first 8 bytes of the
+    /// fragment's AEAD tag — encrypted once more after `use_seq` is added in (a CBC-MAC of
+    /// two blocks, a PRF for messages of this one length). It is the fragment's guard in an
     /// encrypted store (`docs/format.md`, "Sealed fragments"): the log sets it where the
     /// fragment lands, so an authentic fragment — an older version of the block included —
-    /// put anywhere else fails it. One AES block: cheap enough for the log lock.
-    pub fn placement(&self, address: u64, sealed: &[u8]) -> u32 {
+    /// put anywhere else, or at the same address in an earlier use of the segment, fails it.
+    /// A store formatted before 2026-11-26 binds the address alone (one block). Two AES
+    /// blocks: cheap enough for the log lock.
+    pub fn placement(&self, address: u64, use_seq: u64, sealed: &[u8]) -> u32 {
         let mut block = aes::Block::default();
         block[..8].copy_from_slice(&address.to_le_bytes());
         if let Some(tag) = sealed.len().checked_sub(TAG_BYTES).and_then(|at| sealed.get(at..at + 8)) {
             block[8..].copy_from_slice(tag);
         }
         self.keys.placement.encrypt_block(&mut block);
+        if self.placement_binds_use {
+            for (b, u) in block[..8].iter_mut().zip(use_seq.to_le_bytes()) {
+                *b ^= u;
+            }
+            self.keys.placement.encrypt_block(&mut block);
+        }
         u32::from_le_bytes(block[..4].try_into().expect("4 bytes"))
     }
 

@@ -66,9 +66,15 @@ pub const FEATURE_AUTHENTICATED_LOG: u64 = 4;
 /// instead of ending its replay at the first jump. A store formatted before keeps one open
 /// segment (its native capacity was computed for one).
 pub const FEATURE_LOG_JUMPS: u64 = 8;
+/// Feature flag: an encrypted store's placement tags bind the use of the segment a fragment
+/// lies in (its first record's sequence number) as well as its address (docs/format.md,
+/// "Sealed fragments"). Set with `FEATURE_ENCRYPTED` by every format since 2026-11-26 and
+/// kept by every checkpoint; encrypted stores formatted before keep tags of the address
+/// alone, and code from before refuses a store with it as "newer version".
+pub const FEATURE_PLACEMENT_USE: u64 = 16;
 /// The feature flags this code understands; any other is refused as "newer version".
 pub const FEATURES_KNOWN: u64 =
-    FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS;
+    FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS | FEATURE_PLACEMENT_USE;
 
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
@@ -200,6 +206,9 @@ impl Superblock {
                 "the authenticated-log flag on a plain store"
             }));
         }
+        if feature_flags & FEATURE_PLACEMENT_USE != 0 && feature_flags & FEATURE_ENCRYPTED == 0 {
+            return Err(corrupt("the placement-use flag on a plain store"));
+        }
         CodecTag::from_u8(codec_tag)?;
         if segment_size_bytes == 0
             || !segment_size_bytes.is_multiple_of(crate::SECTOR_SIZE as u64)
@@ -298,8 +307,11 @@ mod tests {
         assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
         assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
         assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
-        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 16, ..sample_superblock() };
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 32, ..sample_superblock() };
         assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
+        // Placement tags that bind the segment's use: an encrypted store's flag only.
+        let placement_plain = Superblock { feature_flags: FEATURE_PLACEMENT_USE, ..sample_superblock() };
+        assert_eq!(Superblock::decode(&placement_plain.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
         // Encryption: flag and version 5 together, never one without the other.
         let encrypted_flags = FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;
         let plain_version = Superblock { feature_flags: encrypted_flags, ..sample_superblock() };

@@ -97,7 +97,15 @@ pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Resu
 /// Decodes and checks a page's fragment, at the place `s` its pointer gives: it must be page
 /// `id`, with the length and codec the pointer gives, and decode to its guard (encrypted:
 /// carry the placement tag of that address, and open under the store's key).
-pub fn decode(id: PageId, s: Stored, bytes: &[u8], cipher: Option<&StoreCipher>) -> Result<Box<PageBody>> {
+/// `use_seq`: the use of the segment the page lies in (what an encrypted store's placement
+/// tags bind besides the address).
+pub fn decode(
+    id: PageId,
+    s: Stored,
+    bytes: &[u8],
+    cipher: Option<&StoreCipher>,
+    use_seq: u64,
+) -> Result<Box<PageBody>> {
     let entry = s.fragment_entry();
     let bad = |why: &str| Error::new(ErrorKind::Checksum, format!("map page {id:?}: {why}"));
     if bytes.len() != entry.stored_len as usize || bytes.len() < PI_BYTES {
@@ -110,7 +118,7 @@ pub fn decode(id: PageId, s: Stored, bytes: &[u8], cipher: Option<&StoreCipher>)
     let mut raw = vec![0u8; BLOCK_SIZE];
     let output = match cipher {
         Some(cipher) => {
-            if cipher.placement(s.offset_bytes, &bytes[PI_BYTES..]) != pi.guard {
+            if cipher.placement(s.offset_bytes, use_seq, &bytes[PI_BYTES..]) != pi.guard {
                 return Err(bad("fails authentication: not the page written at this address"));
             }
             cipher
@@ -155,15 +163,17 @@ mod tests {
             };
             if let Some(cipher) = cipher {
                 // Placed at 1 MiB (what the log does as it appends): elsewhere it does not read.
-                let guard = cipher.placement(1 << 20, &bytes[PI_BYTES..]);
+                // So are its use's: the same address in another use of the segment is not it.
+                let guard = cipher.placement(1 << 20, 5, &bytes[PI_BYTES..]);
                 bytes[..4].copy_from_slice(&guard.to_le_bytes());
-                assert!(decode(id, at(2 << 20), &bytes, Some(cipher)).is_err());
+                assert!(decode(id, at(2 << 20), &bytes, Some(cipher), 5).is_err());
+                assert!(decode(id, at(1 << 20), &bytes, Some(cipher), 6).is_err());
             }
-            assert_eq!(*decode(id, at(1 << 20), &bytes, cipher).unwrap(), body);
-            assert!(decode(PageId { level: 1, index: 78 }, at(1 << 20), &bytes, cipher).is_err());
+            assert_eq!(*decode(id, at(1 << 20), &bytes, cipher, 5).unwrap(), body);
+            assert!(decode(PageId { level: 1, index: 78 }, at(1 << 20), &bytes, cipher, 5).is_err());
             let mut damaged = bytes.clone();
             damaged[PI_BYTES + 5] ^= 1;
-            assert!(decode(id, at(1 << 20), &damaged, cipher).is_err());
+            assert!(decode(id, at(1 << 20), &damaged, cipher, 5).is_err());
         }
     }
 

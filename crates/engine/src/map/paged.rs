@@ -53,6 +53,12 @@ pub(crate) trait PageSource {
     fn cipher(&self) -> Option<&crate::crypto::cipher::StoreCipher> {
         None
     }
+
+    /// The use of the segment holding byte `address` (what an encrypted store's placement
+    /// tags bind besides the address; `Inner::segment_use`).
+    fn segment_use(&self, _address: u64) -> u64 {
+        0
+    }
 }
 
 /// Whether an entry joins or leaves the map, for [`Accounting`].
@@ -553,12 +559,14 @@ impl PagedMap {
         let bases: Vec<Base> = stored
             .iter()
             .zip(&fragments)
-            .map(|(&(id, _, s), bytes)| match page::decode(id, s, bytes, src.cipher()) {
-                Ok(body) => Base::Loaded(Arc::from(body)),
-                Err(e) => {
-                    self.damaged_pages.fetch_add(1, Ordering::Relaxed);
-                    tracing::error!("{e}: the blocks it maps read as EIO until written again");
-                    Base::Damaged
+            .map(|(&(id, _, s), bytes)| {
+                match page::decode(id, s, bytes, src.cipher(), src.segment_use(s.offset_bytes)) {
+                    Ok(body) => Base::Loaded(Arc::from(body)),
+                    Err(e) => {
+                        self.damaged_pages.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!("{e}: the blocks it maps read as EIO until written again");
+                        Base::Damaged
+                    }
                 }
             })
             .collect();

@@ -51,7 +51,7 @@ fn walk_read(
     visit: &mut dyn FnMut(Visit<'_>),
 ) -> Result<()> {
     visit(Visit::Page(s));
-    let Ok(body) = page::decode(id, s, bytes, src.cipher()) else {
+    let Ok(body) = page::decode(id, s, bytes, src.cipher(), src.segment_use(s.offset_bytes)) else {
         visit(Visit::Damaged(id));
         return Ok(());
     };

@@ -274,6 +274,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
+            use_of: &|offset, seq| self.record_use(offset, seq),
         };
         let (records, damaged) = parse_segment(image, base, &context);
         scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
@@ -371,7 +372,14 @@ impl Inner {
                     && map.get(*lba, self).is_ok_and(|e| e == PackedEntry::stored(*stored));
                 let from = (stored.offset_bytes - base) as usize;
                 let bytes = &image[from..from + stored.stored_len as usize];
-                match verify_fragment(*stored, bytes, *lba, &mut block, &dictionaries, self.cipher.as_deref()) {
+                match verify_fragment(
+                    *stored,
+                    bytes,
+                    *lba,
+                    &mut block,
+                    &dictionaries,
+                    self.sealed_at(stored.offset_bytes),
+                ) {
                     Ok(()) if live => {
                         scan.found_live[id.index()].fetch_add(stored.stored_len as u64, Ordering::Relaxed);
                     }

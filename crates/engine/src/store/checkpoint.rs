@@ -34,7 +34,8 @@ use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG,
-    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
+    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS, FEATURE_PLACEMENT_USE, FORMAT_VERSION,
+    SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
@@ -113,7 +114,7 @@ impl Inner {
             checkpoint_chunks: appended.chunks,
             // Older code refuses a store that keeps a dictionary (docs/format.md, "Dictionaries").
             feature_flags: (durable_sb.feature_flags
-                & (FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS))
+                & (FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS | FEATURE_PLACEMENT_USE))
                 | if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };

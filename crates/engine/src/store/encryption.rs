@@ -18,7 +18,7 @@ use crate::crypto::cipher::{NonceSource, StoreCipher};
 use crate::crypto::keys::{KdfParams, KeyHeader, SlotInfo};
 use crate::crypto::Secret;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::Superblock;
+use crate::format::{Superblock, FEATURE_PLACEMENT_USE};
 
 /// The cipher an open of store `sb` uses: `None` for a plain store. A writable open leases
 /// its nonces here (a durable key-header write), after the key has proved right.
@@ -50,7 +50,12 @@ pub(crate) fn unlock(
         let source = source.observed(options.nonce_observer.clone());
         Some(source)
     };
-    Ok(Some(Arc::new(StoreCipher::new(sb.uuid, &key, nonces))))
+    let cipher = StoreCipher::new(sb.uuid, &key, nonces);
+    let cipher = match sb.feature_flags & FEATURE_PLACEMENT_USE {
+        0 => cipher.with_address_only_placement(),
+        _ => cipher,
+    };
+    Ok(Some(Arc::new(cipher)))
 }
 
 /// What `zdisk key` does to a closed store's key slots.

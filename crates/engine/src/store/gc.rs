@@ -408,6 +408,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
+            use_of: &|offset, seq| self.record_use(offset, seq),
         };
         let (records, _) = parse_segment(&image, base, &context);
         let mut fragments = Vec::new(); // (lba, here, format, byte range in the image)
@@ -469,7 +470,7 @@ impl Inner {
         match Protection::decode(&fragment[..PI_BYTES]) {
             Ok(pi) => {
                 pi.entry.is_zero_block(FragmentFormat::V3)
-                    || cipher.placement(address, &fragment[PI_BYTES..]) == pi.guard
+                    || cipher.placement(address, self.segment_use(address), &fragment[PI_BYTES..]) == pi.guard
             }
             Err(_) => false,
         }
@@ -525,9 +526,9 @@ impl Inner {
             };
             // A fragment of an older dictionary than the target's goes, smaller or not.
             let older_dictionary = entry.codec == CodecTag::ZstdDict && target.dictionary.is_some();
-            let cipher = self.cipher.as_deref();
+            let sealed = self.sealed_at(old_offset);
             if let Err(why) =
-                verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block, &dictionaries, cipher)
+                verify_fragment(stored, &fragment.block.bytes, fragment.lba, &mut block, &dictionaries, sealed)
             {
                 tracing::warn!("GC: block {} fails its check ({why}); moved as it is, not recompressed", fragment.lba);
                 if older_dictionary {

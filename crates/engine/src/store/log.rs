@@ -470,6 +470,9 @@ impl Inner {
         if !fits {
             self.open_batch(log, added)?;
         }
+        // (The open batch is a record of this segment's use: its first is known.)
+        let use_seq = log.segments.get(log.appender.open.as_ref().expect("an open segment").buffer.segment).first_seq;
+        debug_assert_ne!(use_seq, 0, "a batch's segment has a first record");
         let appender = &mut log.appender;
         let open = appender.open.as_mut().expect("an open segment");
         let batch = appender.batch.as_mut().expect("an open batch");
@@ -482,7 +485,7 @@ impl Inner {
             for (i, block) in blocks.iter().enumerate() {
                 let place = &mut data[at..at + block.bytes.len()];
                 place.copy_from_slice(&block.bytes);
-                self.place_fragment(place, self.geometry.segment_base(segment) + at as u64);
+                self.place_fragment(place, self.geometry.segment_base(segment) + at as u64, use_seq);
                 batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, place);
                 entries.push(BatchEntry { lba: start_lba.plus(i as u64), fragment: block.entry });
                 at += block.bytes.len();
@@ -577,6 +580,12 @@ impl Inner {
         placed: &[bool],
     ) -> (u64, RecordBody) {
         debug_assert!(placed.is_empty() || placed.len() == payload.len());
+        // The segment's use: this record begins it if it is the segment's first.
+        let segment = log.appender.open.as_ref().expect("an open segment").buffer.segment;
+        let use_seq = match log.segments.get(segment).first_seq {
+            0 => log.appender.next_seq,
+            first => first,
+        };
         let appender = &mut log.appender;
         debug_assert!(appender.batch.is_none(), "a record appended while a batch is open");
         let payload_len: usize = payload.iter().map(|p| p.len()).sum();
@@ -595,7 +604,7 @@ impl Inner {
                 let place = &mut data[at..at + part.len()];
                 place.copy_from_slice(part);
                 if placed.get(i) == Some(&true) {
-                    self.place_fragment(place, base + at as u64);
+                    self.place_fragment(place, base + at as u64, use_seq);
                 }
                 at += part.len();
             }
@@ -631,15 +640,15 @@ impl Inner {
     }
 
     /// Sets, in an encrypted store, the guard of a sealed fragment just put at byte `address`
-    /// to the placement tag of that address (`StoreCipher::placement`): read anywhere else,
-    /// it fails. A plain store's fragment, and an all-zero block's, keep theirs.
-    fn place_fragment(&self, fragment: &mut [u8], address: u64) {
+    /// of a segment in use `use_seq` to the placement tag of that address and use
+    /// (`StoreCipher::placement`): read anywhere else, or there in another use, it fails. A plain store's fragment, and an all-zero block's, keep theirs.
+    fn place_fragment(&self, fragment: &mut [u8], address: u64, use_seq: u64) {
         let Some(cipher) = self.cipher.as_deref() else { return };
         let Ok(pi) = Protection::decode(&fragment[..PI_BYTES]) else { return };
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             return;
         }
-        let guard = cipher.placement(address, &fragment[PI_BYTES..]);
+        let guard = cipher.placement(address, use_seq, &fragment[PI_BYTES..]);
         fragment[..PI_BYTES].copy_from_slice(&Protection { guard, ..pi }.encode());
     }
 

@@ -480,6 +480,7 @@ impl Inner {
         };
         let mut segments = SegmentTable::recovered(usage);
         segments.counts = counts;
+        let segment_uses = segments.uses();
         let counters =
             chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
         let log = Log {
@@ -523,6 +524,7 @@ impl Inner {
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
             cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,
+            segment_uses,
             map_write_bytes: AtomicU64::new(0),
             gc_cold_bytes_moved: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
@@ -571,7 +573,12 @@ pub(crate) struct ScannedRecord {
 /// The records of one segment image (for `sim::inspect`).
 #[cfg(any(test, feature = "sim"))]
 pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<ScannedRecord> {
-    let context = scan::RecordContext { store_tag, dictionaries: &crate::codec::NO_DICTIONARIES, cipher: None };
+    let context = scan::RecordContext {
+        store_tag,
+        dictionaries: &crate::codec::NO_DICTIONARIES,
+        cipher: None,
+        use_of: &|_, _| 0,
+    };
     let (records, _) = scan::parse_segment(image, base, &context);
     records
         .into_iter()

@@ -29,6 +29,10 @@ impl PageSource for Inner {
         self.cipher.as_deref()
     }
 
+    fn segment_use(&self, address: u64) -> u64 {
+        Inner::segment_use(self, address)
+    }
+
     fn read_fragments(&self, at: &[Stored]) -> Result<Vec<Vec<u8>>> {
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); at.len()];
         let mut on_disk = Vec::new();

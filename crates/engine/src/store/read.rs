@@ -144,7 +144,7 @@ impl Inner {
     pub(crate) fn decode_fragment(&self, s: Stored, fragment: &[u8], block: &mut [u8], lba: Lba) -> Result<()> {
         let dictionaries = (s.codec == CodecTag::ZstdDict).then(|| self.dictionary_set());
         let dictionaries = dictionaries.as_deref().unwrap_or(&NO_DICTIONARIES);
-        verify_fragment(s, fragment, lba, block, dictionaries, self.cipher.as_deref()).map_err(|why| {
+        verify_fragment(s, fragment, lba, block, dictionaries, self.sealed_at(s.offset_bytes)).map_err(|why| {
             Counters::add(&self.counters.checksum_errors, 1);
             Error::new(ErrorKind::Checksum, format!("block {lba} (fragment at {}): {why}", s.offset_bytes))
         })
@@ -177,6 +177,40 @@ impl Inner {
     }
 }
 
+/// An encrypted store's cipher, with the use of the segment a fragment lies in (what its
+/// placement tag binds besides the address: `StoreCipher::placement`).
+#[derive(Clone, Copy)]
+pub(crate) struct Sealed<'a> {
+    pub cipher: &'a StoreCipher,
+    pub use_seq: u64,
+}
+
+impl Inner {
+    /// The use of the segment holding byte `address`: its first record's sequence number
+    /// (`SegmentTable::uses`; no lock taken).
+    pub(crate) fn segment_use(&self, address: u64) -> u64 {
+        let segment = self.geometry.segment_of(address);
+        self.segment_uses.get(segment.index()).map_or(0, |u| u.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// The use of the segment of a record at `record_offset` with sequence number `seq`: a
+    /// record at the segment's start begins its use (replay may meet it before the table
+    /// knows the new use), any other is in the use the table knows.
+    pub(crate) fn record_use(&self, record_offset: u64, seq: u64) -> u64 {
+        let segment = self.geometry.segment_of(record_offset);
+        if record_offset == self.geometry.segment_base(segment) {
+            seq
+        } else {
+            self.segment_use(record_offset)
+        }
+    }
+
+    /// What verifying a fragment at `address` needs of an encrypted store (None: plain).
+    pub(crate) fn sealed_at(&self, address: u64) -> Option<Sealed<'_>> {
+        self.cipher.as_deref().map(|cipher| Sealed { cipher, use_seq: self.segment_use(address) })
+    }
+}
+
 /// Decodes one fragment into `block` and checks its guard (the CRC32C of the block) and,
 /// for a version 3 fragment, that its protection information names this LBA, this length
 /// and this codec — so a misdirected map entry or write is caught too.
@@ -186,7 +220,7 @@ pub(crate) fn verify_fragment(
     lba: Lba,
     block: &mut [u8],
     dictionaries: &DictionarySet,
-    cipher: Option<&StoreCipher>,
+    sealed: Option<Sealed<'_>>,
 ) -> std::result::Result<(), String> {
     let prefix = s.format.prefix_bytes();
     if fragment.len() < prefix || fragment.len() != s.stored_len as usize {
@@ -208,11 +242,11 @@ pub(crate) fn verify_fragment(
     let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
     if s.format == FragmentFormat::V3 && entry.is_zero_block(s.format) {
         block.fill(0); // an all-zero block's fragment is its protection information alone
-    } else if let Some(cipher) = cipher {
+    } else if let Some(Sealed { cipher, use_seq }) = sealed {
         // Sealed: the guard is the placement tag of this address (so an authentic fragment
         // written anywhere else — an older version of this block too — is refused), and the
         // AEAD's tag proves the bytes, and that they are this LBA's, this long, of this codec.
-        if cipher.placement(s.offset_bytes, &fragment[prefix..]) != guard {
+        if cipher.placement(s.offset_bytes, use_seq, &fragment[prefix..]) != guard {
             return Err("fails authentication: not the fragment written at this address".into());
         }
         let plain = cipher

@@ -27,10 +27,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
+use super::read::Sealed;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
 use super::state::{Geometry, Inner};
 use crate::codec::DictionarySet;
-use crate::crypto::cipher::StoreCipher;
 use crate::error::Result;
 use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, HEAD_BYTES};
 use crate::map::PagedMap;
@@ -556,6 +556,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
+            use_of: &|offset, seq| self.record_use(offset, seq),
         };
         let mut offset = from;
         loop {
@@ -601,7 +602,9 @@ impl Inner {
         // CRC tells which is what was written.)
         let mut damaged: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
         let dictionaries = self.dictionary_set();
-        let cipher = self.cipher.as_deref();
+        // (The record's segment use: what an encrypted store's placement tags bind.)
+        let use_seq = self.record_use(record.offset_bytes, record.header.seq);
+        let sealed = self.cipher.as_deref().map(|cipher| Sealed { cipher, use_seq });
         let mut at = 0;
         for (lba, fragment) in record.header.body.fragments() {
             let range = at..at + fragment.stored_len as usize;
@@ -613,10 +616,10 @@ impl Inner {
             let offset_bytes = record.payload_offset_bytes + range.start as u64;
             let stored =
                 crate::map::Stored { offset_bytes, stored_len: fragment.stored_len, codec: fragment.codec, format };
-            if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries, cipher) {
+            if fragment_verifies(stored, lba, &payload[range.clone()], &dictionaries, sealed) {
                 continue;
             }
-            let flips = one_bit_corrections(stored, lba, &payload[range.clone()], &dictionaries, cipher);
+            let flips = one_bit_corrections(stored, lba, &payload[range.clone()], &dictionaries, sealed);
             if flips.is_empty() || damaged.len() >= 4 {
                 return PayloadState::Damaged;
             }
@@ -709,9 +712,9 @@ fn fragment_verifies(
     lba: Lba,
     bytes: &[u8],
     dictionaries: &DictionarySet,
-    cipher: Option<&StoreCipher>,
+    sealed: Option<Sealed<'_>>,
 ) -> bool {
-    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE], dictionaries, cipher).is_ok()
+    crate::store::read::verify_fragment(stored, bytes, lba, &mut [0u8; crate::BLOCK_SIZE], dictionaries, sealed).is_ok()
 }
 
 /// Every single-bit flip (as a bit index) that makes a damaged fragment verify.
@@ -720,13 +723,13 @@ fn one_bit_corrections(
     lba: Lba,
     fragment: &[u8],
     dictionaries: &DictionarySet,
-    cipher: Option<&StoreCipher>,
+    sealed: Option<Sealed<'_>>,
 ) -> Vec<usize> {
     let mut bytes = fragment.to_vec();
     let mut found = Vec::new();
     for i in 0..bytes.len() * 8 {
         bytes[i / 8] ^= 1 << (i % 8);
-        if fragment_verifies(stored, lba, &bytes, dictionaries, cipher) {
+        if fragment_verifies(stored, lba, &bytes, dictionaries, sealed) {
             found.push(i);
         }
         bytes[i / 8] ^= 1 << (i % 8);

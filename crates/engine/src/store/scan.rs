@@ -22,6 +22,9 @@ pub(crate) struct RecordContext<'a> {
     pub dictionaries: &'a DictionarySet,
     /// An encrypted store's: its fragments verify by the CRC32C of their sealed bytes.
     pub cipher: Option<&'a StoreCipher>,
+    /// The use of the segment of a record at an offset with a sequence number (what an
+    /// encrypted store's placement tags bind: `Inner::record_use`).
+    pub use_of: &'a dyn Fn(u64, u64) -> u64,
 }
 use crate::crypto::cipher::{Domain, StoreCipher};
 use crate::format::v2;
@@ -154,7 +157,8 @@ fn body_without_tail(
         // LBA, so map-pages records are walked like batches.
         RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
             let domain = if head.kind == RecordKind::MapPages { Domain::MapPage } else { Domain::Block };
-            let sealed = context.cipher.map(|cipher| (cipher, domain));
+            let use_seq = (context.use_of)(payload_address - HEAD_BYTES as u64, head.seq);
+            let sealed = context.cipher.map(|cipher| (cipher, domain, use_seq));
             let walked = walk_fragments(payload, payload_address, context.dictionaries, sealed)?;
             if walked.len() as u64 != head.count {
                 return None;
@@ -186,14 +190,14 @@ fn body_without_tail(
 /// The fragments of a version 3 payload, from their protection information: each must
 /// decode and match its guard, and together they must fill the payload exactly. (An
 /// all-zero block's fragment is its protection information alone.)
-/// In an encrypted store (`sealed`: its cipher, and what the fragments are), a fragment must
-/// carry the placement tag of its address (the payload starts at `payload_address`) and
-/// open under the key.
+/// In an encrypted store (`sealed`: its cipher, what the fragments are, and the use of their
+/// segment), a fragment must carry the placement tag of its address (the payload starts at
+/// `payload_address`) and use, and open under the key.
 pub(crate) fn walk_fragments(
     payload: &[u8],
     payload_address: u64,
     dictionaries: &DictionarySet,
-    sealed: Option<(&StoreCipher, Domain)>,
+    sealed: Option<(&StoreCipher, Domain, u64)>,
 ) -> Option<Vec<BatchEntry>> {
     let mut entries = Vec::new();
     let mut at = 0;
@@ -203,9 +207,9 @@ pub(crate) fn walk_fragments(
         let fragment = payload.get(at..at + pi.entry.stored_len as usize)?;
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             block.fill(0);
-        } else if let Some((cipher, domain)) = sealed {
+        } else if let Some((cipher, domain, use_seq)) = sealed {
             let body = &fragment[PI_BYTES..];
-            if cipher.placement(payload_address + at as u64, body) != pi.guard {
+            if cipher.placement(payload_address + at as u64, use_seq, body) != pi.guard {
                 return None;
             }
             cipher.open(domain, pi.lba.0, pi.entry.packed(), body).ok()?;
@@ -398,6 +402,7 @@ impl SegmentCache {
             store_tag: inner.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: inner.cipher.as_deref(),
+            use_of: &|offset, seq| inner.record_use(offset, seq),
         };
         let (image, base) = self.image_at(inner, offset)?;
         parse_record_near(image, base, offset, &context, accept)

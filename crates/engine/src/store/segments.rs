@@ -14,6 +14,8 @@
 //! map pages in it that a retained checkpoint references; a free segment's hint is zero.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::codec::CodecTag;
 use crate::format::{SegmentState, SegmentUsage};
@@ -88,6 +90,11 @@ pub(crate) struct SegmentTable {
     hints: Vec<RecompressHint>,
     /// Counts hint increments: idle work looks through the hints again only when it moved.
     hint_generation: u64,
+    /// Each segment's `first_seq` (its use: an encrypted store's placement tags bind it),
+    /// readable without the log lock by reads (`Inner::segment_use`). A reader that holds a
+    /// map entry pointing into a segment sees its current use: the entry was set after the
+    /// use's first record was appended, and a segment is freed under the map's write lock.
+    uses: Arc<[AtomicU64]>,
     pub counts: BlockCounts,
 }
 
@@ -117,6 +124,7 @@ impl SegmentTable {
     /// built by [`SegmentTable::settle_at_open`].
     pub fn recovered(mut usage: Vec<SegmentUsage>) -> SegmentTable {
         let usage_len = usage.len();
+        let uses = usage.iter().map(|u| AtomicU64::new(u.first_seq)).collect();
         for s in usage.iter_mut() {
             if s.state == SegmentState::Open {
                 s.state = SegmentState::Sealed;
@@ -130,6 +138,7 @@ impl SegmentTable {
             awaiting_pages: BTreeSet::new(),
             hints: vec![RecompressHint::default(); usage_len],
             hint_generation: 0,
+            uses,
             counts: BlockCounts::default(),
         }
     }
@@ -163,6 +172,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.uses[id.index()].store(0, Ordering::Release);
         Some(id)
     }
 
@@ -179,6 +189,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.uses[id.index()].store(0, Ordering::Release);
         Some(id)
     }
 
@@ -214,6 +225,7 @@ impl SegmentTable {
             usage.last_seq = seq;
             if usage.first_seq == 0 {
                 usage.first_seq = seq;
+                self.uses[id.index()].store(seq, Ordering::Release);
             }
         }
     }
@@ -266,6 +278,7 @@ impl SegmentTable {
         assert_eq!(usage.page_bytes, 0, "freeing segment {id} with live map pages");
         *usage = SegmentUsage::FREE;
         self.hints[id.index()] = RecompressHint::default();
+        self.uses[id.index()].store(0, Ordering::Release);
         self.free.insert(id);
     }
 
@@ -277,6 +290,7 @@ impl SegmentTable {
         self.free.remove(&id);
         *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.uses[id.index()].store(0, Ordering::Release);
     }
 
     /// At open, after replay: segments that hold nothing live and lie behind the reuse
@@ -299,6 +313,7 @@ impl SegmentTable {
             if s.state == SegmentState::Free {
                 *s = SegmentUsage::FREE;
                 self.hints[i] = RecompressHint::default();
+                self.uses[i].store(0, Ordering::Release);
                 self.free.insert(id);
             }
         }
@@ -377,6 +392,11 @@ impl SegmentTable {
 
     pub fn hint(&self, id: SegmentId) -> RecompressHint {
         self.hints[id.index()]
+    }
+
+    /// Every segment's use, for reads that do not take the log lock.
+    pub fn uses(&self) -> Arc<[AtomicU64]> {
+        Arc::clone(&self.uses)
     }
 
     pub fn hint_generation(&self) -> u64 {

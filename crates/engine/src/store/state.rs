@@ -168,6 +168,9 @@ pub(crate) struct Inner {
     /// An encrypted store's keys (`crypto/`): fragments are sealed after compression and
     /// opened before decompression; checkpoints carry a MAC.
     pub cipher: Option<Arc<crate::crypto::cipher::StoreCipher>>,
+    /// Each segment's use, shared with the segment table (`SegmentTable::uses`): what an
+    /// encrypted store's placement tags bind besides the address, read without the log lock.
+    pub segment_uses: Arc<[std::sync::atomic::AtomicU64]>,
 }
 
 impl Inner {
