@@ -1,7 +1,8 @@
 //! `cargo bench -p zdisk-engine --bench crypto`: what encryption costs per fragment and per
 //! record on this CPU, with the primitives an encrypted store uses (`docs/format.md`,
 //! "Encryption"): AES-256-GCM-SIV seal and open of a fragment (2 KiB: a 2:1 block; 4 KiB: a
-//! raw one), and the HMAC-SHA-256 of a record's head and entries (a batch of 32 entries).
+//! raw one), the placement tag (one AES block, or two binding the segment's use), and the
+//! HMAC-SHA-256 of a record's head and entries (a batch of 32 entries).
 //! Also AES-256-GCM for comparison (the nonce-misuse-resistant choice's price). Numbers, not
 //! assertions: compare them with a request's CPU budget (`scripts/compare.sh` IOPS / cores).
 
@@ -58,6 +59,26 @@ fn main() {
             let n = next_nonce(&mut nonce);
             let tag = gcm.encrypt_in_place_detached((&n).into(), &aad, &mut buf).unwrap();
             std::hint::black_box(tag);
+        });
+    }
+    // The placement tag (`StoreCipher::placement`): one AES-256 block of address and tag,
+    // and since stores bind the segment's use, a second.
+    let placement = <aes::Aes256 as aes::cipher::KeyInit>::new_from_slice(&key).unwrap();
+    for blocks in [1usize, 2] {
+        let name = if blocks == 1 {
+            "placement tag, address only (1 AES block)"
+        } else {
+            "placement tag with the use (2 AES blocks)"
+        };
+        let mut use_seq = 0u64;
+        per_op(name, 16, || {
+            let mut block = aes::Block::default();
+            block[..8].copy_from_slice(&use_seq.to_le_bytes());
+            for _ in 0..blocks {
+                aes::cipher::BlockEncrypt::encrypt_block(&placement, &mut block);
+            }
+            use_seq += 1;
+            std::hint::black_box(block);
         });
     }
     let record = vec![9u8; 64 + 32 * 8];
