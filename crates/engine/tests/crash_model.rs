@@ -34,8 +34,9 @@ struct Scenario {
     /// the run fails if it recompressed none.
     codec_fallback: CodecFallback,
     /// Train dictionaries and recompress into them (`recompress_with_new_dictionary`, or
-    /// `recompress` into the newest) while host writes race it, and write text-like blocks
-    /// a dictionary helps; the run fails if no fragment was recompressed with one.
+    /// `recompress` into the newest, or idle work's steps) while host writes race it, and
+    /// write text-like blocks a dictionary helps; the run fails if no fragment was
+    /// recompressed with one.
     dictionaries: bool,
     /// Encrypt the store, with a nonce lease of a few dozen values (so runs renew it, and
     /// crash inside the renewal); every nonce handed out is recorded, and the run fails on
@@ -119,6 +120,8 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
         options.nonce_observer = Some(nonces.observer());
     }
     options.codec_fallback = s.codec_fallback;
+    // Idle work's own first dictionary, in a store of a few MiB.
+    options.auto_dictionary_blocks = Some(64);
     if s.map_cache_bytes != 0 {
         options.map_cache_bytes = s.map_cache_bytes;
     }
@@ -176,10 +179,10 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     if s.encrypted && nonces.count() == 0 {
         return Err("an encrypted run sealed nothing".into());
     }
-    let Totals { recompressed, recompressed_dictionary, cold_moved, .. } = totals;
+    let Totals { recompressed, recompressed_dictionary, cold_moved, idle_work, .. } = totals;
     let dictionaries = store.stats().codec.dictionary_count;
     eprintln!(
-        "{recompressed} fragments recompressed, {recompressed_dictionary} with a dictionary; {dictionaries} kept; {cold_moved} bytes moved into the cold stream"
+        "{recompressed} fragments recompressed, {recompressed_dictionary} with a dictionary; {dictionaries} kept; {cold_moved} bytes moved into the cold stream; {idle_work} idle segments and dictionaries"
     );
     Ok((crashes, no_space, totals.map_misses))
 }
@@ -191,6 +194,8 @@ struct Totals {
     recompressed: u64,
     recompressed_dictionary: u64,
     cold_moved: u64,
+    /// Segments idle work recompressed and dictionaries it trained.
+    idle_work: u64,
 }
 
 impl Totals {
@@ -199,6 +204,7 @@ impl Totals {
         self.recompressed += stats.codec.recompressed_fragments;
         self.recompressed_dictionary += stats.codec.recompressed_fragments_dictionary;
         self.cold_moved += stats.gc_cold_bytes_moved;
+        self.idle_work += stats.codec.idle_segments_recompressed + stats.codec.dictionaries_trained_idle;
     }
 
     fn check(&self, s: &Scenario, codec: Codec) -> Result<(), String> {
@@ -217,6 +223,9 @@ impl Totals {
         }
         if s.dictionaries && self.recompressed_dictionary == 0 {
             return Err(format!("no fragment was recompressed with a dictionary in {cycles} cycles"));
+        }
+        if s.dictionaries && self.idle_work == 0 {
+            return Err(format!("idle work did nothing in {cycles} cycles"));
         }
         Ok(())
     }
@@ -327,7 +336,11 @@ fn recompress_racing_writes(
     at: (usize, usize),
 ) -> Result<bool, String> {
     let (cycle, op) = at;
-    let train = rng.gen_bool(0.6);
+    // Train and recompress; or recompress into the newest; or idle work's steps (its own
+    // first dictionary and retraining, the segments its hints name, sealing the open one).
+    let mode = rng.gen_range(0..10);
+    let train = mode < 5;
+    let idle_steps = if mode >= 8 { rng.gen_range(1..=12) } else { 0 };
     // Small dictionaries on small samples: the store is a few MiB.
     let options = DictionaryOptions { level: 3, size_bytes: 8 << 10, sample_blocks_max: 96 };
     let writes: Vec<Request> = (0..rng.gen_range(1..=12))
@@ -338,7 +351,14 @@ fn recompress_racing_writes(
         .collect();
     let (recompressed, written) = std::thread::scope(|scope| {
         let recompressing = scope.spawn(|| {
-            if train {
+            if idle_steps > 0 {
+                for _ in 0..idle_steps {
+                    if !store.idle_work_once()? {
+                        break;
+                    }
+                }
+                Ok(())
+            } else if train {
                 store.recompress_with_new_dictionary(&options, &mut |_, _| {}).map(|_| ())
             } else {
                 store.recompress(None, &mut |_, _| {}).map(|_| ())
@@ -369,7 +389,9 @@ fn recompress_racing_writes(
         Err(_) if disk.crashed() => crashed = true,
         // Too few blocks to train on, or the table full; ENOSPC.
         Err(e) if matches!(e.kind(), ErrorKind::InvalidArgument | ErrorKind::NoSpace) => {}
-        Err(e) => return Err(format!("cycle {cycle} op {op}: recompression (train: {train}): {e}")),
+        Err(e) => {
+            return Err(format!("cycle {cycle} op {op}: recompression (train: {train}, idle steps: {idle_steps}): {e}"))
+        }
     }
     Ok(crashed)
 }

@@ -124,7 +124,15 @@ impl Inner {
             watch.quiet_since = Instant::now();
             return Ok(false);
         }
-        if watch.quiet_since.elapsed() < idle_after || !self.idle_has_room() {
+        if watch.quiet_since.elapsed() < idle_after {
+            return Ok(false);
+        }
+        self.idle_work(watch)
+    }
+
+    /// One step of idle work, the host being away: training, retraining, or one segment.
+    pub(crate) fn idle_work(&self, watch: &mut IdleWork) -> Result<bool> {
+        if !self.idle_has_room() {
             return Ok(false);
         }
         // The queue recompresses the data a dictionary was trained on: no signal of change.

@@ -99,6 +99,8 @@ pub struct Store {
     /// The GC/checkpoint worker and the log writer (empty without `background`).
     workers: Vec<JoinHandle<()>>,
     closed: bool,
+    /// Idle work's state for `idle_work_once` (the worker thread keeps its own).
+    idle: parking_lot::Mutex<idle::IdleWork>,
 }
 
 fn durability(fua: bool) -> Durability {
@@ -233,7 +235,7 @@ impl Store {
         }
         let inner = Arc::new(inner);
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
-        Ok(Store { inner, workers, closed: false })
+        Ok(Store { inner, workers, closed: false, idle: Default::default() })
     }
 
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
@@ -390,6 +392,14 @@ impl Store {
     pub fn maintain(&self) -> Result<()> {
         self.inner.check_writable()?;
         self.inner.background_step().map(|_| ())
+    }
+
+    /// One step of idle work (`idle.rs`) now, however recently the host was here: for tests
+    /// without the background threads (the crash model). Returns whether it did any.
+    #[doc(hidden)]
+    pub fn idle_work_once(&self) -> Result<bool> {
+        self.inner.check_writable()?;
+        self.inner.idle_work(&mut self.idle.lock())
     }
 
     /// Appends and flushes a marker record, as the writer thread does once the store is
