@@ -534,6 +534,12 @@ impl Bench<'_> {
                 }
                 let mut c = Command::new(&cfg.zdisk_bin);
                 c.arg("serve").arg(&t.file).arg("--unix").arg(&t.socket);
+                // No idle work unless asked: the targets' servers stay up side by side, and
+                // zdisk recompressing while the raw target is measured would take its cores
+                // (docs/space.md, "Idle work"; `ZDISK_IDLE_AFTER_MS` set turns it on).
+                if std::env::var_os("ZDISK_IDLE_AFTER_MS").is_none() {
+                    c.env("ZDISK_IDLE_AFTER_MS", "0");
+                }
                 c
             }
             TargetKind::Raw | TargetKind::NbdkitFile => {

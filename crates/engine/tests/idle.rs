@@ -198,9 +198,10 @@ fn host_overwrites_racing_idle_work_win() {
 
 /// A store of 8 MiB of text, its first dictionary trained and everything recompressed into
 /// it; then 8 MiB more of vocabulary `vocabulary_seed` over all of it, left idle until idle
-/// work has recompressed it. Returns the store's stats then, and whether every block reads
-/// back.
-fn rewrite_with_vocabulary(seed: u64, vocabulary_seed: u64) -> (Stats, bool) {
+/// work has recompressed it — and, if `retrains`, until the second dictionary is the
+/// newest (else 1.5 s more: training and installing one takes well under that). Returns
+/// the store's stats then, and whether every block reads back.
+fn rewrite_with_vocabulary(seed: u64, vocabulary_seed: u64, retrains: bool) -> (Stats, bool) {
     const LOGICAL: u64 = 8 << 20;
     let disk = new_disk(320, 64 << 10, LOGICAL, ZSTD, seed);
     let store = Store::open_backing(disk, &idle_options(Duration::from_millis(30), Some(128))).unwrap();
@@ -214,9 +215,13 @@ fn rewrite_with_vocabulary(seed: u64, vocabulary_seed: u64) -> (Stats, bool) {
     wait_for(&store, "idle recompression of the new text", |s| {
         s.codec.recompressed_fragments_dictionary >= recompressed + 1900
     });
-    // Whatever idle work still does with it.
-    std::thread::sleep(Duration::from_millis(500));
-    let stats = store.stats();
+    let stats = match retrains {
+        true => wait_for(&store, "the second dictionary", |s| s.codec.dictionary_newest_id == 2),
+        false => {
+            std::thread::sleep(Duration::from_millis(1500));
+            store.stats()
+        }
+    };
     let same = read_all(&store) == image;
     assert_clean(&store);
     store.close().unwrap();
@@ -225,7 +230,7 @@ fn rewrite_with_vocabulary(seed: u64, vocabulary_seed: u64) -> (Stats, bool) {
 
 #[test]
 fn text_of_another_kind_trains_a_new_dictionary() {
-    let (stats, same) = rewrite_with_vocabulary(5, 1234);
+    let (stats, same) = rewrite_with_vocabulary(5, 1234, true);
     assert!(same, "blocks read back different");
     assert_eq!(stats.codec.dictionaries_trained_idle, 2, "{:?}", stats.codec);
     assert_eq!(stats.codec.dictionary_newest_id, 2, "{:?}", stats.codec);
@@ -233,7 +238,7 @@ fn text_of_another_kind_trains_a_new_dictionary() {
 
 #[test]
 fn text_of_the_same_kind_keeps_the_dictionary() {
-    let (stats, same) = rewrite_with_vocabulary(6, 99);
+    let (stats, same) = rewrite_with_vocabulary(6, 99, false);
     assert!(same, "blocks read back different");
     assert_eq!(stats.codec.dictionaries_trained_idle, 1, "{:?}", stats.codec);
     assert_eq!(stats.codec.dictionary_newest_id, 1, "{:?}", stats.codec);

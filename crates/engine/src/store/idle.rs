@@ -12,11 +12,11 @@
 //!   with it than the store's blocks did when it was measured (its *baseline*: the ratio
 //!   it makes of a sample of the store's blocks other than those it was trained on), the
 //!   data has changed: a new dictionary is trained on a fresh sample of the store and
-//!   becomes the newest. The signal is what recompression (idle work and GC) made of
-//!   blocks without a dictionary with the newest one, kept or not
-//!   (`dictionary_trial_*`), over at least `RETRAIN_WINDOW_BLOCKS` and not while the queue
-//!   below recompresses the very data the dictionary was trained on; the threshold is
-//!   `RETRAIN_BELOW_BASELINE` of the baseline. Fragments of older dictionaries stay until GC
+//!   becomes the newest. The signal is what idle work's recompression of the segments the
+//!   hints name — blocks written since, not the queue below, which is the very data the
+//!   dictionary was trained on — made of blocks without a dictionary with the newest one,
+//!   kept or not (`dictionary_trial_*`), over windows of `RETRAIN_WINDOW_BLOCKS`; the
+//!   threshold is `RETRAIN_BELOW_BASELINE` of the baseline. Fragments of older dictionaries stay until GC
 //!   moves them (it recompresses them into the newest) or `zdisk recompress --train` frees
 //!   them; idle work stops retraining at `AUTO_DICTIONARIES_MAX` dictionaries.
 //! - **Recompression**, one segment a step: the queue first, then the segment with the most
@@ -25,7 +25,9 @@
 //!   every compressed one without it). A segment is cleaned as `zdisk recompress` cleans it
 //!   (`gc.rs`: only smaller fragments replace old ones, a concurrent overwrite wins); after
 //!   `IDLE_FREE_AFTER_SEGMENTS` cleaned, or when nothing is left, two checkpoints make them
-//!   free again.
+//!   free again — when they are worth it (`idle_free_due`; else the worker's next regular
+//!   checkpoint does). An open segment holding such fragments is sealed first (GC does not
+//!   take open segments).
 //!
 //! Each step does at most one segment (tens of milliseconds) and looks again whether the
 //! host is still away: a host request waits for at most one step. Idle work never runs
@@ -66,9 +68,16 @@ const BASELINE_SAMPLE_BLOCKS: usize = 256;
 /// How long the host must have been away before idle work starts, unless told.
 pub const IDLE_AFTER_DEFAULT: Duration = Duration::from_secs(2);
 
-/// Segments idle recompression cleans before two checkpoints free them: the space they held
-/// comes back in steps, and the checkpoints cost little beside 16 segments' moves.
+/// Segments idle recompression cleans, at least, before two checkpoints free them: the
+/// space they held comes back in steps (`idle_free_due` asks for more where checkpoints are
+/// big).
 const IDLE_FREE_AFTER_SEGMENTS: u32 = 16;
+
+/// Idle work frees what it cleaned with two checkpoints of its own only once that is at
+/// least this many times those checkpoints' bytes: a checkpoint carries the segment table
+/// (61 bytes a segment: 15 MiB per TiB physical with 4 MiB segments), so on a big store the
+/// normal checkpoint cadence frees small amounts instead.
+const IDLE_FREE_PER_CHECKPOINT_BYTES: u64 = 8;
 
 /// What the worker remembers between idle steps.
 #[derive(Debug)]
@@ -82,9 +91,12 @@ pub(crate) struct IdleWork {
     cleaned_unfreed: u32,
     /// Training failed once (too few distinct blocks, say): not tried again in this run.
     training_failed: bool,
-    /// The newest dictionary's baseline once measured: its id, the ratio, and the trial
-    /// counters (blocks, bytes) then — the window starts there.
+    /// The newest dictionary's baseline once measured: its id and the ratio.
     baseline: Option<Baseline>,
+    /// Blocks without a dictionary that idle work's recompression of hinted segments tried
+    /// with the newest dictionary since the last look, and the bytes it made of them.
+    window_blocks: u64,
+    window_bytes: u64,
     /// When the hints last named nothing to do: their generation and the newest
     /// dictionary's id then. Looking through every segment's hint again waits for a change
     /// (a store of a million segments would otherwise scan them ten times a second).
@@ -95,8 +107,6 @@ pub(crate) struct IdleWork {
 struct Baseline {
     dictionary_id: u32,
     ratio: f64,
-    trial_blocks: u64,
-    trial_bytes: u64,
 }
 
 impl Default for IdleWork {
@@ -108,6 +118,8 @@ impl Default for IdleWork {
             cleaned_unfreed: 0,
             training_failed: false,
             baseline: None,
+            window_blocks: 0,
+            window_bytes: 0,
             nothing_hinted: None,
         }
     }
@@ -135,11 +147,7 @@ impl Inner {
         if !self.idle_has_room() {
             return Ok(false);
         }
-        // The queue recompresses the data a dictionary was trained on: no signal of change.
-        if !watch.queue.is_empty() {
-            watch.baseline = None;
-        }
-        let train = self.wants_first_dictionary() || (watch.queue.is_empty() && self.wants_retraining(watch)?);
+        let train = self.wants_first_dictionary() || self.wants_retraining(watch)?;
         if train && !watch.training_failed {
             let (dictionary, report) = match self.train_and_install(&self.idle_dictionary_options()) {
                 Ok(trained) => trained,
@@ -165,20 +173,27 @@ impl Inner {
         }
         let Some(target) = self.idle_target() else { return Ok(false) };
         match self.next_idle_segment(watch, &target) {
-            Some(segment) => {
+            Some((segment, from_queue)) => {
+                let trials_before = self.dictionary_trials();
                 let cleaned = self.recompress_segment(segment, &target)?;
+                if !from_queue && target.dictionary.is_some() {
+                    // Blocks written since the dictionary: the retraining signal.
+                    let trials = self.dictionary_trials();
+                    watch.window_blocks += trials.0 - trials_before.0;
+                    watch.window_bytes += trials.1 - trials_before.1;
+                }
                 self.log.lock().segments.clear_hint(segment);
                 if cleaned {
                     Counters::add(&self.codec_counters.idle_segments_recompressed, 1);
                     watch.cleaned_unfreed += 1;
-                    if watch.cleaned_unfreed >= IDLE_FREE_AFTER_SEGMENTS {
+                    if self.idle_free_due(watch.cleaned_unfreed, IDLE_FREE_AFTER_SEGMENTS) {
                         self.make_cleaned_free()?;
                         watch.cleaned_unfreed = 0;
                     }
                 }
                 Ok(true)
             }
-            None if watch.cleaned_unfreed > 0 => {
+            None if self.idle_free_due(watch.cleaned_unfreed, 1) => {
                 self.make_cleaned_free()?;
                 watch.cleaned_unfreed = 0;
                 // Segments those checkpoints unpinned may be GC's to take now.
@@ -204,6 +219,16 @@ impl Inner {
         let hinted =
             log.appender.open_segments().any(|open| log.segments.hint(open.buffer.segment).taken(into_dictionary) > 0);
         hinted
+    }
+
+    /// Whether `cleaned` segments (at least `at_least`) are worth two checkpoints of idle
+    /// work's own (`IDLE_FREE_PER_CHECKPOINT_BYTES`); if not, the worker's checkpoint cadence
+    /// frees them.
+    fn idle_free_due(&self, cleaned: u32, at_least: u32) -> bool {
+        let checkpoint_bytes = self.log.lock().epochs.checkpoint_bytes;
+        cleaned >= at_least.max(1)
+            && cleaned as u64 * self.geometry.segment_size_bytes
+                >= IDLE_FREE_PER_CHECKPOINT_BYTES * 2 * checkpoint_bytes
     }
 
     /// Host requests since open that touch data (reads, writes, trims, zeroes).
@@ -248,31 +273,24 @@ impl Inner {
             // operator's `zdisk recompress --train`, not idle work's.
             return Ok(false);
         }
-        let counters = &self.codec_counters;
-        let trials = || {
-            use std::sync::atomic::Ordering::Relaxed;
-            (counters.dictionary_trial_blocks.load(Relaxed), counters.dictionary_trial_bytes.load(Relaxed))
-        };
         let baseline = match watch.baseline {
             Some(b) if b.dictionary_id == newest.id => b,
             _ => {
+                // A new newest dictionary: what was tried with the one before says nothing.
+                (watch.window_blocks, watch.window_bytes) = (0, 0);
                 let Some(ratio) = self.dictionary_baseline(&newest)? else { return Ok(false) };
-                let (trial_blocks, trial_bytes) = trials();
-                let baseline = Baseline { dictionary_id: newest.id, ratio, trial_blocks, trial_bytes };
                 tracing::debug!("dictionary {} baseline ratio {ratio:.3}", newest.id);
-                watch.baseline = Some(baseline);
+                watch.baseline = Some(Baseline { dictionary_id: newest.id, ratio });
                 return Ok(false);
             }
         };
-        let (blocks, bytes) = trials();
-        let (window_blocks, window_bytes) = (blocks - baseline.trial_blocks, bytes - baseline.trial_bytes);
-        if window_blocks < RETRAIN_WINDOW_BLOCKS || window_bytes == 0 {
+        if watch.window_blocks < RETRAIN_WINDOW_BLOCKS || watch.window_bytes == 0 {
             return Ok(false);
         }
-        let window_ratio = (window_blocks * crate::BLOCK_SIZE as u64) as f64 / window_bytes as f64;
+        let window_ratio = (watch.window_blocks * crate::BLOCK_SIZE as u64) as f64 / watch.window_bytes as f64;
+        // A new window from here either way.
+        (watch.window_blocks, watch.window_bytes) = (0, 0);
         if window_ratio >= RETRAIN_BELOW_BASELINE * baseline.ratio {
-            // Still fits: a new window from here.
-            watch.baseline = Some(Baseline { trial_blocks: blocks, trial_bytes: bytes, ..baseline });
             return Ok(false);
         }
         tracing::info!(
@@ -281,6 +299,14 @@ impl Inner {
             baseline.ratio
         );
         Ok(true)
+    }
+
+    /// The trial counters: blocks without a dictionary recompression tried with the newest
+    /// one, and the bytes it made of them.
+    fn dictionary_trials(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.codec_counters;
+        (c.dictionary_trial_blocks.load(Relaxed), c.dictionary_trial_bytes.load(Relaxed))
     }
 
     /// The ratio `dictionary` makes of a sample of the store's blocks other than those a
@@ -328,12 +354,13 @@ impl Inner {
 
     /// The next segment to recompress: the queue's, else the hinted one with the most
     /// fragments `target` takes. Only segments GC could take now.
-    fn next_idle_segment(&self, watch: &mut IdleWork, target: &RecompressTarget) -> Option<SegmentId> {
+    /// Whether it came from the queue is returned with it.
+    fn next_idle_segment(&self, watch: &mut IdleWork, target: &RecompressTarget) -> Option<(SegmentId, bool)> {
         let unwritten = self.unwritten_segments();
         let log = self.log.lock();
         while let Some(segment) = watch.queue.pop() {
             if log.segments.is_victim_candidate(segment, &unwritten) {
-                return Some(segment);
+                return Some((segment, true));
             }
         }
         let into_dictionary = target.dictionary.as_ref().map_or(0, |d| d.id);
@@ -351,6 +378,6 @@ impl Inner {
         // (Segments not GC's to take yet — open, unwritten, pinned — are looked at again
         // when a hint next moves: the host's next write does that.)
         watch.nothing_hinted = best.is_none().then_some(now);
-        best.map(|(_, id)| id)
+        best.map(|(_, id)| (id, false))
     }
 }
