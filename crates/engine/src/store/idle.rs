@@ -147,8 +147,8 @@ impl Inner {
         if !self.idle_has_room() {
             return Ok(false);
         }
-        let train = self.wants_first_dictionary() || self.wants_retraining(watch)?;
-        if train && !watch.training_failed {
+        let first = self.wants_first_dictionary();
+        if (first || self.wants_retraining(watch)?) && !watch.training_failed {
             let (dictionary, report) = match self.train_and_install(&self.idle_dictionary_options()) {
                 Ok(trained) => trained,
                 Err(e) => {
@@ -165,7 +165,9 @@ impl Inner {
                 report.sample_blocks,
                 report.training_ms
             );
-            if report.id == 1 {
+            if first {
+                // Everything stored so far (a retrained one takes new writes, by the hints;
+                // what the older one made stays until GC moves it).
                 watch.queue = self.segments_holding(&RecompressTarget::dictionary(dictionary, false))?;
                 watch.queue.reverse(); // taken from the back: lowest segment first
             }

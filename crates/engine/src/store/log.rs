@@ -641,7 +641,8 @@ impl Inner {
 
     /// Sets, in an encrypted store, the guard of a sealed fragment just put at byte `address`
     /// of a segment in use `use_seq` to the placement tag of that address and use
-    /// (`StoreCipher::placement`): read anywhere else, or there in another use, it fails. A plain store's fragment, and an all-zero block's, keep theirs.
+    /// (`StoreCipher::placement`): read anywhere else, or there in another use, it fails. A
+    /// plain store's fragment, and an all-zero block's, keep theirs.
     fn place_fragment(&self, fragment: &mut [u8], address: u64, use_seq: u64) {
         let Some(cipher) = self.cipher.as_deref() else { return };
         let Ok(pi) = Protection::decode(&fragment[..PI_BYTES]) else { return };
