@@ -484,7 +484,12 @@ fn gc_output_goes_to_a_cold_segment_and_replay_follows_the_jumps() {
         store.checkpoint().unwrap();
         store.checkpoint().unwrap();
         // Garbage in every segment, then GC interleaved with host writes (jumps both ways).
+        // Each round also rewrites 128 KiB in one piece: background GC takes only segments
+        // at least a tenth dead, which 40 scattered 4 KiB writes alone may not make (seed
+        // 12435480633466006127 did not).
         for round in 0..6 {
+            let at = rng.gen_range(0..16u64) * (128 << 10);
+            write(&store, &mut expected, &mut rng, at, 128 << 10);
             for _ in 0..40 {
                 let at = rng.gen_range(0..512u64) * 4096;
                 write(&store, &mut expected, &mut rng, at, 4096);

@@ -40,6 +40,14 @@ pub(crate) enum Admitted {
     Conflict,
 }
 
+/// What `clean_for` did: segments cleaned and freed, and whether a victim's relocation ran
+/// into GC's reserve.
+struct Cleaning {
+    cleaned: usize,
+    freed: usize,
+    relocation_short: bool,
+}
+
 /// What a foreground GC round tells the waiting writer.
 enum RoundOutcome {
     /// Try the append again.
@@ -131,7 +139,7 @@ impl Inner {
         };
         let host_written_before = Counters::get(&self.counters.host_write_bytes);
         // After a round that gained nothing, clean enough to pay for the checkpoints too.
-        let (cleaned, mut freed) = self.clean_for(shortfall_bytes, *stalled_rounds > 0)?;
+        let Cleaning { cleaned, mut freed, relocation_short } = self.clean_for(shortfall_bytes, *stalled_rounds > 0)?;
         // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
         // the previous one, so two free everything cleaned before the first.
         let mut checkpoint_failed = None;
@@ -172,14 +180,17 @@ impl Inner {
             return Ok(RoundOutcome::Retry);
         }
         let why = |what: &str| {
+            let unwritten = self.unwritten_segments();
             let log = self.log.lock();
-            let checkpoint = checkpoint_failed.as_ref().map_or(String::new(), |e| format!("; checkpoint: {e}"));
+            let checkpoint = checkpoint_failed.as_ref().map_or(String::new(), |e| format!("; checkpoint: {e}"))
+                + if relocation_short { "; a victim's relocation did not fit GC's reserve" } else { "" };
             RoundOutcome::GiveUp(format!(
                 "{EXHAUSTED} ({what}: the round cleaned {cleaned} and freed {freed} segments; {} free, {} cleaned \
-                 waiting for the reuse horizon, {} bytes available for {shortfall_bytes} short{checkpoint})",
+                 waiting for the reuse horizon, {} bytes available for {shortfall_bytes} short; {}{checkpoint})",
                 log.segments.free_count(),
                 log.segments.cleaned_count(),
                 self.available_bytes(&log),
+                log.segments.victim_census(&unwritten),
             ))
         };
         if cleaned == 0 && freed == 0 {
@@ -197,8 +208,8 @@ impl Inner {
     /// segment give ~91 KiB; two checkpoints may take ~190 KiB), and the writer got ENOSPC
     /// with a fifth of the store garbage. Only after a round that gained nothing: every
     /// segment cleaned beyond need raises the utilisation GC works at. Returns (segments
-    /// cleaned, segments freed).
-    fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool) -> Result<(usize, usize)> {
+    /// cleaned, segments freed, and whether a relocation ran into GC's reserve).
+    fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool) -> Result<Cleaning> {
         // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
         // checkpoint is far above a typical one on a large store).
         let checkpoints_bytes = if pay_checkpoints { 2 * self.log.lock().epochs.checkpoint_bytes * 5 / 4 } else { 0 };
@@ -212,6 +223,7 @@ impl Inner {
         let mut cleaned = 0;
         let mut gained_bytes = 0;
         let mut freed = 0;
+        let mut relocation_short = false;
         while cleaned < victims_max && gained_bytes < want_bytes {
             let mode = if pay_checkpoints { GcMode::Stalled } else { GcMode::Foreground };
             match self.gc_once(mode) {
@@ -221,14 +233,17 @@ impl Inner {
                 }
                 Ok(None) => break,
                 // Relocations ran into GC's reserve: free what is cleaned so far and go on.
-                Err(e) if e.kind() == ErrorKind::NoSpace => match self.free_cleaned()? {
-                    0 => break,
-                    n => freed += n,
-                },
+                Err(e) if e.kind() == ErrorKind::NoSpace => {
+                    relocation_short = true;
+                    match self.free_cleaned()? {
+                        0 => break,
+                        n => freed += n,
+                    }
+                }
                 Err(e) => return Err(e),
             }
         }
         freed += self.free_cleaned()?;
-        Ok((cleaned, freed))
+        Ok(Cleaning { cleaned, freed, relocation_short })
     }
 }

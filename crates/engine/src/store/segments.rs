@@ -356,6 +356,34 @@ impl SegmentTable {
         self.collectable(id, unwritten) && !self.awaiting_pages.contains(&id)
     }
 
+    /// Why sealed segments are or are not GC's to take, counted (for an ENOSPC message):
+    /// candidates, and those left out as unwritten, pinned by a retained checkpoint,
+    /// unparseable, or waiting for their map pages.
+    pub fn victim_census(&self, unwritten: &[SegmentId]) -> String {
+        let (mut candidates, mut in_memory, mut pinned, mut damaged, mut awaiting) = (0, 0, 0, 0, 0);
+        for (i, s) in self.usage.iter().enumerate() {
+            let id = SegmentId(i as u32);
+            if s.state != SegmentState::Sealed {
+                continue;
+            }
+            if unwritten.contains(&id) {
+                in_memory += 1;
+            } else if self.is_pinned(id) {
+                pinned += 1;
+            } else if self.unparseable.contains(&id) {
+                damaged += 1;
+            } else if self.awaiting_pages.contains(&id) {
+                awaiting += 1;
+            } else {
+                candidates += 1;
+            }
+        }
+        format!(
+            "sealed segments: {candidates} GC may take, {in_memory} not written out, {pinned} pinned, \
+             {damaged} unparseable, {awaiting} waiting for map pages"
+        )
+    }
+
     /// Whether any segment is cleaned and waiting for the reuse rule.
     pub fn has_cleaned(&self) -> bool {
         self.usage.iter().any(|s| s.state == SegmentState::Cleaned)
