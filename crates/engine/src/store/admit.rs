@@ -40,8 +40,8 @@ pub(crate) enum Admitted {
     Conflict,
 }
 
-/// What `clean_for` did: segments cleaned and freed, and whether a victim's relocation ran
-/// into GC's reserve.
+/// What `clean_for` did: segments cleaned and freed, and whether a victim's relocation was
+/// refused for lack of space (GC's reserve, or no free segment to open).
 struct Cleaning {
     cleaned: usize,
     freed: usize,
@@ -183,7 +183,7 @@ impl Inner {
             let unwritten = self.unwritten_segments();
             let log = self.log.lock();
             let checkpoint = checkpoint_failed.as_ref().map_or(String::new(), |e| format!("; checkpoint: {e}"))
-                + if relocation_short { "; a victim's relocation did not fit GC's reserve" } else { "" };
+                + if relocation_short { "; a victim's relocation was refused for lack of space" } else { "" };
             RoundOutcome::GiveUp(format!(
                 "{EXHAUSTED} ({what}: the round cleaned {cleaned} and freed {freed} segments; {} free, {} cleaned \
                  waiting for the reuse horizon, {} bytes available for {shortfall_bytes} short; {}{checkpoint})",
@@ -208,7 +208,8 @@ impl Inner {
     /// segment give ~91 KiB; two checkpoints may take ~190 KiB), and the writer got ENOSPC
     /// with a fifth of the store garbage. Only after a round that gained nothing: every
     /// segment cleaned beyond need raises the utilisation GC works at. Returns (segments
-    /// cleaned, segments freed, and whether a relocation ran into GC's reserve).
+    /// cleaned, segments freed, and whether a relocation was refused for lack of space: GC's
+    /// reserve, or no free segment to open).
     fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool) -> Result<Cleaning> {
         // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
         // checkpoint is far above a typical one on a large store).
