@@ -45,7 +45,8 @@ pub(crate) enum Admitted {
 struct Cleaning {
     cleaned: usize,
     freed: usize,
-    relocation_short: bool,
+    /// The last refusal's message, if any.
+    relocation_short: Option<String>,
 }
 
 /// What a foreground GC round tells the waiting writer.
@@ -183,7 +184,9 @@ impl Inner {
             let unwritten = self.unwritten_segments();
             let log = self.log.lock();
             let checkpoint = checkpoint_failed.as_ref().map_or(String::new(), |e| format!("; checkpoint: {e}"))
-                + if relocation_short { "; a victim's relocation was refused for lack of space" } else { "" };
+                + &relocation_short
+                    .as_ref()
+                    .map_or(String::new(), |e| format!("; a victim's relocation was refused: {e}"));
             RoundOutcome::GiveUp(format!(
                 "{EXHAUSTED} ({what}: the round cleaned {cleaned} and freed {freed} segments; {} free, {} cleaned \
                  waiting for the reuse horizon, {} bytes available for {shortfall_bytes} short; {}{checkpoint})",
@@ -224,7 +227,7 @@ impl Inner {
         let mut cleaned = 0;
         let mut gained_bytes = 0;
         let mut freed = 0;
-        let mut relocation_short = false;
+        let mut relocation_short = None;
         while cleaned < victims_max && gained_bytes < want_bytes {
             let mode = if pay_checkpoints { GcMode::Stalled } else { GcMode::Foreground };
             match self.gc_once(mode) {
@@ -235,7 +238,7 @@ impl Inner {
                 Ok(None) => break,
                 // Relocations ran into GC's reserve: free what is cleaned so far and go on.
                 Err(e) if e.kind() == ErrorKind::NoSpace => {
-                    relocation_short = true;
+                    relocation_short = Some(e.to_string());
                     match self.free_cleaned()? {
                         0 => break,
                         n => freed += n,

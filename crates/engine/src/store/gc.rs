@@ -580,7 +580,10 @@ impl Inner {
         let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
         match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),
-            Attempt::Short { .. } => Err(Error::new(ErrorKind::NoSpace, "physical space is exhausted")),
+            Attempt::Short { shortfall_bytes } => Err(Error::new(
+                ErrorKind::NoSpace,
+                format!("physical space is exhausted (GC's relocation lacks {shortfall_bytes} bytes with its reserve)"),
+            )),
             Attempt::Conflict => unreachable!("relocations carry no expectations"),
         }
     }
