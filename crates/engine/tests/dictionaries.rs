@@ -9,7 +9,6 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use rand::rngs::StdRng;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
 use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, OpenOptions, Store};
@@ -19,28 +18,6 @@ const LOGICAL_BYTES: u64 = 1 << 20;
 /// Byte offset of a superblock slot's feature flags (docs/format.md) and the slot size.
 const FEATURE_FLAGS_OFFSET: usize = 72;
 const SLOT_BYTES: usize = 16 << 10;
-
-/// Lines of words drawn from a vocabulary of a few hundred made-up words: little repeats
-/// inside one 4 KiB block, much shared across blocks — what a dictionary is for.
-fn text_data(rng: &mut StdRng, len: usize) -> Vec<u8> {
-    let mut vocabulary_rng = common::rng(99);
-    let vocabulary: Vec<String> = (0..400)
-        .map(|_| {
-            let letters = vocabulary_rng.gen_range(3..10);
-            (0..letters).map(|_| vocabulary_rng.gen_range(b'a'..=b'z') as char).collect()
-        })
-        .collect();
-    let mut out = Vec::with_capacity(len + 128);
-    while out.len() < len {
-        for _ in 0..rng.gen_range(4..12) {
-            out.extend_from_slice(vocabulary[rng.gen_range(0..vocabulary.len())].as_bytes());
-            out.push(b' ');
-        }
-        out.extend_from_slice(format!("{}\n", rng.gen_range(0..100_000)).as_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 fn options() -> OpenOptions {
     OpenOptions { codec_fallback: CodecFallback::Never, ..test_options() }

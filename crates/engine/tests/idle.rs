@@ -9,40 +9,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use rand::rngs::StdRng;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
 use zdisk_engine::{Codec, CodecFallback, OpenOptions, Stats, Store};
 
 const ZSTD: Codec = Codec::Zstd { level: 1 };
 const LOGICAL_BYTES: u64 = 1 << 20;
-
-/// Lines of words from a vocabulary of a few hundred made-up words (as in
-/// `dictionaries.rs`): LZ4 does little with it, zstd more, a dictionary most.
-fn text_data(rng: &mut StdRng, len: usize) -> Vec<u8> {
-    text_of_vocabulary(rng, len, 99)
-}
-
-/// `text_data` with words of another vocabulary (`vocabulary_seed`).
-fn text_of_vocabulary(rng: &mut StdRng, len: usize, vocabulary_seed: u64) -> Vec<u8> {
-    let mut vocabulary_rng = common::rng(vocabulary_seed);
-    let vocabulary: Vec<String> = (0..400)
-        .map(|_| {
-            let letters = vocabulary_rng.gen_range(3..10);
-            (0..letters).map(|_| vocabulary_rng.gen_range(b'a'..=b'z') as char).collect()
-        })
-        .collect();
-    let mut out = Vec::with_capacity(len + 128);
-    while out.len() < len {
-        for _ in 0..rng.gen_range(4..12) {
-            out.extend_from_slice(vocabulary[rng.gen_range(0..vocabulary.len())].as_bytes());
-            out.push(b' ');
-        }
-        out.extend_from_slice(format!("{}\n", rng.gen_range(0..100_000)).as_bytes());
-    }
-    out.truncate(len);
-    out
-}
 
 /// Background threads on, every host block LZ4 (the fallback, deterministically), idle
 /// work after `idle_after`, the first dictionary at `dictionary_blocks`.

@@ -355,3 +355,30 @@ pub fn word_text(rng: &mut StdRng, len: usize) -> Vec<u8> {
     data.truncate(len);
     data
 }
+
+/// Lines of words from a vocabulary of a few hundred made-up words: few repeats inside one
+/// 4 KiB block, many across blocks — LZ4 does little with it, zstd more, a dictionary most.
+pub fn text_data(rng: &mut StdRng, len: usize) -> Vec<u8> {
+    text_of_vocabulary(rng, len, 99)
+}
+
+/// `text_data` with words of another vocabulary (`vocabulary_seed`).
+pub fn text_of_vocabulary(rng: &mut StdRng, len: usize, vocabulary_seed: u64) -> Vec<u8> {
+    let mut vocabulary_rng = self::rng(vocabulary_seed);
+    let vocabulary: Vec<String> = (0..400)
+        .map(|_| {
+            let letters = vocabulary_rng.gen_range(3..10);
+            (0..letters).map(|_| vocabulary_rng.gen_range(b'a'..=b'z') as char).collect()
+        })
+        .collect();
+    let mut out = Vec::with_capacity(len + 128);
+    while out.len() < len {
+        for _ in 0..rng.gen_range(4..12) {
+            out.extend_from_slice(vocabulary[rng.gen_range(0..vocabulary.len())].as_bytes());
+            out.push(b' ');
+        }
+        out.extend_from_slice(format!("{}\n", rng.gen_range(0..100_000)).as_bytes());
+    }
+    out.truncate(len);
+    out
+}
