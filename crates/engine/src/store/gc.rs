@@ -36,7 +36,7 @@
 
 use super::apply::Live;
 use super::log::Attempt;
-use super::op::{recompressed_bytes, relocation_bytes, Block, LiveFragment, Op};
+use super::op::{group_bytes, recompressed_bytes, relocation_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, RecordContext};
 use super::space::SpaceClass;
@@ -580,10 +580,20 @@ impl Inner {
         let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
         match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),
-            Attempt::Short { shortfall_bytes } => Err(Error::new(
-                ErrorKind::NoSpace,
-                format!("physical space is exhausted (GC's relocation lacks {shortfall_bytes} bytes with its reserve)"),
-            )),
+            Attempt::Short { shortfall_bytes } => {
+                // The terms, for the operator (and for a test that fails).
+                let log = self.log.lock();
+                let bytes = group_bytes(&ops, self.geometry.segment_capacity(), self.record_extra_bytes());
+                Err(Error::new(
+                    ErrorKind::NoSpace,
+                    format!(
+                        "physical space is exhausted (GC's relocation of {bytes} bytes lacks {shortfall_bytes} with \
+                         its reserve of {}; {} available)",
+                        self.reserve_bytes(&log, class),
+                        self.available_bytes(&log)
+                    ),
+                ))
+            }
             Attempt::Conflict => unreachable!("relocations carry no expectations"),
         }
     }

@@ -389,6 +389,12 @@ impl SegmentTable {
         self.usage.iter().any(|s| s.state == SegmentState::Cleaned)
     }
 
+    /// Whether any victim waits for its map pages: the next checkpoint rewrites them
+    /// elsewhere, and then it is freed as a cleaned segment.
+    pub fn has_awaiting_pages(&self) -> bool {
+        !self.awaiting_pages.is_empty()
+    }
+
     pub fn cleaned_count(&self) -> usize {
         self.usage.iter().filter(|s| s.state == SegmentState::Cleaned).count()
     }
