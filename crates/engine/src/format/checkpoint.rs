@@ -58,6 +58,19 @@ const DICTIONARY_STORED_BYTES_MAX: usize =
 const DICTIONARY_TABLE_BYTES_MAX: u64 =
     4 + crate::codec::DICTIONARIES_MAX as u64 * (DICTIONARY_HEAD_BYTES + DICTIONARY_STORED_BYTES_MAX as u64);
 
+/// Bytes a dictionary table of these dictionaries takes in an image, at most (sealed, before
+/// the image's compression; nothing for an empty table).
+pub fn dictionary_table_bytes_max(dictionary_bytes: impl Iterator<Item = usize>) -> u64 {
+    let entries: u64 = dictionary_bytes
+        .map(|bytes| DICTIONARY_HEAD_BYTES + (bytes + crate::crypto::cipher::SEAL_OVERHEAD_BYTES) as u64)
+        .sum();
+    if entries == 0 {
+        0
+    } else {
+        4 + entries
+    }
+}
+
 /// A trained dictionary as the checkpoint carries it (`codec::Dictionary` in memory).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DictionaryEntry {

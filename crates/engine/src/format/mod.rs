@@ -16,7 +16,9 @@ pub mod v2 {
 }
 mod record_v2;
 
-pub use checkpoint::{Checkpoint, DictionaryEntry, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER};
+pub use checkpoint::{
+    dictionary_table_bytes_max, Checkpoint, DictionaryEntry, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER,
+};
 pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
 pub use record::{
     decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, EncodedRecord, Head, RecordBody,

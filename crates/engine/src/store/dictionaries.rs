@@ -118,6 +118,11 @@ impl DictionaryState {
         Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0, loaded_since_seq })
     }
 
+    /// Bytes the table takes in a checkpoint, at most.
+    pub fn table_bytes_max(&self) -> u64 {
+        crate::format::dictionary_table_bytes_max(self.table.iter().map(|d| d.bytes.len()))
+    }
+
     /// The table as the checkpoint writes it (sealed in an encrypted store).
     pub fn entries(&self, cipher: Option<&StoreCipher>) -> Result<Vec<DictionaryEntry>> {
         self.table
@@ -209,10 +214,39 @@ impl Inner {
         Ok(samples)
     }
 
+    /// Every checkpoint carries the dictionary table, so a new dictionary raises the room a
+    /// checkpoint takes, and every reserve with it, by its bytes (twice in each reserve:
+    /// two checkpoints), and the two checkpoints that install it take the new room each.
+    /// Refused (ENOSPC, nothing changed) when the log has not all that above the host
+    /// reserve now: a store near its floor could otherwise not write the checkpoints that
+    /// free GC's victims.
+    fn check_room_for_dictionary(&self, dictionary_bytes_max: usize) -> Result<()> {
+        let log = self.log.lock();
+        let added_bytes = crate::format::dictionary_table_bytes_max(
+            self.dictionaries.read().table.iter().map(|d| d.bytes.len()).chain([dictionary_bytes_max]),
+        ) - self.dictionaries.read().table_bytes_max();
+        let needed_bytes = self.reserve_bytes(&log, SpaceClass::Host)
+            + 2 * added_bytes
+            + 2 * (self.checkpoint_room_bytes(&log) + added_bytes);
+        let available_bytes = self.available_bytes(&log);
+        if available_bytes < needed_bytes {
+            return Err(Error::new(
+                ErrorKind::NoSpace,
+                format!(
+                    "no room for a new dictionary: with it the reserves and the two checkpoints that install it \
+                     need {needed_bytes} bytes of the log, {available_bytes} are unused (free space first: trim, or \
+                     let GC run)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Trains a dictionary on a sample of the store's blocks and installs it (module
     /// comment: durable in both retained checkpoints before it is `newest`).
     pub(crate) fn train_and_install(&self, options: &DictionaryOptions) -> Result<(Arc<Dictionary>, DictionaryReport)> {
         self.check_writable()?;
+        self.check_room_for_dictionary(options.size_bytes.min(crate::codec::DICTIONARY_BYTES_MAX))?;
         let samples = self.sample_blocks(options.sample_blocks_max, 0)?;
         // zstd's builder wants enough material; a nearly empty store has nothing to learn.
         if samples.len() < 8 {

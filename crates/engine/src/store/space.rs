@@ -51,13 +51,17 @@ impl SpaceClass {
 }
 
 impl Inner {
-    /// Room one checkpoint takes in the log (see [`checkpoint_room_for`]).
+    /// Room one checkpoint takes in the log (see [`checkpoint_room_for`]), and the trained
+    /// dictionaries it carries: up to 8 of up to 256 KiB, which the static bound does not
+    /// know (native capacity does not count them: they come out of the bound's slack and
+    /// the over-provisioning, docs/space.md, "Reserves").
     pub(crate) fn checkpoint_room_bytes(&self, _log: &Log) -> u64 {
+        let dictionaries = self.dictionaries.read().table_bytes_max();
         checkpoint_room_for(
             self.logical_size_bytes.load(Ordering::Relaxed),
             self.geometry.segment_count,
             self.geometry.segment_capacity(),
-        )
+        ) + dictionaries
     }
 
     /// The reserve of a class in bytes: what an append of that class must leave unused in

@@ -74,6 +74,33 @@ fn gc_can_always_move_at_its_floor() {
     );
 }
 
+/// Every checkpoint carries the trained dictionaries: one raises the room a checkpoint takes
+/// by its bytes (so the reserves keep room for the checkpoints that free GC's victims), and
+/// on a store at its floor training is refused with ENOSPC and changes nothing.
+#[test]
+fn a_dictionary_counts_in_the_checkpoint_room_and_is_refused_at_the_floor() {
+    let store = small_store(6);
+    let inner = &store.inner;
+    let mut rng = crate::sim::SimRng::new(6);
+    const WORDS: [&str; 8] = ["block", "segment", "checkpoint", "fragment", "record", "reserve", "victim", "horizon"];
+    let mut text = Vec::new();
+    while text.len() < 256 << 10 {
+        text.extend_from_slice(WORDS[(rng.next_u64() % 8) as usize].as_bytes());
+        text.push(if rng.next_u64().is_multiple_of(9) { b'\n' } else { b' ' });
+    }
+    store.write(0, &text[..256 << 10], false).unwrap();
+    store.flush().unwrap();
+    let room_before = inner.checkpoint_room_bytes(&inner.log.lock());
+    let options = super::DictionaryOptions { level: 3, size_bytes: 8 << 10, sample_blocks_max: 64 };
+    let (dictionary, _) = inner.train_and_install(&options).unwrap();
+    let room_after = inner.checkpoint_room_bytes(&inner.log.lock());
+    assert!(room_after >= room_before + dictionary.bytes.len() as u64, "checkpoint room {room_before} -> {room_after}");
+    take_free_segments(inner, 2);
+    let err = inner.train_and_install(&options).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
+    assert_eq!(inner.dictionaries.read().table.len(), 1, "a refused training changed the table");
+}
+
 /// Trim must work on a full store even when GC cannot give back the metadata reserve:
 /// it may then go below it (`SpaceClass::TrimWhileFull`), while a host write is refused.
 /// Only white-box: the state (the log at GC's floor, nothing collectable) is made by
