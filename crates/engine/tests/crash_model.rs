@@ -100,7 +100,16 @@ fn random_range(rng: &mut rand::rngs::StdRng, logical: u64, max_blocks: u64) -> 
     (offset, len.max(1))
 }
 
-fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
+/// What one seed's run did: crashes inside I/O, ENOSPC answers, map cache misses, and bytes
+/// GC moved into the cold stream.
+struct RunCounts {
+    crashes: usize,
+    no_space: usize,
+    map_misses: u64,
+    cold_moved: u64,
+}
+
+fn run(s: &Scenario, seed: u64) -> Result<RunCounts, String> {
     let mut rng = rng(seed);
     let random_codec = match rng.gen_range(0..3) {
         0 => Codec::Lz4,
@@ -184,7 +193,7 @@ fn run(s: &Scenario, seed: u64) -> Result<(usize, usize, u64), String> {
     eprintln!(
         "{recompressed} fragments recompressed, {recompressed_dictionary} with a dictionary; {dictionaries} kept; {cold_moved} bytes moved into the cold stream; {idle_work} idle segments and dictionaries"
     );
-    Ok((crashes, no_space, totals.map_misses))
+    Ok(RunCounts { crashes, no_space, map_misses: totals.map_misses, cold_moved })
 }
 
 /// What a run's stores did, summed over its cycles: each scenario's feature must have run.
@@ -217,9 +226,6 @@ impl Totals {
         }
         if s.codec_fallback == CodecFallback::Always && codec != Codec::Lz4 && self.recompressed == 0 {
             return Err(format!("GC recompressed nothing in {cycles} cycles"));
-        }
-        if s.cold_stream && self.cold_moved == 0 {
-            return Err(format!("GC moved nothing into the cold stream in {cycles} cycles"));
         }
         if s.dictionaries && self.recompressed_dictionary == 0 {
             return Err(format!("no fragment was recompressed with a dictionary in {cycles} cycles"));
@@ -398,11 +404,15 @@ fn recompress_racing_writes(
 
 fn run_scenario(s: Scenario, seed_count: u64) {
     let mut cycles = 0;
-    for seed in seeds(seed_count) {
+    let mut cold_moved = 0;
+    let seeds = seeds(seed_count);
+    for &seed in &seeds {
         eprintln!("{}: running seed {seed} (ZDISK_TEST_SEED={seed} reruns it)", s.name);
         match run(&s, seed) {
-            Ok((crashes, no_space, map_misses)) => {
+            Ok(counts) => {
                 cycles += s.cycles;
+                cold_moved += counts.cold_moved;
+                let RunCounts { crashes, no_space, map_misses, .. } = counts;
                 eprintln!(
                     "{}: seed {seed}: {} cycles, {crashes} crashes inside I/O, {no_space} ENOSPC, {map_misses} map cache misses",
                     s.name, s.cycles
@@ -414,6 +424,14 @@ fn run_scenario(s: Scenario, seed_count: u64) {
             ),
         }
     }
+    // Over all seeds, not each: in a seed where space stays short all run long, GC's output
+    // rightly shares the host stream (1 seed in a few hundred: 16866472884300722985, 40
+    // cycles), and the scenario is still there to cover the cold stream.
+    assert!(
+        !s.cold_stream || cold_moved > 0,
+        "{}: GC moved nothing into the cold stream in {cycles} cycles (seeds {seeds:?})",
+        s.name
+    );
     eprintln!("{}: {cycles} crash/recovery cycles passed", s.name);
 }
 
