@@ -175,7 +175,7 @@ impl Inner {
         for damaged in self.recovery.get().map_or(&[][..], |r| &r.damaged[..]) {
             if damaged.torn_tail || damaged.maps_nothing {
                 let why = match damaged.torn_tail {
-                    true => "the last record before a crash was written in part",
+                    true => "a record written after the last flush was torn by a crash",
                     false => "a record that maps no block is damaged",
                 };
                 report.notes.push(format!("{why}, nothing lost: {}", damaged.what));

@@ -180,8 +180,8 @@ pub struct CheckReport {
     pub problems: Vec<String>,
     /// The problems again, with where they are and which blocks they touch.
     pub damage: Vec<DamageReport>,
-    /// What costs nothing: the last record before a crash written in part, its content
-    /// complete (one copy of its description and its payload survive); damage to a record
+    /// What costs nothing: a record no later record proves durable, torn by a crash, its
+    /// content complete (one copy of its description and its payload survive); damage to a record
     /// that maps no block (a checkpoint chunk, a map-pages record's tail).
     pub notes: Vec<String>,
 }

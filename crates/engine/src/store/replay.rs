@@ -53,8 +53,8 @@ pub(crate) struct DamagedRecord {
     pub what: String,
     /// The LBA ranges (start, blocks) it wrote, where known.
     pub lbas: Vec<(Lba, u64)>,
-    /// The last record of the log, complete: what a crash during its write leaves (a torn
-    /// head or tail sector), not decay. Nothing was lost.
+    /// Complete, and no later record proves it durable: what a crash during its write
+    /// leaves (a torn head or tail sector), not decay. Nothing was lost.
     pub torn_tail: bool,
     /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
     /// damaged chunk is reported on its own).
@@ -212,12 +212,15 @@ impl Inner {
             segment: self.geometry.segment_of(sb.replay_offset_bytes.max(crate::format::DATA_START_BYTES)),
         };
         let mut group: Vec<FoundRecord> = Vec::new();
-        let mut last_record_offset = 0;
+        // Damaged records applied, as (index in `findings.damaged`, sequence number, the
+        // highest durable sequence number a record after it claims).
+        let mut recovered: Vec<(usize, u64, u64)> = Vec::new();
         loop {
             let record = match self.choose_record(&mut cache, &mut starts, cursor) {
                 Choice::Intact(record) => record,
                 Choice::Recovered(record, why) => {
                     findings.damaged.push(damage_report(&record, why));
+                    recovered.push((findings.damaged.len() - 1, record.header.seq, 0));
                     record
                 }
                 Choice::Torn => break,
@@ -246,9 +249,11 @@ impl Inner {
             };
             let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
             self.note_replayed(&map, log, &record, damage_free)?;
+            for (_, _, claim) in recovered.iter_mut().filter(|(_, seq, _)| *seq < record.header.seq) {
+                *claim = (*claim).max(record.header.durable_seq);
+            }
             let segment = self.geometry.segment_of(record.offset_bytes);
             cursor = Cursor::after(&record, &self.geometry);
-            last_record_offset = record.offset_bytes;
             match record.header.body {
                 // Links and jumps are no part of any group: a link may open a segment in a
                 // group's middle.
@@ -272,10 +277,13 @@ impl Inner {
         // next run continues where the last link points.
         self.settle_owed_at_open(&map, log)?;
         drop(map);
-        // Complete damage in the very last record is what a crash tearing its write leaves.
-        if let Some(last) = findings.damaged.last_mut() {
-            let complete = last.what.ends_with("(complete)");
-            last.torn_tail = complete && last.offset_bytes == last_record_offset;
+        // Complete damage in a record no later record proves durable is what a crash tearing
+        // its write leaves: the last record of the log, or — records of different segments
+        // reach the disk in any order before a flush — the last of its segment, with the
+        // log going on in another. (Only the latter once flagged a crash-model run.)
+        for &(index, seq, claim) in &recovered {
+            let damaged = &mut findings.damaged[index];
+            damaged.torn_tail = damaged.what.ends_with("(complete)") && claim < seq;
         }
         findings.continue_in = if cursor.at_segment_start(&self.geometry) {
             // A jump named a segment whose link never became durable: the log goes on there
