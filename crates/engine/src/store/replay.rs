@@ -212,15 +212,13 @@ impl Inner {
             segment: self.geometry.segment_of(sb.replay_offset_bytes.max(crate::format::DATA_START_BYTES)),
         };
         let mut group: Vec<FoundRecord> = Vec::new();
-        // Damaged records applied, as (index in `findings.damaged`, sequence number, the
-        // highest durable sequence number a record after it claims).
-        let mut recovered: Vec<(usize, u64, u64)> = Vec::new();
+        let mut recovered = RecoveredRecords::default();
         loop {
             let record = match self.choose_record(&mut cache, &mut starts, cursor) {
                 Choice::Intact(record) => record,
                 Choice::Recovered(record, why) => {
                     findings.damaged.push(damage_report(&record, why));
-                    recovered.push((findings.damaged.len() - 1, record.header.seq, 0));
+                    recovered.note(findings.damaged.len() - 1, record.header.seq);
                     record
                 }
                 Choice::Torn => break,
@@ -249,9 +247,7 @@ impl Inner {
             };
             let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
             self.note_replayed(&map, log, &record, damage_free)?;
-            for (_, _, claim) in recovered.iter_mut().filter(|(_, seq, _)| *seq < record.header.seq) {
-                *claim = (*claim).max(record.header.durable_seq);
-            }
+            recovered.followed_by(&record);
             let segment = self.geometry.segment_of(record.offset_bytes);
             cursor = Cursor::after(&record, &self.geometry);
             match record.header.body {
@@ -277,14 +273,7 @@ impl Inner {
         // next run continues where the last link points.
         self.settle_owed_at_open(&map, log)?;
         drop(map);
-        // Complete damage in a record no later record proves durable is what a crash tearing
-        // its write leaves: the last record of the log, or — records of different segments
-        // reach the disk in any order before a flush — the last of its segment, with the
-        // log going on in another. (Only the latter once flagged a crash-model run.)
-        for &(index, seq, claim) in &recovered {
-            let damaged = &mut findings.damaged[index];
-            damaged.torn_tail = damaged.what.ends_with("(complete)") && claim < seq;
-        }
+        recovered.mark_torn_writes(&mut findings);
         findings.continue_in = if cursor.at_segment_start(&self.geometry) {
             // A jump named a segment whose link never became durable: the log goes on there
             // (it is free: nothing of this history was written to it).
@@ -677,6 +666,34 @@ impl Inner {
             cursor = Cursor::after(&next, &self.geometry);
         }
         claim
+    }
+}
+
+/// The damaged records replay applied, as (index in `RecoveryFindings::damaged`, sequence
+/// number, the highest durable sequence number a record after it claims).
+#[derive(Default)]
+struct RecoveredRecords(Vec<(usize, u64, u64)>);
+
+impl RecoveredRecords {
+    fn note(&mut self, index: usize, seq: u64) {
+        self.0.push((index, seq, 0));
+    }
+
+    fn followed_by(&mut self, record: &FoundRecord) {
+        for (_, _, claim) in self.0.iter_mut().filter(|(_, seq, _)| *seq < record.header.seq) {
+            *claim = (*claim).max(record.header.durable_seq);
+        }
+    }
+
+    /// Complete damage in a record no later record proves durable is what a crash tearing
+    /// its write leaves: the last record of the log, or — records of different segments
+    /// reach the disk in any order before a flush — the last of its segment, with the log
+    /// going on in another (a crash-model run once flagged one as damage).
+    fn mark_torn_writes(&self, findings: &mut RecoveryFindings) {
+        for &(index, seq, claim) in &self.0 {
+            let damaged = &mut findings.damaged[index];
+            damaged.torn_tail = damaged.what.ends_with("(complete)") && claim < seq;
+        }
     }
 }
 
