@@ -222,9 +222,11 @@ impl Inner {
     /// free GC's victims.
     fn check_room_for_dictionary(&self, dictionary_bytes_max: usize) -> Result<()> {
         let log = self.log.lock();
-        let added_bytes = crate::format::dictionary_table_bytes_max(
-            self.dictionaries.read().table.iter().map(|d| d.bytes.len()).chain([dictionary_bytes_max]),
-        ) - self.dictionaries.read().table_bytes_max();
+        let added_bytes = {
+            let state = self.dictionaries.read();
+            let lengths = state.table.iter().map(|d| d.bytes.len());
+            crate::format::dictionary_table_bytes_max(lengths.chain([dictionary_bytes_max])) - state.table_bytes_max()
+        };
         let needed_bytes = self.reserve_bytes(&log, SpaceClass::Host)
             + 2 * added_bytes
             + 2 * (self.checkpoint_room_bytes(&log) + added_bytes);
