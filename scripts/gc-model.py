@@ -20,28 +20,38 @@ import random
 
 
 def picker(pattern, blocks, rnd):
+    """The block each host write goes to, and the set of the hottest fifth of the blocks."""
     if pattern == "uniform":
-        return lambda: rnd.randrange(blocks)
+        return (lambda: rnd.randrange(blocks)), set(range(blocks // 5))
     scatter = list(range(blocks))
     rnd.shuffle(scatter)
+    hot = blocks // 5
     if pattern == "80/20":
-        hot = blocks // 5
-        return lambda: scatter[rnd.randrange(hot)] if rnd.random() < 0.8 else scatter[hot + rnd.randrange(blocks - hot)]
+        pick = lambda: scatter[rnd.randrange(hot)] if rnd.random() < 0.8 else scatter[hot + rnd.randrange(blocks - hot)]
+        return pick, set(scatter[:hot])
     theta = float(pattern.split(":")[1])
     cumulative, total = [], 0.0
     for rank in range(1, blocks + 1):
         total += 1 / rank**theta
         cumulative.append(total)
-    return lambda: scatter[min(bisect.bisect_left(cumulative, rnd.random() * total), blocks - 1)]
+    pick = lambda: scatter[min(bisect.bisect_left(cumulative, rnd.random() * total), blocks - 1)]
+    return pick, set(scatter[:hot])
 
 
-def run(pattern, policy, separate, nseg=127, per=512, util=0.8, reserve=4, passes=8, lag=0, seed=1):
+def run(pattern, policy, streams, nseg=127, per=512, util=0.8, reserve=4, passes=8, lag=0, seed=1, data_age=False):
+    """streams: 1 (one stream), 2 (host + cold), N > 2 (host + N-1 cold streams by how many
+    times GC moved the block: GC's first move to the first, its second to the second, ...),
+    0 (an oracle that knows each block's class: the hottest fifth of the blocks and the rest
+    each in streams of their own, host writes and GC's moves apart — a bound for separation)."""
     rnd = random.Random(seed)
     blocks = int(util * nseg * per)
     live = [0] * nseg
     held = [[] for _ in range(nseg)]  # fragments written to each segment (live or dead)
     written_at = [0] * nseg
     where = [-1] * blocks
+    moves = [0] * blocks  # times GC moved each block since the host last wrote it
+    born = [0] * blocks  # when the host last wrote each block
+    born_sum = [0] * nseg  # of the live blocks in each segment
     free = list(range(nseg))
     open_segment = {}
     clock = 0
@@ -51,12 +61,14 @@ def run(pattern, policy, separate, nseg=127, per=512, util=0.8, reserve=4, passe
         if segment is None or len(held[segment]) >= per:
             segment = free.pop(0)
             open_segment[stream] = segment
-            held[segment], live[segment] = [], 0
+            held[segment], live[segment], born_sum[segment] = [], 0, 0
         if where[block] >= 0:
             live[where[block]] -= 1
+            born_sum[where[block]] -= born[block]
         where[block] = segment
         held[segment].append(block)
         live[segment] += 1
+        born_sum[segment] += born[block]
         written_at[segment] = clock
 
     def clean_one():
@@ -68,19 +80,25 @@ def run(pattern, policy, separate, nseg=127, per=512, util=0.8, reserve=4, passe
 
         def cost_benefit(s):
             u = live[s] / per
-            return (1 - u) * (clock - written_at[s] + 1) / (1 + u)
+            # The age of the segment's last write, or (data_age) of its live data's host writes.
+            age = clock - (born_sum[s] / live[s] if data_age and live[s] else written_at[s])
+            return (1 - u) * (age + 1) / (1 + u)
 
         victim = min(candidates, key=lambda s: live[s]) if policy == "greedy" else max(candidates, key=cost_benefit)
         moved = [b for b in held[victim] if where[b] == victim]
         for block in moved:
-            append("cold" if separate else "host", block)
+            moves[block] += 1
+            if streams == 0:
+                append(("hot moved", "cold moved")[block not in hot], block)
+            else:
+                append(0 if streams == 1 else min(moves[block], streams - 1), block)
         held[victim], live[victim] = [], 0
         free.append(victim)
         return len(moved)
 
     for block in range(blocks):
-        append("host", block)
-    pick = picker(pattern, blocks, rnd)
+        append(0, block)
+    pick, hot = picker(pattern, blocks, rnd)
     total = passes * blocks
     moved = written = 0
     for i in range(total):
@@ -89,7 +107,9 @@ def run(pattern, policy, separate, nseg=127, per=512, util=0.8, reserve=4, passe
             gained = clean_one()
             if i >= total // 2:
                 moved += gained
-        append("host", pick())
+        block = pick()
+        moves[block], born[block] = 0, clock
+        append(0 if streams != 0 or block in hot else "cold written", block)
         if i >= total // 2:
             written += 1
     return moved / written
@@ -99,15 +119,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("patterns", nargs="?", default="uniform,80/20,zipf:1.2")
     parser.add_argument("--lag", type=int, default=0, help="victims at least this many host writes old first")
+    parser.add_argument("--streams", default="1,2", help="stream counts to model (1: one, 2: host + cold, N: N-1 cold streams by moves)")
+    parser.add_argument("--policies", default="greedy,cost-benefit")
+    parser.add_argument("--util", type=float, default=0.8)
+    parser.add_argument("--data-age", action="store_true", help="cost-benefit ages a segment by its live data's host writes")
     args = parser.parse_args()
     print("| pattern | policy | streams | moved per written | WA, 2:1 data (model) |")
     print("|---|---|---|---|---|")
     for pattern in args.patterns.split(","):
-        for policy in ("greedy", "cost-benefit"):
-            for separate in (False, True):
-                ratio = run(pattern, policy, separate, lag=args.lag)
-                streams = "host + cold" if separate else "one"
-                print(f"| {pattern} | {policy} | {streams} | {ratio:.2f} | {0.512 * (1 + ratio) + 0.03:.2f} |", flush=True)
+        for policy in args.policies.split(","):
+            for streams in map(int, args.streams.split(",")):
+                ratio = run(pattern, policy, streams, util=args.util, lag=args.lag, data_age=args.data_age)
+                name = {0: "oracle: hot and cold apart", 1: "one", 2: "host + cold"}.get(streams, f"host + {streams - 1} cold by moves")
+                print(f"| {pattern} | {policy} | {name} | {ratio:.2f} | {0.512 * (1 + ratio) + 0.03:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

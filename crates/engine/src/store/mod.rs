@@ -176,10 +176,12 @@ impl Store {
         let inner = Inner::from_checkpoint(backing, options, cipher, &chosen)?;
         let broken_link;
         let unlinked;
+        let torn_applied;
         {
             let mut log = inner.log.lock();
             let findings = inner.replay(&mut log, &sb)?;
             let continue_in = findings.continue_in;
+            torn_applied = findings.damaged.iter().any(|d| d.torn_tail);
             inner.recovery.set(findings).expect("recovery runs once");
             inner.settle_segments(&mut log, &chosen)?;
             // The next run goes on where the last segment's link points, so a later
@@ -205,6 +207,20 @@ impl Store {
             // replay from the retained checkpoints would not look. Checkpoint past the break.
             tracing::warn!("the segment the log's last link names is in use; checkpointing past it");
             inner.checkpoint_now()?;
+        }
+        if writable && torn_applied {
+            // Replay applied a record a crash tore (complete from its other copy). This run's
+            // records will claim it durable, so a later replay would take its damage for
+            // decay of a synced record. Two checkpoints take it out of both slots' replay.
+            for _ in 0..2 {
+                match inner.checkpoint_now() {
+                    Err(e) if e.kind() == ErrorKind::NoSpace => {
+                        tracing::warn!("checkpoint past a torn record at open: {e}");
+                        break;
+                    }
+                    other => other?,
+                }
+            }
         }
         if writable && sb.generation > 0 && chosen.older.is_none() {
             // One retained checkpoint only (a crash tore the other slot's write, or the
