@@ -24,6 +24,11 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 zdisk=${ZDISK_BIN:-$here/target/release/zdisk}
 dir=${1:-$(mktemp -d /var/tmp/zdisk-compare.XXXXXX)}
 runtime=${2:-15}
+# ROUNDS=N splits each point into N slices of SECONDS_PER_POINT/N, the targets taking turns
+# (default 1: each target's whole run after the other's). This VM's disk drifts within a
+# minute; with ROUNDS=4 every target sees the same drift, and the ratios steady.
+rounds=${ROUNDS:-1}
+slice=$((runtime / rounds))
 mkdir -p "$dir"
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -f "$dir"/*.sock "$dir"/o.json; }
 pids=()
@@ -53,7 +58,7 @@ uri() { echo "nbd+unix:///?socket=$dir/$1.sock"; }
 data=(--buffer_compress_percentage=50 --buffer_compress_chunk=4096 --refill_buffers=1 --size=4g)
 job() { # target rw bs qd [rwmixread] -> "iops mean_latency_us"
   fio --name=j --ioengine=nbd --uri="$(uri "$1")" --rw="$2" ${5:+--rwmixread=$5} --bs="$3" --iodepth="$4" \
-      --time_based=1 --runtime="$runtime" "${data[@]}" --output-format=json --output="$dir/o.json" >/dev/null 2>&1
+      --time_based=1 --runtime="$slice" "${data[@]}" --output-format=json --output="$dir/o.json" >/dev/null 2>&1
   python3 - "$dir/o.json" <<'PY'
 import json, sys
 j = json.load(open(sys.argv[1]))["jobs"][0]
@@ -78,12 +83,22 @@ row() { # name rw bs qd [mix]
     for word in "${words[@]}"; do [[ $1 == *"$word"* ]] && wanted=1; done
     ((wanted)) || return 0
   fi
-  read -r zi zl < <(job z "$2" "$3" "$4" "${5:-}")
-  read -r ri rl < <(job r "$2" "$3" "$4" "${5:-}")
-  read -r mi _ < <(job m "$2" "$3" "$4" "${5:-}")
+  # Each target runs ROUNDS slices, the targets taking turns, so that the disk's drift over
+  # the row falls on all of them alike; IOPS and latency are the means over the slices.
+  local targets_now=(z r m) t round i l
+  [[ -n ${ENCRYPTED:-} ]] && targets_now+=(e)
+  declare -A iops=() lat=()
+  for round in $(seq "$rounds"); do
+    for t in "${targets_now[@]}"; do
+      read -r i l < <(job "$t" "$2" "$3" "$4" "${5:-}")
+      iops[$t]=$((${iops[$t]:-0} + i)) lat[$t]=$((${lat[$t]:-0} + l))
+    done
+  done
+  local zi=$((iops[z] / rounds)) zl=$((lat[z] / rounds)) ri=$((iops[r] / rounds)) rl=$((lat[r] / rounds))
+  local mi=$((iops[m] / rounds))
   local extra=""
   if [[ -n ${ENCRYPTED:-} ]]; then
-    read -r ei _ < <(job e "$2" "$3" "$4" "${5:-}")
+    local ei=$((iops[e] / rounds))
     extra=$(python3 -c "print(f' $ei | {$ei/$zi:.2f} |')")
   fi
   python3 -c "print(f'| $1 | $zi | $ri | $mi | {$zi/$ri:.2f}x | {$zi/$mi:.2f} | $zl / $rl |$extra')"

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
+use aes_gcm_siv::aead::{AeadInOut, KeyInit};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
@@ -44,20 +44,20 @@ fn main() {
         let mut nonce = 0u64;
         per_op("AES-256-GCM-SIV seal", bytes, || {
             let n = next_nonce(&mut nonce);
-            let tag = siv.encrypt_in_place_detached((&n).into(), &aad, &mut buf).unwrap();
+            let tag = siv.encrypt_inout_detached(&n.into(), &aad, buf.as_mut_slice().into()).unwrap();
             std::hint::black_box(tag);
         });
         let n = [3u8; 12];
         let mut sealed = vec![0x5au8; bytes];
-        let tag = siv.encrypt_in_place_detached((&n).into(), &aad, &mut sealed).unwrap();
+        let tag = siv.encrypt_inout_detached(&n.into(), &aad, sealed.as_mut_slice().into()).unwrap();
         per_op("AES-256-GCM-SIV open (with the copy a read makes)", bytes, || {
             let mut plain = sealed.clone();
-            siv.decrypt_in_place_detached((&n).into(), &aad, &mut plain, &tag).unwrap();
+            siv.decrypt_inout_detached(&n.into(), &aad, plain.as_mut_slice().into(), &tag).unwrap();
             std::hint::black_box(plain);
         });
         per_op("AES-256-GCM seal (comparison)", bytes, || {
             let n = next_nonce(&mut nonce);
-            let tag = gcm.encrypt_in_place_detached((&n).into(), &aad, &mut buf).unwrap();
+            let tag = gcm.encrypt_inout_detached(&n.into(), &aad, buf.as_mut_slice().into()).unwrap();
             std::hint::black_box(tag);
         });
     }
@@ -75,7 +75,7 @@ fn main() {
             let mut block = aes::Block::default();
             block[..8].copy_from_slice(&use_seq.to_le_bytes());
             for _ in 0..blocks {
-                aes::cipher::BlockEncrypt::encrypt_block(&placement, &mut block);
+                aes::cipher::BlockCipherEncrypt::encrypt_block(&placement, &mut block);
             }
             use_seq += 1;
             std::hint::black_box(block);

@@ -18,8 +18,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use aes::cipher::BlockEncrypt;
-use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
+use aes::cipher::BlockCipherEncrypt;
+use aes_gcm_siv::aead::{AeadInOut, KeyInit};
 use aes_gcm_siv::{Aes256GcmSiv, Nonce, Tag};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -118,7 +118,7 @@ impl StoreCipher {
         let sealed_tag = self
             .keys
             .fragments
-            .encrypt_in_place_detached(&nonce(counter), &aad, &mut out[start..])
+            .encrypt_inout_detached(&nonce(counter), &aad, (&mut out[start..]).into())
             .map_err(|_| Error::new(ErrorKind::InvalidArgument, "fragment too long to seal"))?;
         out.extend_from_slice(&sealed_tag);
         Ok(())
@@ -138,7 +138,12 @@ impl StoreCipher {
         let aad = self.associated_data(domain, tag, entry_packed);
         self.keys
             .fragments
-            .decrypt_in_place_detached(&nonce(counter), &aad, &mut plaintext, Tag::from_slice(auth))
+            .decrypt_inout_detached(
+                &nonce(counter),
+                &aad,
+                plaintext.as_mut_slice().into(),
+                &Tag::try_from(auth).expect("16 bytes"),
+            )
             .map_err(|_| bad())?;
         Ok(plaintext)
     }
@@ -204,7 +209,7 @@ impl StoreCipher {
 fn nonce(counter: u64) -> Nonce {
     let mut bytes = [0u8; 12];
     bytes[4..].copy_from_slice(&counter.to_le_bytes());
-    *Nonce::from_slice(&bytes)
+    Nonce::from(bytes)
 }
 
 /// HKDF-SHA-256 of the data key, salted with the store's UUID, for one purpose.

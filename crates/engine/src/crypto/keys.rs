@@ -25,7 +25,7 @@
 //! its first 16 bytes (kind and KDF parameters), so none of them can be changed unnoticed.
 //! The key-encryption key is Argon2id(passphrase, salt) or HKDF-SHA-256(key file, salt).
 
-use aes_gcm_siv::aead::{AeadInPlace, KeyInit};
+use aes_gcm_siv::aead::{AeadInOut, KeyInit};
 use aes_gcm_siv::{Aes256GcmSiv, Nonce, Tag};
 use zeroize::Zeroizing;
 
@@ -154,9 +154,10 @@ impl KeyHeader {
             let mut key = Zeroizing::new([0u8; KEY_BYTES]);
             key.copy_from_slice(&slot.wrapped[..KEY_BYTES]);
             let aad = self.slot_aad(index, slot);
-            let tag = Tag::from_slice(&slot.wrapped[KEY_BYTES..]);
+            let tag = Tag::try_from(&slot.wrapped[KEY_BYTES..]).expect("16 bytes");
             let cipher = Aes256GcmSiv::new_from_slice(kek.as_slice()).expect("a 32-byte key");
-            if cipher.decrypt_in_place_detached(Nonce::from_slice(&slot.nonce), &aad, key.as_mut(), tag).is_ok() {
+            let nonce = Nonce::from(slot.nonce);
+            if cipher.decrypt_inout_detached(&nonce, &aad, key.as_mut_slice().into(), &tag).is_ok() {
                 return Ok((DataKey::from_bytes(*key), index));
             }
         }
@@ -328,7 +329,7 @@ impl KeyHeader {
         let aad = self.slot_aad(index, &slot);
         let cipher = Aes256GcmSiv::new_from_slice(kek.as_slice()).expect("a 32-byte key");
         let tag = cipher
-            .encrypt_in_place_detached(Nonce::from_slice(&slot.nonce), &aad, wrapped.as_mut())
+            .encrypt_inout_detached(&Nonce::from(slot.nonce), &aad, wrapped.as_mut_slice().into())
             .expect("32 bytes seal");
         slot.wrapped[..KEY_BYTES].copy_from_slice(wrapped.as_ref());
         slot.wrapped[KEY_BYTES..].copy_from_slice(&tag);
