@@ -23,6 +23,9 @@ fn idle_options(idle_after: Duration, dictionary_blocks: Option<u64>) -> OpenOpt
         background: true,
         codec_fallback: CodecFallback::Always,
         idle_after: Some(idle_after),
+        // These tests are about the host's absence: other tests' processes must not hold
+        // idle work back (`store/spare_cpu.rs`).
+        idle_spare_cores: 0.0,
         auto_dictionary_blocks: dictionary_blocks,
         ..test_options()
     }

@@ -201,6 +201,9 @@ impl Server {
         let mut command = scratch.zdisk();
         command
             .env("ZDISK_PLUGIN", plugin())
+            // Idle work waits for the host's absence only, not for the other tests' processes
+            // to leave a core free (`store/spare_cpu.rs`).
+            .env("ZDISK_IDLE_SPARE_CORES", "0")
             .arg("serve")
             .arg(store)
             .arg("--unix")

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use super::dictionaries::DictionaryOptions;
 use super::gc::RecompressTarget;
+use super::spare_cpu::SpareCpu;
 use super::state::Inner;
 use crate::codec::{Codec, CodecTag};
 use crate::error::Result;
@@ -101,6 +102,8 @@ pub(crate) struct IdleWork {
     /// dictionary's id then. Looking through every segment's hint again waits for a change
     /// (a store of a million segments would otherwise scan them ten times a second).
     nothing_hinted: Option<(u64, u32)>,
+    /// Whether other processes leave a core for idle work.
+    spare_cpu: SpareCpu,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -121,6 +124,7 @@ impl Default for IdleWork {
             window_blocks: 0,
             window_bytes: 0,
             nothing_hinted: None,
+            spare_cpu: SpareCpu::default(),
         }
     }
 }
@@ -137,6 +141,9 @@ impl Inner {
             return Ok(false);
         }
         if watch.quiet_since.elapsed() < idle_after {
+            return Ok(false);
+        }
+        if !watch.spare_cpu.core_is_spare(self.options.idle_spare_cores) {
             return Ok(false);
         }
         self.idle_work(watch)

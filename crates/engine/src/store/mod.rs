@@ -54,6 +54,7 @@ mod request;
 mod scan;
 mod segments;
 mod space;
+mod spare_cpu;
 mod state;
 mod streams;
 #[cfg(test)]

@@ -79,6 +79,9 @@ pub struct OpenOptions {
     /// recompression of what the write path stored with its fallback codec, and the first
     /// dictionary. None: never. Defaults to `ZDISK_IDLE_AFTER_MS`, else 2 s.
     pub idle_after: Option<std::time::Duration>,
+    /// Idle work also waits until other processes leave at least this many cores unused
+    /// (`store/spare_cpu.rs`; 0: never waits). Defaults to `ZDISK_IDLE_SPARE_CORES`, else 1.
+    pub idle_spare_cores: f64,
     /// Train the store's first zstd dictionary on its own, when idle, once it holds this
     /// many stored blocks (default 4096: 16 MiB; None: never). A store with a dictionary is
     /// refused by zdisk versions before dictionaries (docs/format.md, "Dictionaries").
@@ -110,12 +113,26 @@ impl Default for OpenOptions {
             codec_fallback: CodecFallback::from_env(),
             pacing: std::env::var("ZDISK_PACING").is_ok_and(|v| v == "on"),
             idle_after: idle_after_from_env(),
+            idle_spare_cores: idle_spare_cores_from_env(),
             auto_dictionary_blocks: Some(super::idle::AUTO_DICTIONARY_BLOCKS_MIN),
             key: None,
             nonce_lease: crate::crypto::cipher::NONCE_LEASE_DEFAULT,
             #[cfg(feature = "sim")]
             nonce_observer: None,
         }
+    }
+}
+
+/// `ZDISK_IDLE_SPARE_CORES` (cores, fractions allowed; 0: idle work never waits for the
+/// machine), else `SPARE_CORES_MIN`.
+fn idle_spare_cores_from_env() -> f64 {
+    let default = super::spare_cpu::SPARE_CORES_MIN;
+    match std::env::var("ZDISK_IDLE_SPARE_CORES") {
+        Ok(v) => v.parse::<f64>().ok().filter(|c| c.is_finite() && *c >= 0.0).unwrap_or_else(|| {
+            tracing::warn!("ZDISK_IDLE_SPARE_CORES={v:?} is not a number of cores; using {default}");
+            default
+        }),
+        Err(_) => default,
     }
 }
 
