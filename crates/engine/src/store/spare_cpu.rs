@@ -11,7 +11,11 @@
 //! looks at least `SAMPLE_INTERVAL` apart: the cores' time not used by other processes —
 //! idle and I/O wait, plus this process's own (what idle work would take anyway) — in
 //! cores. Steal counts as used. Where `/proc` cannot be read, every core is taken as spare
-//! (the behaviour before this check).
+//! (the behaviour before this check). At most half the cores are asked for (a one-core
+//! machine would otherwise need everything else to stop). Limit: `/proc/stat` counts the
+//! whole machine's cores while `cores` is what this process may use (affinity, cgroup
+//! quota), so in a container confined to a few cores of a big host the measure is the
+//! host's idle share scaled to those cores.
 
 use std::time::{Duration, Instant};
 
@@ -95,6 +99,8 @@ impl SpareCpu {
         if spare_cores_min <= 0.0 {
             return true;
         }
+        // On one core, "one core spare" would be "nothing else runs at all".
+        let needed = spare_cores_min.min(self.cores as f64 / 2.0);
         let now = Instant::now();
         if self.last.is_some_and(|(at, _)| now.duration_since(at) < SAMPLE_INTERVAL) {
             return self.spare;
@@ -102,10 +108,10 @@ impl SpareCpu {
         let Some(ticks) = read_ticks() else { return true };
         if let Some((_, before)) = self.last {
             if let Some(spare) = spare_cores(before, ticks, self.cores) {
-                if self.spare && spare < spare_cores_min {
+                if self.spare && spare < needed {
                     tracing::debug!("idle work waits: {spare:.2} cores spare of {}", self.cores);
                 }
-                self.spare = spare >= spare_cores_min;
+                self.spare = spare >= needed;
             }
         }
         self.last = Some((now, ticks));
