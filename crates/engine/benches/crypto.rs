@@ -11,6 +11,8 @@ use std::time::Instant;
 use aes_gcm_siv::aead::{AeadInOut, KeyInit};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use zdisk_engine::crypto::cipher::StoreCipher;
+use zdisk_engine::crypto::DataKey;
 
 const ROUNDS: usize = 50_000;
 
@@ -81,6 +83,14 @@ fn main() {
             std::hint::black_box(block);
         });
     }
+    // The store's own function, as the log calls it for every fragment.
+    let store_cipher = StoreCipher::new([5u8; 16], &DataKey::from_bytes(key), None);
+    let sealed = vec![0x33u8; 2048 + 24];
+    let mut use_seq = 0u64;
+    per_op("StoreCipher::placement (the use bound: 2 AES blocks)", 16, || {
+        use_seq += 1;
+        std::hint::black_box(store_cipher.placement(use_seq * 4096, use_seq, &sealed));
+    });
     let record = vec![9u8; 64 + 32 * 8];
     per_op("HMAC-SHA-256 of a record (keyed each time)", record.len(), || {
         let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&key).unwrap();
