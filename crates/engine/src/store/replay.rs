@@ -218,7 +218,7 @@ impl Inner {
                 Choice::Intact(record) => record,
                 Choice::Recovered(record, why) => {
                     findings.damaged.push(damage_report(&record, why));
-                    recovered.note(findings.damaged.len() - 1, record.header.seq);
+                    recovered.note(findings.damaged.len() - 1, record.header.seq, why == COMPLETE);
                     record
                 }
                 Choice::Torn => break,
@@ -472,7 +472,7 @@ impl Inner {
                 _ => PayloadState::Intact,
             };
             let why = match payload {
-                PayloadState::Intact | PayloadState::FragmentsVerify => "complete",
+                PayloadState::Intact | PayloadState::FragmentsVerify => COMPLETE,
                 _ if self.proof_from(cache, starts, &record, record.header.seq) => {
                     "a later record proves it was durable"
                 }
@@ -669,19 +669,30 @@ impl Inner {
     }
 }
 
-/// The damaged records replay applied, as (index in `RecoveryFindings::damaged`, sequence
-/// number, the highest durable sequence number a record after it claims).
+/// Why a damaged record is applied when one copy of its description and its payload survive.
+const COMPLETE: &str = "complete";
+
+/// A damaged record replay applied, with what decides whether it is a torn write.
+struct Recovered {
+    /// Its index in `RecoveryFindings::damaged`.
+    index: usize,
+    seq: u64,
+    complete: bool,
+    /// The highest durable sequence number a record after it claims.
+    claim: u64,
+}
+
 #[derive(Default)]
-struct RecoveredRecords(Vec<(usize, u64, u64)>);
+struct RecoveredRecords(Vec<Recovered>);
 
 impl RecoveredRecords {
-    fn note(&mut self, index: usize, seq: u64) {
-        self.0.push((index, seq, 0));
+    fn note(&mut self, index: usize, seq: u64, complete: bool) {
+        self.0.push(Recovered { index, seq, complete, claim: 0 });
     }
 
     fn followed_by(&mut self, record: &FoundRecord) {
-        for (_, _, claim) in self.0.iter_mut().filter(|(_, seq, _)| *seq < record.header.seq) {
-            *claim = (*claim).max(record.header.durable_seq);
+        for r in self.0.iter_mut().filter(|r| r.seq < record.header.seq) {
+            r.claim = r.claim.max(record.header.durable_seq);
         }
     }
 
@@ -690,9 +701,8 @@ impl RecoveredRecords {
     /// reach the disk in any order before a flush — the last of its segment, with the log
     /// going on in another (a crash-model run once flagged one as damage).
     fn mark_torn_writes(&self, findings: &mut RecoveryFindings) {
-        for &(index, seq, claim) in &self.0 {
-            let damaged = &mut findings.damaged[index];
-            damaged.torn_tail = damaged.what.ends_with("(complete)") && claim < seq;
+        for r in &self.0 {
+            findings.damaged[r.index].torn_tail = r.complete && r.claim < r.seq;
         }
     }
 }
@@ -777,4 +787,29 @@ fn restores_crc(payload: &mut [u8], damaged: &[(std::ops::Range<usize>, Vec<usiz
         }
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn damaged() -> DamagedRecord {
+        DamagedRecord { what: String::new(), lbas: Vec::new(), torn_tail: false, maps_nothing: false, offset_bytes: 0 }
+    }
+
+    #[test]
+    fn a_torn_write_is_complete_damage_no_later_record_proves_durable() {
+        let mut findings = RecoveryFindings { damaged: vec![damaged(), damaged(), damaged()], ..Default::default() };
+        let recovered = RecoveredRecords(vec![
+            // Complete, nothing after it claims it: torn.
+            Recovered { index: 0, seq: 7, complete: true, claim: 6 },
+            // Complete, but a later record claims it durable: decay.
+            Recovered { index: 1, seq: 8, complete: true, claim: 8 },
+            // Applied for one flipped bit, not complete: never a torn write.
+            Recovered { index: 2, seq: 9, complete: false, claim: 0 },
+        ]);
+        recovered.mark_torn_writes(&mut findings);
+        let torn: Vec<bool> = findings.damaged.iter().map(|d| d.torn_tail).collect();
+        assert_eq!(torn, [true, false, false]);
+    }
 }
