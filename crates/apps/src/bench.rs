@@ -731,27 +731,7 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
     let seed_zlib = if need_zlib { Some(load_seed(ctx, s, &lua, &text, true)?) } else { None };
 
     // One stack per storage kind, all attached for the whole run; one database at a time.
-    let mut stacks: Vec<Stack> = Vec::new();
-    for key in &s.configs {
-        let kind = key.stack();
-        if stacks.iter().any(|st| st.kind == kind) {
-            continue;
-        }
-        progress(&format!("stack {}: device, ext4, copy of the loaded data", kind.name()));
-        let st = make_stack(ctx, s, kind, kind.name())?;
-        let seed = if kind == StackKind::RawZlib { seed_zlib.as_ref() } else { seed_plain.as_ref() };
-        let datadir = st.datadir(s.db);
-        stack::copy_tree(seed.context("seed")?, &datadir)?;
-        if s.db == Db::Postgres {
-            db::chown_postgres(&st.mount.dir)?;
-        }
-        report.loop_dio.push((kind.name().into(), st.device.dio));
-        if !st.device.dio {
-            report.notes.push(format!("stack {}: the loop device does NOT use direct I/O", kind.name()));
-        }
-        report.capacity.push(capacity(&st, s.db, "loaded"));
-        stacks.push(st);
-    }
+    let mut stacks = make_stacks(ctx, s, report, seed_plain.as_ref(), seed_zlib.as_ref())?;
 
     let mut order = s.configs.clone();
     let mut turn = 0usize;
@@ -809,41 +789,81 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
     }
     // Offline codecs over the raw stack's final database files, 4 KiB at a time.
     if let Some(st) = stacks.iter().find(|st| st.kind == StackKind::Raw || st.kind == StackKind::Zdisk) {
-        let files = sys::files_with_suffix(&st.datadir(s.db), &[".ibd", "ibdata1", ""]);
-        let files: Vec<PathBuf> = files.into_iter().filter(|p| is_table_file(s.db, p)).collect();
-        progress(&format!("offline LZ4/zstd/DEFLATE over {} database files ({} stack)", files.len(), st.kind.name()));
-        report.offline = Some(corpus::offline_ratios(&files)?);
-        // zdisk formatted with each codec, holding the same final database files.
-        for codec in &s.ratio_codecs {
-            sys::check_interrupt()?;
-            progress(&format!("comp_ratio with --codec {codec}: copy of the final database files"));
-            let name = format!("ratio-{}", codec.replace(':', "-"));
-            let store = ctx.work.join(format!("{name}.zdisk"));
-            let dev = Device::zdisk_new(ctx, &store, s.fs_size, s.fs_size, &["--codec".to_string(), codec.clone()])?;
-            stack::mkfs_ext4(&dev.path)?;
-            let m = Mount::new(&dev.path, &ctx.work.join(format!("mnt-{name}")), &s.mount_options)?;
-            let base = zdisk_sizes(&dev)?;
-            stack::copy_tree(&st.datadir(s.db), &m.dir.join("data"))?;
-            let (files_bytes, _) = sys::tree_sizes(&m.dir.join("data"));
-            let now = zdisk_sizes(&dev)?;
-            let z = dev.zdisk_stat().unwrap_or_default();
-            report.codec_ratios.push(CodecRatio {
-                codec: codec.clone(),
-                data_comp_ratio: delta_ratio(base, now).unwrap_or(0.0),
-                comp_ratio: z["comp_ratio"].as_f64().unwrap_or(0.0),
-                physical_size: z["physical_size"].as_u64().unwrap_or(0),
-                logical_size: z["logical_size"].as_u64().unwrap_or(0),
-                db_files_bytes: files_bytes,
-            });
-            m.unmount()?;
-            dev.detach()?;
-            let _ = std::fs::remove_file(&store);
-        }
+        measure_codec_ratios(ctx, s, st, report)?;
     }
     for st in stacks.drain(..).rev() {
         let Stack { mount, device, .. } = st;
         mount.unmount()?;
         device.detach()?;
+    }
+    Ok(())
+}
+
+/// One stack per storage kind the configurations need, each holding a copy of its loaded
+/// seed database; notes each one's direct I/O and its capacity as loaded.
+fn make_stacks(
+    ctx: &Ctx,
+    s: &Settings,
+    report: &mut Report,
+    seed_plain: Option<&PathBuf>,
+    seed_zlib: Option<&PathBuf>,
+) -> Result<Vec<Stack>> {
+    let mut stacks: Vec<Stack> = Vec::new();
+    for key in &s.configs {
+        let kind = key.stack();
+        if stacks.iter().any(|st| st.kind == kind) {
+            continue;
+        }
+        progress(&format!("stack {}: device, ext4, copy of the loaded data", kind.name()));
+        let st = make_stack(ctx, s, kind, kind.name())?;
+        let seed = if kind == StackKind::RawZlib { seed_zlib } else { seed_plain };
+        let datadir = st.datadir(s.db);
+        stack::copy_tree(seed.context("seed")?, &datadir)?;
+        if s.db == Db::Postgres {
+            db::chown_postgres(&st.mount.dir)?;
+        }
+        report.loop_dio.push((kind.name().into(), st.device.dio));
+        if !st.device.dio {
+            report.notes.push(format!("stack {}: the loop device does NOT use direct I/O", kind.name()));
+        }
+        report.capacity.push(capacity(&st, s.db, "loaded"));
+        stacks.push(st);
+    }
+    Ok(stacks)
+}
+
+/// The offline codecs' ratios over `st`'s final database files (4 KiB at a time), and
+/// zdisk's `comp_ratio` with each of `--ratio-codecs` holding a copy of them.
+fn measure_codec_ratios(ctx: &Ctx, s: &Settings, st: &Stack, report: &mut Report) -> Result<()> {
+    let files = sys::files_with_suffix(&st.datadir(s.db), &[".ibd", "ibdata1", ""]);
+    let files: Vec<PathBuf> = files.into_iter().filter(|p| is_table_file(s.db, p)).collect();
+    progress(&format!("offline LZ4/zstd/DEFLATE over {} database files ({} stack)", files.len(), st.kind.name()));
+    report.offline = Some(corpus::offline_ratios(&files)?);
+    // zdisk formatted with each codec, holding the same final database files.
+    for codec in &s.ratio_codecs {
+        sys::check_interrupt()?;
+        progress(&format!("comp_ratio with --codec {codec}: copy of the final database files"));
+        let name = format!("ratio-{}", codec.replace(':', "-"));
+        let store = ctx.work.join(format!("{name}.zdisk"));
+        let dev = Device::zdisk_new(ctx, &store, s.fs_size, s.fs_size, &["--codec".to_string(), codec.clone()])?;
+        stack::mkfs_ext4(&dev.path)?;
+        let m = Mount::new(&dev.path, &ctx.work.join(format!("mnt-{name}")), &s.mount_options)?;
+        let base = zdisk_sizes(&dev)?;
+        stack::copy_tree(&st.datadir(s.db), &m.dir.join("data"))?;
+        let (files_bytes, _) = sys::tree_sizes(&m.dir.join("data"));
+        let now = zdisk_sizes(&dev)?;
+        let z = dev.zdisk_stat().unwrap_or_default();
+        report.codec_ratios.push(CodecRatio {
+            codec: codec.clone(),
+            data_comp_ratio: delta_ratio(base, now).unwrap_or(0.0),
+            comp_ratio: z["comp_ratio"].as_f64().unwrap_or(0.0),
+            physical_size: z["physical_size"].as_u64().unwrap_or(0),
+            logical_size: z["logical_size"].as_u64().unwrap_or(0),
+            db_files_bytes: files_bytes,
+        });
+        m.unmount()?;
+        dev.detach()?;
+        let _ = std::fs::remove_file(&store);
     }
     Ok(())
 }
