@@ -248,20 +248,11 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
-pub fn write(out: &Path, r: &Report) -> Result<()> {
-    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(r)?)?;
-    let db: crate::db::Db = r.settings.db;
-    let agg = aggregate(&r.points);
-    let threads = r.settings.threads.clone();
-    let configs = r.settings.configs.clone();
-    let mut tables: Vec<Table> = Vec::new();
-    let mut charts: Vec<String> = Vec::new();
-    let mut headline: Vec<String> = Vec::new();
-
-    // Goals (the issue's, from the whitepaper's direction), as ratios from this one run.
+/// The issue's goals (from the whitepaper's direction), as ratios from this one run.
+fn goals_table(r: &Report, agg: &BTreeMap<Key, Agg>, threads: &[u32]) -> Table {
     let mut goal_rows = Vec::new();
     for &w in &r.settings.workloads {
-        for &t in &threads {
+        for &t in threads {
             let get = |c: ConfigKey| agg.get(&(c, w, t)).cloned();
             let (Some(z), Some(raw)) = (get(ConfigKey::ZdiskNodw), get(ConfigKey::RawDw)) else { continue };
             let zlib = get(ConfigKey::RawZlib);
@@ -285,7 +276,7 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
             ]);
         }
     }
-    tables.push(Table {
+    Table {
         title: "zdisk (guard off) against raw (guard on): the issue's goals".into(),
         headers: vec![
             "workload".into(),
@@ -298,13 +289,20 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
             "transport share of raw TPS % (1 − raw-dw/loop-dw)".into(),
         ],
         rows: goal_rows,
-    });
+    }
+}
 
+/// Per workload: a table of TPS (p95) per thread count and configuration, and its charts
+/// (TPS, p95, and the CPU split at the most threads).
+fn workload_tables(r: &Report, agg: &BTreeMap<Key, Agg>, tables: &mut Vec<Table>, charts: &mut Vec<String>) {
+    let db: crate::db::Db = r.settings.db;
+    let threads = &r.settings.threads;
+    let configs = &r.settings.configs;
     for &w in &r.settings.workloads {
         let mut rows = Vec::new();
-        for &t in &threads {
+        for &t in threads {
             let mut row = vec![t.to_string()];
-            for &c in &configs {
+            for &c in configs {
                 row.push(
                     agg.get(&(c, w, t)).map(|a| format!("{} ({} ms)", f(a.tps, 1), f(a.p95, 1))).unwrap_or("—".into()),
                 );
@@ -323,7 +321,7 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
         charts.push(line_chart(
             &format!("{} {}: transactions per second", db.name(), w.key()),
             "TPS",
-            &threads,
+            threads,
             &series_tps,
         ));
         let series_p95: Vec<(String, &str, Vec<Option<f64>>)> = configs
@@ -332,7 +330,7 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
                 (c.key().to_string(), color(c), threads.iter().map(|&t| agg.get(&(c, w, t)).map(|a| a.p95)).collect())
             })
             .collect();
-        charts.push(line_chart(&format!("{} {}: p95 latency", db.name(), w.key()), "p95 ms", &threads, &series_p95));
+        charts.push(line_chart(&format!("{} {}: p95 latency", db.name(), w.key()), "p95 ms", threads, &series_p95));
         let tmax = *threads.iter().max().unwrap_or(&1);
         let bars: Vec<(String, [f64; 4])> = configs
             .iter()
@@ -346,9 +344,12 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
                 .push(cpu_bars(&format!("{} {} at {tmax} threads: CPU ms per transaction", db.name(), w.key()), &bars));
         }
     }
+}
 
+/// CPU and I/O per transaction, for every point.
+fn cpu_table(agg: &BTreeMap<Key, Agg>) -> Table {
     let mut rows = Vec::new();
-    for ((c, w, t), a) in &agg {
+    for ((c, w, t), a) in agg {
         rows.push(vec![
             c.key().into(),
             w.key().into(),
@@ -365,7 +366,7 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
             f(a.swkib, 1),
         ]);
     }
-    tables.push(Table {
+    Table {
         title: "CPU and I/O per transaction".into(),
         headers: [
             "target",
@@ -385,8 +386,12 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
         .map(String::from)
         .to_vec(),
         rows,
-    });
+    }
+}
 
+/// Storage used per stack and phase, and the compression of the final database files; their
+/// headline lines.
+fn capacity_tables(r: &Report, tables: &mut Vec<Table>, headline: &mut Vec<String>) {
     let mut cap_rows = Vec::new();
     for c in &r.capacity {
         let z = c.zdisk.as_ref();
@@ -481,7 +486,27 @@ pub fn write(out: &Path, r: &Report) -> Result<()> {
         headers: ["how", "ratio", "logical GiB", "physical GiB"].map(String::from).to_vec(),
         rows: codec_rows,
     });
+}
 
+/// Writes report.json, summary.md and report.html into `out`.
+pub fn write(out: &Path, r: &Report) -> Result<()> {
+    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(r)?)?;
+    let agg = aggregate(&r.points);
+    let mut tables: Vec<Table> = Vec::new();
+    let mut charts: Vec<String> = Vec::new();
+    let mut headline: Vec<String> = Vec::new();
+
+    tables.push(goals_table(r, &agg, &r.settings.threads));
+    workload_tables(r, &agg, &mut tables, &mut charts);
+    tables.push(cpu_table(&agg));
+
+    capacity_tables(r, &mut tables, &mut headline);
+    write_summary(out, r, &headline, &tables, &charts)
+}
+
+/// summary.md and report.html: the introduction, the headline, the tables and the charts.
+fn write_summary(out: &Path, r: &Report, headline: &[String], tables: &[Table], charts: &[String]) -> Result<()> {
+    let db: crate::db::Db = r.settings.db;
     let guard = db.torn_page_guard();
     let intro = format!(
         "zdisk db bench {} — preset {:?}; {} tables x {} rows (modified schema: two text columns of real text){}; \
@@ -501,7 +526,7 @@ Ratios come from one run on a noisy 2-core VM: compare columns, not absolute num
             String::new()
         },
         r.settings.buffer_pool >> 20,
-        threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","),
+        r.settings.threads.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","),
         r.settings.time_s,
         r.settings.warmup_s,
         r.settings.rounds,
@@ -515,11 +540,11 @@ Ratios come from one run on a noisy 2-core VM: compare columns, not absolute num
     );
 
     let mut md = format!("# zdisk db bench: {}\n\n{intro}\n", db.name());
-    for h in &headline {
+    for h in headline {
         let _ = writeln!(md, "- {h}");
     }
     md.push('\n');
-    for t in &tables {
+    for t in tables {
         md.push_str(&t.md());
     }
     if !r.notes.is_empty() || !r.errors.is_empty() {
@@ -539,13 +564,13 @@ td,th{{border:1px solid #ccc;padding:3px 7px;font-size:13px}}th{{background:#f3f
         db.name(),
         esc(&intro).replace("\n\n", "</p><p>")
     );
-    for h in &headline {
+    for h in headline {
         let _ = write!(html, "<li>{}</li>", esc(h));
     }
     html.push_str("</ul>");
     html.push_str(&tables[0].html());
     html.push_str("<h2>Charts</h2>");
-    for c in &charts {
+    for c in charts {
         html.push_str(c);
     }
     for t in &tables[1..] {
