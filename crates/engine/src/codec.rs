@@ -270,6 +270,14 @@ impl DictionarySet {
         self.dictionaries.iter()
     }
 
+    /// Whether dictionary `id` is one the store has dropped: ids rise and the newest is
+    /// never dropped, so an id missing below one held was freed — which happens only once
+    /// no fragment the map points at names it. A fragment naming it is dead bytes that
+    /// cannot be decoded any more.
+    pub fn dropped(&self, id: u32) -> bool {
+        self.get(id).is_none() && self.iter().any(|d| d.id > id)
+    }
+
     pub fn len(&self) -> usize {
         self.dictionaries.len()
     }

@@ -505,5 +505,5 @@ impl Inner {
 
 /// Whether a dictionary fragment naming `named` names a dictionary the store no longer keeps.
 fn freed_dictionary(stored: &Stored, named: Option<u32>, dictionaries: &crate::codec::DictionarySet) -> bool {
-    stored.codec == crate::codec::CodecTag::ZstdDict && named.is_some_and(|id| dictionaries.get(id).is_none())
+    stored.codec == crate::codec::CodecTag::ZstdDict && named.is_some_and(|id| dictionaries.dropped(id))
 }

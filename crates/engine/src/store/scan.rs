@@ -13,7 +13,7 @@
 //! the segment breaks that).
 
 use super::state::{round_up, Inner};
-use crate::codec::{decompress_block, DictionarySet};
+use crate::codec::{decompress_block, frame_dictionary_id, CodecTag, DictionarySet};
 
 /// What parsing a record needs to know of its store: its tag (records of other stores are
 /// not ours) and its dictionaries (a damaged record's fragments are verified by decoding).
@@ -216,6 +216,16 @@ pub(crate) fn walk_fragments(
             entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
             at += fragment.len();
             continue;
+        } else if pi.entry.codec == CodecTag::ZstdDict
+            && frame_dictionary_id(&fragment[PI_BYTES..]).is_some_and(|id| dictionaries.dropped(id))
+        {
+            // A dead fragment of a dictionary freed since (a torn record GC has not cleaned
+            // away yet): its guard cannot be checked, but its protection information decoded
+            // and it fits, so the walk goes on. The map names no such fragment; were one
+            // applied, its reads would fail, never return other bytes.
+            entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
+            at += fragment.len();
+            continue;
         } else {
             decompress_block(pi.entry.codec, &fragment[PI_BYTES..], &mut block, dictionaries).ok()?;
         }
@@ -406,5 +416,66 @@ impl SegmentCache {
         };
         let (image, base) = self.image_at(inner, offset)?;
         parse_record_near(image, base, offset, &context, accept)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::codec::{Codec, Dictionary};
+    use crate::format::FragmentEntry;
+    use crate::types::Lba;
+
+    /// A block of text lines from a small vocabulary (what a dictionary learns), by seed.
+    fn text_block(seed: u64) -> Vec<u8> {
+        let words = ["segment ", "record ", "the ", "fragment\n", "map ", "of ", "dictionary ", "zdisk "];
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut out = Vec::with_capacity(BLOCK_SIZE + 16);
+        while out.len() < BLOCK_SIZE {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            out.extend_from_slice(words[(state >> 33) as usize % words.len()].as_bytes());
+        }
+        out.truncate(BLOCK_SIZE);
+        out
+    }
+
+    fn dictionary(id: u32) -> Arc<Dictionary> {
+        let samples: Vec<Vec<u8>> = (0..200).map(|s| text_block(s * 7919 + u64::from(id))).collect();
+        Arc::new(Dictionary::train(&samples, id, 1, 16 << 10).unwrap())
+    }
+
+    /// A payload of two fragments: block 10 in plain zstd, block 11 in dictionary `named`.
+    fn payload(named: &Dictionary) -> Vec<u8> {
+        let mut payload = Vec::new();
+        for (lba, tag_wanted) in [(10u64, CodecTag::Zstd), (11, CodecTag::ZstdDict)] {
+            let block = text_block(lba);
+            let mut out = Vec::new();
+            let tag = match tag_wanted {
+                CodecTag::ZstdDict => named.compress_block(&block, &mut out),
+                _ => Codec::Zstd { level: 1 }.compress_block(&block, &mut out),
+            };
+            assert_eq!(tag, tag_wanted);
+            let entry = FragmentEntry { stored_len: (PI_BYTES + out.len()) as u16, codec: tag };
+            payload.extend_from_slice(&Protection { guard: crc32c::crc32c(&block), lba: Lba(lba), entry }.encode());
+            payload.extend_from_slice(&out);
+        }
+        payload
+    }
+
+    #[test]
+    fn a_fragment_of_a_dropped_dictionary_does_not_stop_the_walk_but_one_of_an_unknown_one_does() {
+        let (first, second, third) = (dictionary(1), dictionary(2), dictionary(3));
+        let walk = |named: &Dictionary, held: Vec<Arc<Dictionary>>| {
+            walk_fragments(&payload(named), 0, &DictionarySet::new(held), None).map(|e| e.len())
+        };
+        assert_eq!(walk(&first, vec![first.clone(), second.clone()]), Some(2), "both held");
+        // Dictionary 1 was freed once dictionary 2 was GC's: a torn record's dead fragments
+        // still name it, and the segment's later records must still be found.
+        assert_eq!(walk(&first, vec![second.clone()]), Some(2), "a dropped dictionary's fragment");
+        // An id above every one held was never the store's: damage, not a freed dictionary.
+        assert_eq!(walk(&third, vec![second.clone()]), None, "a dictionary newer than any held");
+        assert_eq!(walk(&first, Vec::new()), None, "a store holding no dictionary");
     }
 }
