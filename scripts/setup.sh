@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(
-  build-essential pkg-config        # C parts of the codec crates (zstd, libdeflate)
+  build-essential pkg-config        # C parts of the codec crates (zstd, libdeflate) and AWS-LC
   nbdkit                            # the NBD server the plugin runs in
   libnbd-bin                        # nbdinfo, nbdcopy, nbdfuse
   fio                               # workloads (nbd engine), demo and tests

@@ -18,13 +18,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use aes::cipher::BlockCipherEncrypt;
-use aes_gcm_siv::aead::{AeadInOut, KeyInit};
-use aes_gcm_siv::{Aes256GcmSiv, Nonce, Tag};
+use aes::cipher::{BlockCipherEncrypt, KeyInit};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
+use super::aead::{Aead, NONCE_BYTES};
 use super::keys::KeyHeader;
 use super::{DataKey, KeyMemoryLock, KEY_BYTES};
 use crate::backing::Backing;
@@ -64,11 +63,11 @@ pub struct StoreCipher {
     placement_binds_use: bool,
 }
 
-/// The fragment key (as the AEAD's key schedule, zeroized on drop by the `aes` crate's
-/// `zeroize` feature), the placement key (an AES-256 key schedule, likewise) and the
-/// metadata key.
+/// The fragment key (as the AEAD's key schedule, in AWS-LC's allocation, which it cleanses
+/// when freed), the placement key (an AES-256 key schedule, zeroized on drop by the `aes`
+/// crate's `zeroize` feature) and the metadata key.
 struct DerivedKeys {
-    fragments: Aes256GcmSiv,
+    fragments: Aead,
     placement: aes::Aes256,
     metadata_key: Zeroizing<[u8; KEY_BYTES]>,
 }
@@ -84,7 +83,7 @@ impl StoreCipher {
     pub fn new(uuid: [u8; 16], key: &DataKey, nonces: Option<NonceSource>) -> StoreCipher {
         let fragment_key = derive(key, &uuid, b"zdisk fragments v1");
         let keys = Box::new(DerivedKeys {
-            fragments: Aes256GcmSiv::new_from_slice(fragment_key.as_slice()).expect("a 32-byte key"),
+            fragments: Aead::new(&fragment_key),
             placement: aes::Aes256::new_from_slice(derive(key, &uuid, b"zdisk placement v1").as_slice())
                 .expect("a 32-byte key"),
             metadata_key: derive(key, &uuid, b"zdisk metadata v1"),
@@ -115,11 +114,7 @@ impl StoreCipher {
         let start = out.len();
         out.extend_from_slice(plaintext);
         let aad = self.associated_data(domain, tag, entry_packed);
-        let sealed_tag = self
-            .keys
-            .fragments
-            .encrypt_inout_detached(&nonce(counter), &aad, (&mut out[start..]).into())
-            .map_err(|_| Error::new(ErrorKind::InvalidArgument, "fragment too long to seal"))?;
+        let sealed_tag = self.keys.fragments.seal(nonce(counter), &aad, &mut out[start..]);
         out.extend_from_slice(&sealed_tag);
         Ok(())
     }
@@ -136,15 +131,7 @@ impl StoreCipher {
         let counter = u64::from_le_bytes(counter.try_into().expect("8 bytes"));
         let mut plaintext = ciphertext.to_vec();
         let aad = self.associated_data(domain, tag, entry_packed);
-        self.keys
-            .fragments
-            .decrypt_inout_detached(
-                &nonce(counter),
-                &aad,
-                plaintext.as_mut_slice().into(),
-                &Tag::try_from(auth).expect("16 bytes"),
-            )
-            .map_err(|_| bad())?;
+        self.keys.fragments.open(nonce(counter), &aad, &mut plaintext, auth).map_err(|_| bad())?;
         Ok(plaintext)
     }
 
@@ -206,10 +193,10 @@ impl StoreCipher {
     }
 }
 
-fn nonce(counter: u64) -> Nonce {
-    let mut bytes = [0u8; 12];
+fn nonce(counter: u64) -> [u8; NONCE_BYTES] {
+    let mut bytes = [0u8; NONCE_BYTES];
     bytes[4..].copy_from_slice(&counter.to_le_bytes());
-    Nonce::from(bytes)
+    bytes
 }
 
 /// HKDF-SHA-256 of the data key, salted with the store's UUID, for one purpose.

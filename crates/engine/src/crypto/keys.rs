@@ -25,10 +25,9 @@
 //! its first 16 bytes (kind and KDF parameters), so none of them can be changed unnoticed.
 //! The key-encryption key is Argon2id(passphrase, salt) or HKDF-SHA-256(key file, salt).
 
-use aes_gcm_siv::aead::{AeadInOut, KeyInit};
-use aes_gcm_siv::{Aes256GcmSiv, Nonce, Tag};
 use zeroize::Zeroizing;
 
+use super::aead::Aead;
 use super::{fill_random, DataKey, Secret, KEY_BYTES};
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
@@ -154,10 +153,8 @@ impl KeyHeader {
             let mut key = Zeroizing::new([0u8; KEY_BYTES]);
             key.copy_from_slice(&slot.wrapped[..KEY_BYTES]);
             let aad = self.slot_aad(index, slot);
-            let tag = Tag::try_from(&slot.wrapped[KEY_BYTES..]).expect("16 bytes");
-            let cipher = Aes256GcmSiv::new_from_slice(kek.as_slice()).expect("a 32-byte key");
-            let nonce = Nonce::from(slot.nonce);
-            if cipher.decrypt_inout_detached(&nonce, &aad, key.as_mut_slice().into(), &tag).is_ok() {
+            let cipher = Aead::new(&kek);
+            if cipher.open(slot.nonce, &aad, key.as_mut_slice(), &slot.wrapped[KEY_BYTES..]).is_ok() {
                 return Ok((DataKey::from_bytes(*key), index));
             }
         }
@@ -327,10 +324,7 @@ impl KeyHeader {
         let kek = key_encryption_key(secret, kdf, &slot.salt)?;
         let mut wrapped = Zeroizing::new(*key.bytes());
         let aad = self.slot_aad(index, &slot);
-        let cipher = Aes256GcmSiv::new_from_slice(kek.as_slice()).expect("a 32-byte key");
-        let tag = cipher
-            .encrypt_inout_detached(&Nonce::from(slot.nonce), &aad, wrapped.as_mut_slice().into())
-            .expect("32 bytes seal");
+        let tag = Aead::new(&kek).seal(slot.nonce, &aad, wrapped.as_mut_slice());
         slot.wrapped[..KEY_BYTES].copy_from_slice(wrapped.as_ref());
         slot.wrapped[KEY_BYTES..].copy_from_slice(&tag);
         Ok(slot)

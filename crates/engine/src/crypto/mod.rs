@@ -16,6 +16,7 @@
 //!   counter whose range was made durable in the key header before its first use
 //!   (`keys::KeyHeader::lease`), so a crashed run's values are never handed out again.
 
+mod aead;
 pub mod cipher;
 pub mod keys;
 
