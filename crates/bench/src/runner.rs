@@ -1,5 +1,8 @@
 //! The benchmark procedure: purge, fill, precondition, queue-depth sweep, consistency test —
-//! for every data mode and workload, alternating between the targets.
+//! for every data mode and workload, alternating between the targets. `setup` starts a run
+//! (checks, targets, the report's skeleton) and `run` drives it; `phases` holds the
+//! measuring phases (preconditioning, the points, the consistency test); this file the
+//! plan, the fills and purges, and fio/stat plumbing.
 
 use std::fs;
 use std::io::Write;
@@ -23,6 +26,11 @@ use crate::results::{
 use crate::server::{require_tool, tree_sample, Server};
 use crate::steady::{self, WINDOW_ROUNDS};
 use crate::{Config, Mode};
+
+mod phases;
+mod setup;
+
+pub use setup::run;
 
 /// Rough per-invocation cost of starting fio and connecting, for the time estimate.
 const FIO_OVERHEAD_MS: u64 = 400;
@@ -56,54 +64,6 @@ struct Bench<'a> {
     job_seq: u32,
 }
 
-/// Checks up front that every tool the chosen targets and data modes need is installed.
-fn check_tools(cfg: &Config) -> Result<PathBuf> {
-    let fio = require_tool("fio", "every measurement (fio with its nbd engine)", "fio")?;
-    let help = Command::new(&fio).arg("--enghelp=nbd").output().context("running fio --enghelp=nbd")?;
-    if !help.status.success() || !String::from_utf8_lossy(&help.stdout).contains("uri") {
-        bail!("{} has no nbd ioengine (fio --enghelp=nbd fails); install a fio built with libnbd (Debian/Ubuntu fio >= 3.16 is)", fio.display());
-    }
-    let t = &cfg.targets;
-    if t.iter().any(|k| matches!(k, TargetKind::Zdisk | TargetKind::NbdkitFile | TargetKind::Memory)) {
-        require_tool("nbdkit", "the zdisk, nbdkit-file and memory targets", "nbdkit")?;
-    }
-    if t.contains(&TargetKind::Raw) {
-        require_tool("qemu-nbd", "the raw target (qemu-nbd --cache=none --aio=native)", "qemu-utils")?;
-    }
-    if cfg.data.contains(&DataMode::Real) {
-        require_tool("nbdcopy", "the real-data fill (nbdcopy streams real files onto each target)", "libnbd-bin")?;
-    }
-    if t.contains(&TargetKind::Zdisk) && !cfg.zdisk_bin.is_file() {
-        bail!("zdisk binary {} not found (set --zdisk-bin)", cfg.zdisk_bin.display());
-    }
-    Ok(fio)
-}
-
-/// O_DIRECT is what makes the raw baseline honest; tmpfs and some FUSE filesystems refuse it.
-fn check_o_direct(dir: &Path) -> Result<()> {
-    use rustix::fs::{open, Mode as FsMode, OFlags};
-    let probe = dir.join(".o_direct_probe");
-    let res = open(&probe, OFlags::CREATE | OFlags::WRONLY | OFlags::DIRECT, FsMode::from_raw_mode(0o600));
-    let _ = fs::remove_file(&probe);
-    res.map(drop).map_err(|e| {
-        anyhow!("backing directory {} does not support O_DIRECT ({e}); tmpfs cannot host the raw baseline. Pass --dir on a real disk", dir.display())
-    })
-}
-
-fn check_space(dir: &Path, need: u64) -> Result<()> {
-    let st = rustix::fs::statvfs(dir).context("statvfs on the backing directory")?;
-    let avail = st.f_bavail * st.f_frsize;
-    if avail < need {
-        bail!(
-            "backing directory {} has {} free but the targets need {}; use a smaller --size or another --dir",
-            dir.display(),
-            fmt_size(avail),
-            fmt_size(need)
-        );
-    }
-    Ok(())
-}
-
 fn zdisk_stat(bin: &Path, store: &Path) -> Result<Value> {
     let out = Command::new(bin)
         .arg("stat")
@@ -125,229 +85,6 @@ fn fill_rate_bytes_per_ms(kind: TargetKind) -> f64 {
     match kind {
         TargetKind::Memory => 1_500_000.0,
         _ => 400_000.0,
-    }
-}
-
-fn command_line() -> String {
-    let args: Vec<String> = std::env::args().collect();
-    let mut v = args.clone();
-    if let Some(first) = v.first_mut() {
-        *first = Path::new(&args[0]).file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    }
-    v.join(" ")
-}
-
-fn notes(cfg: &Config) -> Vec<String> {
-    let mut n = vec![
-        if cfg.targets.contains(&TargetKind::NbdkitFile) {
-            "nbdkit 1.32's `file cache=none` is not O_DIRECT: it writes through the page cache and drops pages afterwards, so reads of recently written data can still hit RAM. The honest raw baseline is qemu-nbd --cache=none --aio=native (O_DIRECT); the nbdkit-file row is shown for reference only.".to_string()
-        } else {
-            "The raw baseline is qemu-nbd --cache=none --aio=native (O_DIRECT). The second raw row, nbdkit file cache=none (not O_DIRECT in nbdkit 1.32, so the page cache helps it), is not in this run; add it with --targets zdisk,raw,nbdkit-file,memory.".to_string()
-        },
-        "Order: for each workload the targets are run one after another, each preconditioned and swept seamlessly; the starting target rotates from workload to workload so slow drift (other load, the host's own caches) hits every target.".into(),
-        "CPU s/GiB: utime+stime of the server process and all its descendants (zdisk serve runs nbdkit as a child) from /proc, before and after each job, divided by GiB read+written by fio. fio itself runs on the same cores.".into(),
-        "Write amplification: for zdisk from `zdisk stat` (backing_write_bytes / host_write_bytes), cumulative since format and per job; for every target also the OS view (write_bytes in /proc/PID/io of the server tree per byte written), in report.json as os_write_amplification.".into(),
-        "p99 is fio's completion-latency 99th percentile; for mixed workloads the worse of the read and write p99.".into(),
-        format!(
-            "Steady state: SNIA PTS rule over a {WINDOW_ROUNDS}-round window (max−min ≤ 20% of the mean and least-squares rise ≤ 10% of the mean) on round-mean IOPS; rounds of {:.1} s, limit {} rounds, at QD{}.",
-            cfg.round_ms as f64 / 1000.0,
-            cfg.max_rounds,
-            cfg.qds.last().unwrap_or(&1)
-        ),
-    ];
-    if !cfg.purge_each_workload {
-        n.push("Shortened method (quick/smoke): one purge + fill per target and data mode instead of one per workload, and read-only workloads are not preconditioned (the fill already wrote every block).".into());
-    }
-    if cfg.mode != Mode::Full {
-        n.push(format!(
-            "{:?} mode: points of {:.1} s and a {:.0} s consistency test are far shorter than the reviewers' (5 minutes per point, 30 minutes of consistency); use the numbers for direction, not for publication.",
-            cfg.mode,
-            cfg.runtime_ms as f64 / 1000.0,
-            cfg.consistency_ms as f64 / 1000.0
-        ));
-    }
-    if cfg.data.contains(&DataMode::Incompressible) {
-        n.push(format!(
-            "Incompressible data: every target exposes {}% of the size (zdisk: a logical size of that much on a physical store of the full size; raw targets: fio's range). With nothing to compress zdisk cannot hold a full logical = physical store (headers, checkpoints and the GC reserve need room), just as a drive hides over-provisioning; giving the raw targets the same range keeps the comparison like for like.",
-            DataMode::Incompressible.usable_pct()
-        ));
-    }
-    if cfg.data.contains(&DataMode::Incompressible) {
-        n.push(format!(
-            "Incompressible data: every target exposes {}% of the size (zdisk: a logical size of that much on a physical store of the full size; raw targets: fio's range). With nothing to compress zdisk cannot hold a full logical = physical store (headers, checkpoints and the GC reserve need room), just as a drive hides over-provisioning; giving the raw targets the same range keeps the comparison like for like.",
-            DataMode::Incompressible.usable_pct()
-        ));
-    }
-    if cfg.data.contains(&DataMode::Real) {
-        n.push("Real data: each fill streams real files from /usr/share and /usr/lib (cycled to the target size) onto the target with nbdcopy, so reads return real bytes and zdisk's ratio is that of real files. fio cannot write file contents at random offsets, so write workloads in this mode write fio data at the compressibility measured on the corpus (4 KiB LZ4); that substitution is stated wherever the mode appears.".into());
-    }
-    n
-}
-
-pub fn run(cfg: &Config) -> Result<()> {
-    let fio = check_tools(cfg)?;
-    let base = match &cfg.dir {
-        Some(d) => {
-            fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
-            d.clone()
-        }
-        None => std::env::temp_dir(),
-    };
-    // Everything goes in a fresh subdirectory that is removed at the end, even on errors.
-    let work = tempfile::Builder::new()
-        .prefix("zdisk-bench.")
-        .tempdir_in(&base)
-        .with_context(|| format!("creating a work directory in {}", base.display()))?;
-    // Unix socket paths are limited to 108 bytes; keep them short whatever --dir is.
-    let sock_dir = tempfile::Builder::new().prefix("zb.").tempdir()?;
-    check_o_direct(work.path())?;
-    let disk_targets =
-        cfg.targets.iter().filter(|t| matches!(t, TargetKind::Raw | TargetKind::NbdkitFile)).count() as u64;
-    let zdisk_bytes = if cfg.targets.contains(&TargetKind::Zdisk) { cfg.zdisk_physical_bytes } else { 0 };
-    check_space(work.path(), disk_targets * cfg.size_bytes + zdisk_bytes)?;
-
-    fs::create_dir_all(&cfg.out).with_context(|| format!("creating report directory {}", cfg.out.display()))?;
-    let fio_dir = cfg.out.join("fio");
-    fs::create_dir_all(&fio_dir)?;
-    let log = fs::File::create(cfg.out.join("bench.log"))?;
-
-    let stop = Arc::new(AtomicBool::new(false));
-    let sig_ids = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
-        .into_iter()
-        .map(|s| signal_hook::flag::register(s, stop.clone()))
-        .collect::<std::io::Result<Vec<_>>>()?;
-
-    let targets = cfg
-        .targets
-        .iter()
-        .map(|&kind| Target {
-            kind,
-            server: None,
-            file: work.path().join(match kind {
-                TargetKind::Zdisk => "zdisk.store",
-                TargetKind::Raw => "raw.img",
-                TargetKind::NbdkitFile => "nbdkit-file.img",
-                TargetKind::Memory => "memory",
-            }),
-            socket: sock_dir.path().join(format!("{}.sock", kind.key())),
-            log: cfg.out.join(format!("server-{}.log", kind.key())),
-            range_bytes: cfg.size_bytes,
-            format_gen: 0,
-        })
-        .collect();
-
-    let report = Report {
-        schema: "zdisk-bench/1",
-        command: command_line(),
-        started_unix_s: crate::results::unix_now(),
-        wall_s: 0.0,
-        comp_ratio: None,
-        perf_multiplier: None,
-        headline_basis: String::new(),
-        by_data: Vec::new(),
-        host: Host::probe(work.path()),
-        config: cfg.clone(),
-        targets: cfg
-            .targets
-            .iter()
-            .map(|&k| TargetInfo {
-                key: k,
-                title: k.title(),
-                description: k.description(),
-                o_direct: matches!(k, TargetKind::Raw | TargetKind::Zdisk),
-            })
-            .collect(),
-        corpus: None,
-        fills: Vec::new(),
-        preconditioning: Vec::new(),
-        results: Vec::new(),
-        consistency: Vec::new(),
-        zdisk_timeline: Vec::new(),
-        notes: notes(cfg),
-        errors: Vec::new(),
-    };
-
-    let mut bench = Bench {
-        cfg,
-        fio,
-        fio_dir,
-        targets,
-        report,
-        pb: ProgressBar::hidden(),
-        log,
-        stop: stop.clone(),
-        t0: Instant::now(),
-        corpus: None,
-        stat_failures: 0,
-        job_seq: 0,
-    };
-    let estimate_ms = bench.estimate_ms();
-    bench.pb = ProgressBar::with_draw_target(Some(estimate_ms), ProgressDrawTarget::stderr());
-    bench.pb.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% ~{eta} left · {msg}")
-            .expect("static progress template")
-            .progress_chars("=> "),
-    );
-    bench.pb.enable_steady_tick(Duration::from_millis(250));
-    bench.say(&format!(
-        "zdisk bench ({:?}): {} targets, workloads {}, data {}, QD {:?}; estimated {} (work dir {}, report {})",
-        cfg.mode,
-        fmt_size(cfg.size_bytes),
-        cfg.workloads.iter().map(|w| w.key()).collect::<Vec<_>>().join(","),
-        cfg.data.iter().map(|d| d.key()).collect::<Vec<_>>().join(","),
-        cfg.qds,
-        fmt_duration(estimate_ms),
-        work.path().display(),
-        cfg.out.display()
-    ));
-
-    let outcome = bench.run_all();
-    // Servers go down before the report is written, so zdisk has flushed its final state.
-    for t in &mut bench.targets {
-        if let Some(mut s) = t.server.take() {
-            if let Err(e) = s.stop() {
-                bench.report.errors.push(format!("stopping {}: {e:#}", t.kind.key()));
-            }
-        }
-    }
-    bench.pb.finish_and_clear();
-    bench.report.wall_s = bench.t0.elapsed().as_secs_f64();
-    bench.report.host.loadavg_end = crate::results::loadavg();
-    if let Err(e) = &outcome {
-        bench.report.errors.push(format!("benchmark stopped early: {e:#}"));
-    }
-    bench.report.summarize();
-    let written = bench.report.write_all(&cfg.out);
-    for id in sig_ids {
-        signal_hook::low_level::unregister(id);
-    }
-    written?;
-    eprintln!("report: {}/report.html, summary.md, report.json ({:.0} s)", cfg.out.display(), bench.report.wall_s);
-    if let (Some(c), Some(p)) = (bench.report.comp_ratio, bench.report.perf_multiplier) {
-        eprintln!("2:1 data: comp_ratio {c:.2}, perf_multiplier (zdisk/raw IOPS geomean) {p:.2}x");
-    }
-    outcome?;
-    let zdisk_points = bench.report.results.iter().filter(|r| r.target == TargetKind::Zdisk && r.error.is_none());
-    if zdisk_points.clone().count() > 0 && zdisk_points.clone().all(|r| r.cost.comp_ratio.is_none()) {
-        bail!("`zdisk stat --json` gave no statistics for any zdisk point; the report lacks comp_ratio and write amplification");
-    }
-    if !bench.report.errors.is_empty() {
-        bail!(
-            "{} step(s) failed (first: {}); the report in {} marks them",
-            bench.report.errors.len(),
-            bench.report.errors[0].lines().next().unwrap_or(""),
-            cfg.out.display()
-        );
-    }
-    Ok(())
-}
-
-fn fmt_duration(ms: u64) -> String {
-    let s = ms / 1000;
-    if s >= 3600 {
-        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
-    } else {
-        format!("{}m{:02}s", s / 60, s % 60)
     }
 }
 
@@ -428,6 +165,44 @@ impl Bench<'_> {
             }
         }
         total
+    }
+
+    /// After the run, stopped early or not: stops the servers (so zdisk has flushed its final
+    /// state), completes the report and writes it.
+    fn finish(&mut self, outcome: &Result<()>) -> Result<()> {
+        for t in &mut self.targets {
+            if let Some(mut s) = t.server.take() {
+                if let Err(e) = s.stop() {
+                    self.report.errors.push(format!("stopping {}: {e:#}", t.kind.key()));
+                }
+            }
+        }
+        self.pb.finish_and_clear();
+        self.report.wall_s = self.t0.elapsed().as_secs_f64();
+        self.report.host.loadavg_end = crate::results::loadavg();
+        if let Err(e) = outcome {
+            self.report.errors.push(format!("benchmark stopped early: {e:#}"));
+        }
+        self.report.summarize();
+        self.report.write_all(&self.cfg.out)
+    }
+
+    /// A run that measured but lacks zdisk's statistics, or had a failed step, is an error:
+    /// the report is written and marks them.
+    fn verdict(&self) -> Result<()> {
+        let zdisk_points = self.report.results.iter().filter(|r| r.target == TargetKind::Zdisk && r.error.is_none());
+        if zdisk_points.clone().count() > 0 && zdisk_points.clone().all(|r| r.cost.comp_ratio.is_none()) {
+            bail!("`zdisk stat --json` gave no statistics for any zdisk point; the report lacks comp_ratio and write amplification");
+        }
+        if !self.report.errors.is_empty() {
+            bail!(
+                "{} step(s) failed (first: {}); the report in {} marks them",
+                self.report.errors.len(),
+                self.report.errors[0].lines().next().unwrap_or(""),
+                self.cfg.out.display()
+            );
+        }
+        Ok(())
     }
 
     fn run_all(&mut self) -> Result<()> {
@@ -861,281 +636,6 @@ impl Bench<'_> {
         let bytes = range * passes as u64;
         finish_cost(&mut cost, bytes, bytes);
         Ok((bytes as f64 / 1e6 / wall_s.max(1e-9), cost, "nbdcopy of real files, sequential".into()))
-    }
-
-    fn precondition(&mut self, ti: usize, data: DataMode, w: WorkloadKind) -> Result<()> {
-        let cfg = self.cfg;
-        let kind = self.targets[ti].kind;
-        let qd = *cfg.qds.last().unwrap_or(&32);
-        let per_round = (cfg.round_ms / cfg.log_ms).max(1) as usize;
-        let mut rec = PreconditionRecord {
-            data,
-            workload: w,
-            target: kind,
-            qd,
-            round_ms: cfg.round_ms,
-            rounds_run: 0,
-            round_iops: Vec::new(),
-            iops_per_interval: Vec::new(),
-            interval_ms: cfg.log_ms,
-            steady_state_reached: false,
-            verdict: String::new(),
-            window: None,
-            cost: JobCost::default(),
-            error: None,
-        };
-        let est_total = self.precondition_est_ms();
-        let mut spent = 0;
-        // The first chunk is a whole window (nothing can be judged before that), then one
-        // round per fio run, so the stop comes as soon as the criterion holds.
-        let mut chunk = WINDOW_ROUNDS.min(cfg.max_rounds as usize) as u32;
-        let mut cpu = 0.0;
-        let mut bytes = 0u64;
-        let mut written = 0u64;
-        let mut os_w = Some(0.0);
-        while chunk > 0 {
-            self.check_stop()?;
-            self.pb.set_message(format!(
-                "{}: precondition {} QD{qd} ({}), round {}/{}",
-                kind.key(),
-                w.title(),
-                data.key(),
-                rec.rounds_run + chunk,
-                cfg.max_rounds
-            ));
-            // Half an interval of slack so fio logs the chunk's last full interval too.
-            let job = self.workload_job(ti, w, qd, data, chunk as u64 * cfg.round_ms + cfg.log_ms / 2, 0);
-            let stem = self.next_stem(data, &format!("pre-{}", w.key()), kind);
-            let phase = format!("precondition {}", w.title());
-            let est = chunk as u64 * cfg.round_ms + cfg.log_ms / 2 + FIO_OVERHEAD_MS;
-            match self.fio_job(ti, data, &phase, job, &stem) {
-                Ok((out, cost)) => {
-                    let keep = out.iops_per_interval.len().min(chunk as usize * per_round);
-                    let intervals = &out.iops_per_interval[..keep];
-                    rec.iops_per_interval.extend_from_slice(intervals);
-                    let full = (intervals.len() / per_round).min(chunk as usize);
-                    if full == 0 {
-                        // Shorter log than a round (very short rounds): use the run's mean.
-                        rec.round_iops.push(out.iops());
-                    }
-                    for r in 0..full {
-                        let slice = &intervals[r * per_round..(r + 1) * per_round];
-                        rec.round_iops.push(slice.iter().sum::<f64>() / per_round as f64);
-                    }
-                    cpu += cost.server_cpu_s;
-                    bytes += out.bytes();
-                    written += out.write.io_bytes;
-                    // fio_job already turned OS write bytes into a ratio; back to bytes to sum.
-                    os_w =
-                        os_w.zip(cost.os_write_amplification).map(|(a, ratio)| a + ratio * out.write.io_bytes as f64);
-                    rec.cost.comp_ratio = cost.comp_ratio;
-                    rec.cost.write_amplification = cost.write_amplification;
-                    rec.cost.zdisk_stat = cost.zdisk_stat;
-                }
-                Err(e) => {
-                    let msg = format!("precondition {} on {} ({}): {e:#}", w.title(), kind.key(), data.key());
-                    self.say(&format!("ERROR {msg}"));
-                    self.report.errors.push(msg.clone());
-                    rec.error = Some(msg);
-                    if e.to_string().contains("interrupted") {
-                        return Err(e);
-                    }
-                    break;
-                }
-            }
-            rec.rounds_run += chunk;
-            spent += est;
-            self.pb.inc(est);
-            rec.window = steady::evaluate(&rec.round_iops);
-            if rec.window.is_some_and(|w| w.steady) {
-                rec.steady_state_reached = true;
-                break;
-            }
-            chunk = (cfg.max_rounds - rec.rounds_run).min(1);
-        }
-        // Preconditioning usually ends before the budgeted limit: give the time back to the bar.
-        if let Some(len) = self.pb.length() {
-            self.pb.set_length(len.saturating_sub(est_total.saturating_sub(spent)));
-        }
-        rec.cost.server_cpu_s = cpu;
-        rec.cost.os_write_amplification = os_w;
-        finish_cost(&mut rec.cost, bytes, written);
-        rec.verdict = if rec.steady_state_reached {
-            format!("steady state reached at round {}", rec.rounds_run)
-        } else {
-            format!("steady state not reached (limit {} rounds)", cfg.max_rounds)
-        };
-        if rec.error.is_none() {
-            self.say(&format!(
-                "[{}] precondition {} · {} · QD{qd}: {} (last window mean {} IOPS)",
-                data.key(),
-                w.title(),
-                kind.key(),
-                rec.verdict,
-                rec.window.map(|w| fmt_int(w.mean)).unwrap_or_else(|| "—".into())
-            ));
-        }
-        self.report.preconditioning.push(rec);
-        Ok(())
-    }
-
-    fn measure(&mut self, ti: usize, data: DataMode, w: WorkloadKind, qd: u32) -> Result<()> {
-        let cfg = self.cfg;
-        let kind = self.targets[ti].kind;
-        self.pb.set_message(format!("{}: {} QD{qd} ({})", kind.key(), w.title(), data.key()));
-        let job = self.workload_job(ti, w, qd, data, cfg.runtime_ms, cfg.ramp_ms);
-        let stem = self.next_stem(data, &format!("{}-qd{qd}", w.key()), kind);
-        let phase = format!("{} QD{qd}", w.title());
-        let res = self.fio_job(ti, data, &phase, job, &stem);
-        self.pb.inc(self.measure_est_ms());
-        let mut r = JobResult {
-            data,
-            workload: w,
-            workload_title: w.title(),
-            target: kind,
-            qd,
-            iops: 0.0,
-            read_iops: 0.0,
-            write_iops: 0.0,
-            mb_per_s: 0.0,
-            p99_us: None,
-            read_p99_us: None,
-            write_p99_us: None,
-            read_p50_us: None,
-            write_p50_us: None,
-            mean_lat_us: None,
-            runtime_s: 0.0,
-            cost: JobCost::default(),
-            iops_per_interval: Vec::new(),
-            interval_ms: cfg.log_ms,
-            fio_json: format!("fio/{stem}.json"),
-            error: None,
-        };
-        match res {
-            Ok((out, cost)) => {
-                r.iops = out.iops();
-                r.read_iops = out.read.iops;
-                r.write_iops = out.write.iops;
-                r.mb_per_s = (out.read.bw_bytes_per_s + out.write.bw_bytes_per_s) / 1e6;
-                r.read_p99_us = out.read.p99_us;
-                r.write_p99_us = out.write.p99_us;
-                r.p99_us = match (out.read.p99_us, out.write.p99_us) {
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                    (a, b) => a.or(b),
-                };
-                r.read_p50_us = out.read.p50_us;
-                r.write_p50_us = out.write.p50_us;
-                let total_ios = out.read.iops + out.write.iops;
-                r.mean_lat_us = if total_ios > 0.0 {
-                    Some(
-                        (out.read.mean_lat_us.unwrap_or(0.0) * out.read.iops
-                            + out.write.mean_lat_us.unwrap_or(0.0) * out.write.iops)
-                            / total_ios,
-                    )
-                } else {
-                    None
-                };
-                r.runtime_s = out.runtime_s;
-                r.iops_per_interval = out.iops_per_interval.clone();
-                r.cost = cost;
-                if r.iops <= 0.0 {
-                    r.error = Some("fio completed no I/O".into());
-                }
-                self.say(&format!(
-                    "[{}] {} · {} · QD{qd}: {} IOPS ({:.0} MB/s), p99 {} µs, {} CPU s/GiB{}",
-                    data.key(),
-                    w.title(),
-                    kind.key(),
-                    fmt_int(r.iops),
-                    r.mb_per_s,
-                    r.p99_us.map(fmt_int).unwrap_or_else(|| "—".into()),
-                    r.cost.server_cpu_s_per_gib.map(|v| format!("{v:.2}")).unwrap_or_else(|| "—".into()),
-                    r.cost.comp_ratio.map(|c| format!(", comp_ratio {c:.2}")).unwrap_or_default()
-                ));
-            }
-            Err(e) => {
-                if e.to_string().contains("interrupted") {
-                    return Err(e);
-                }
-                let msg = format!("{} QD{qd} on {} ({}): {e:#}", w.title(), kind.key(), data.key());
-                self.say(&format!("ERROR {msg}"));
-                self.report.errors.push(msg.clone());
-                r.error = Some(msg);
-            }
-        }
-        self.report.results.push(r);
-        Ok(())
-    }
-
-    fn consistency_run(&mut self, ti: usize, data: DataMode, spare_pct: u32) -> Result<()> {
-        let cfg = self.cfg;
-        let kind = self.targets[ti].kind;
-        let range = self.targets[ti].range_bytes;
-        self.pb.set_message(format!(
-            "{}: consistency 4K random write QD{} +{spare_pct}% spare ({})",
-            kind.key(),
-            cfg.consistency_qd,
-            data.key()
-        ));
-        let mut job = self.job(ti, "consistency".into(), "randwrite", "4k", cfg.consistency_qd, data);
-        job.runtime_ms = Some(cfg.consistency_ms);
-        let stem = self.next_stem(data, &format!("consistency-spare{spare_pct}"), kind);
-        let res = self.fio_job(ti, data, &format!("consistency +{spare_pct}% spare"), job, &stem);
-        self.pb.inc(cfg.consistency_ms + FIO_OVERHEAD_MS);
-        let mut rec = ConsistencyRecord {
-            data,
-            target: kind,
-            spare_pct,
-            range_bytes: range,
-            qd: cfg.consistency_qd,
-            iops_per_interval: Vec::new(),
-            interval_ms: cfg.log_ms,
-            mean_iops: 0.0,
-            min_iops: 0.0,
-            max_iops: 0.0,
-            cov: 0.0,
-            cost: JobCost::default(),
-            error: None,
-        };
-        match res {
-            Ok((out, cost)) => {
-                let v = &out.iops_per_interval;
-                if v.is_empty() {
-                    rec.mean_iops = out.iops();
-                    rec.min_iops = out.iops();
-                    rec.max_iops = out.iops();
-                } else {
-                    let n = v.len() as f64;
-                    let mean = v.iter().sum::<f64>() / n;
-                    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n;
-                    rec.mean_iops = mean;
-                    rec.min_iops = v.iter().copied().fold(f64::INFINITY, f64::min);
-                    rec.max_iops = v.iter().copied().fold(0.0, f64::max);
-                    rec.cov = if mean > 0.0 { var.sqrt() / mean } else { 0.0 };
-                }
-                rec.iops_per_interval = out.iops_per_interval.clone();
-                rec.cost = cost;
-                self.say(&format!(
-                    "[{}] consistency · {} · +{spare_pct}% spare: mean {} IOPS, min {}, CoV {:.2}",
-                    data.key(),
-                    kind.key(),
-                    fmt_int(rec.mean_iops),
-                    fmt_int(rec.min_iops),
-                    rec.cov
-                ));
-            }
-            Err(e) => {
-                if e.to_string().contains("interrupted") {
-                    return Err(e);
-                }
-                let msg = format!("consistency on {} +{spare_pct}% ({}): {e:#}", kind.key(), data.key());
-                self.say(&format!("ERROR {msg}"));
-                self.report.errors.push(msg.clone());
-                rec.error = Some(msg);
-            }
-        }
-        self.report.consistency.push(rec);
-        Ok(())
     }
 }
 

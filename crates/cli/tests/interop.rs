@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::crash_model::{pattern, Model, BLOCK};
 use common::nbd::{self, NbdClient};
 use common::{
     assert_success, fio, require, require_libnbd_python, run_ok, sha256, tar_of, Scratch, Server, LIBNBD_PYTHON,
@@ -272,23 +273,6 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.2, "{stat}");
 }
 
-/// Deterministic bytes for (seed, tag, offset): half random, half zero, so they compress.
-fn pattern(seed: u64, tag: u64, offset: u64, length: usize) -> Vec<u8> {
-    let mut out = vec![0u8; length];
-    for (i, byte) in out.iter_mut().enumerate() {
-        let position = offset + i as u64;
-        if (position / 512) % 2 == 1 {
-            continue;
-        }
-        let mut x = seed ^ tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (position / 8).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        x ^= x >> 31;
-        x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-        x ^= x >> 29;
-        *byte = (x >> ((position % 8) * 8)) as u8;
-    }
-    out
-}
-
 #[test]
 fn four_connections_write_disjoint_ranges_at_once() {
     if !require(BASIC_TOOLS) {
@@ -339,36 +323,6 @@ fn four_connections_write_disjoint_ranges_at_once() {
     }
     client.disconnect();
     server.stop();
-}
-
-const BLOCK: usize = 4096;
-
-/// Per-block expectations of the crash test for one writer.
-struct Model {
-    /// Version every block had when its writer's last flush completed (0 = never written).
-    durable: Vec<u64>,
-    /// Versions written (acknowledged or in flight) since that flush, in order.
-    since_flush: Vec<Vec<u64>>,
-    /// Blocks of each version written since the last flush (for the atomicity check).
-    requests: Vec<(u64, std::ops::Range<usize>)>,
-}
-
-fn block_content(seed: u64, version: u64, block: usize) -> Vec<u8> {
-    if version == 0 {
-        return vec![0u8; BLOCK];
-    }
-    let mut data = pattern(seed, version, (block * BLOCK) as u64, BLOCK);
-    data[..8].copy_from_slice(&version.to_le_bytes());
-    data[8..16].copy_from_slice(&(block as u64).to_le_bytes());
-    data
-}
-
-fn version_of(seed: u64, data: &[u8], block: usize) -> Option<u64> {
-    if data.iter().all(|&b| b == 0) {
-        return Some(0);
-    }
-    let version = u64::from_le_bytes(data[..8].try_into().unwrap());
-    (block_content(seed, version, block) == data).then_some(version)
 }
 
 /// Concurrent partial-block requests through NBD, two in flight on one connection with
@@ -476,80 +430,16 @@ fn writes_flushed_before_a_crash_survive_it() {
     let store = s.format("s.zdisk", "128M", "1x", &[]);
     let writers = 2usize;
     let blocks_per_writer = 4096usize; // 16 MiB each
-    let models: Vec<Arc<Mutex<Model>>> = (0..writers)
-        .map(|_| {
-            Arc::new(Mutex::new(Model {
-                durable: vec![0; blocks_per_writer],
-                since_flush: vec![Vec::new(); blocks_per_writer],
-                requests: Vec::new(),
-            }))
-        })
-        .collect();
+    let models: Vec<Arc<Mutex<Model>>> =
+        (0..writers).map(|_| Arc::new(Mutex::new(Model::new(seed, blocks_per_writer)))).collect();
 
     for round in 0..3u64 {
         let server = Server::start(&s, &store, &[]);
         let stop = Arc::new(AtomicBool::new(false));
         let handles: Vec<_> = (0..writers)
             .map(|w| {
-                let model = models[w].clone();
-                let socket = server.socket.clone();
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    use rand::{Rng, SeedableRng};
-                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (round << 8) ^ w as u64);
-                    let Ok(mut client) = NbdClient::connect(&socket) else { return 0u64 };
-                    let base = (w * blocks_per_writer) as u64;
-                    let mut writes = 0u64;
-                    let mut until_flush = rng.gen_range(4..64);
-                    while !stop.load(Ordering::Relaxed) {
-                        let count = rng.gen_range(1..=16usize);
-                        let first = rng.gen_range(0..blocks_per_writer - count);
-                        // Versions: unique across writers and rounds, increasing per writer.
-                        let version = ((round + 1) << 40) | ((w as u64) << 32) | (writes + 1);
-                        let mut data = Vec::with_capacity(count * BLOCK);
-                        {
-                            let mut m = model.lock().unwrap();
-                            for block in first..first + count {
-                                data.extend_from_slice(&block_content(seed, version, block));
-                                m.since_flush[block].push(version);
-                            }
-                            m.requests.push((version, first..first + count));
-                        }
-                        let fua = rng.gen_ratio(1, 16);
-                        let flags = if fua { nbd::CMD_FLAG_FUA } else { 0 };
-                        match client.write((base + first as u64) * BLOCK as u64, &data, flags) {
-                            Ok(0) => writes += 1,
-                            _ => break, // the server is gone
-                        }
-                        if fua {
-                            let mut m = model.lock().unwrap();
-                            for block in first..first + count {
-                                // A FUA write is durable by itself: earlier versions are not
-                                // needed any more, this one is the floor.
-                                m.durable[block] = version;
-                                m.since_flush[block].clear();
-                            }
-                        }
-                        until_flush -= 1;
-                        if until_flush == 0 {
-                            until_flush = rng.gen_range(4..64);
-                            match client.flush() {
-                                Ok(0) => {
-                                    let mut m = model.lock().unwrap();
-                                    for block in 0..blocks_per_writer {
-                                        if let Some(&last) = m.since_flush[block].last() {
-                                            m.durable[block] = last;
-                                            m.since_flush[block].clear();
-                                        }
-                                    }
-                                    m.requests.clear();
-                                }
-                                _ => break,
-                            }
-                        }
-                    }
-                    writes
-                })
+                let (model, socket, stop) = (models[w].clone(), server.socket.clone(), stop.clone());
+                std::thread::spawn(move || crash_test_writer(&socket, &model, round, w, &stop))
             })
             .collect();
         use rand::{Rng, SeedableRng};
@@ -565,44 +455,55 @@ fn writes_flushed_before_a_crash_survive_it() {
         let server = Server::start(&s, &store, &[]);
         let mut client = NbdClient::connect(&server.socket).unwrap();
         for (w, model) in models.iter().enumerate() {
-            let mut m = model.lock().unwrap();
             let bytes = client.read_ok((w * blocks_per_writer * BLOCK) as u64, blocks_per_writer * BLOCK);
-            let mut seen = vec![0u64; blocks_per_writer];
-            for block in 0..blocks_per_writer {
-                let data = &bytes[block * BLOCK..(block + 1) * BLOCK];
-                let version = version_of(seed, data, block)
-                    .unwrap_or_else(|| panic!("seed {seed}: writer {w} block {block} holds bytes nobody wrote"));
-                let allowed = version == m.durable[block] || m.since_flush[block].contains(&version);
-                assert!(
-                    allowed,
-                    "seed {seed} round {round}: writer {w} block {block} has version {version:#x}, \
-                     expected the flushed {:#x} or one of {:x?}",
-                    m.durable[block], m.since_flush[block]
-                );
-                seen[block] = version;
-            }
-            // All-or-nothing: a request seen in one block is seen (or overwritten by a later
-            // request) in every block it covered.
-            for (version, range) in &m.requests {
-                if range.clone().any(|b| seen[b] == *version) {
-                    for b in range.clone() {
-                        assert!(
-                            seen[b] >= *version,
-                            "seed {seed}: request {version:#x} is torn: block {b} shows {:#x}",
-                            seen[b]
-                        );
-                    }
-                }
-            }
-            m.durable = seen;
-            m.since_flush.iter_mut().for_each(Vec::clear);
-            m.requests.clear();
+            model.lock().unwrap().check_recovered(&bytes, &format!("round {round}: writer {w}"));
         }
         client.disconnect();
         server.stop();
     }
     let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
     assert!(out.contains("clean"), "{out}");
+}
+
+/// One writer of the crash test: writes of 1–16 blocks at random in its own range, one in
+/// 16 with FUA, a flush every 4–64 writes, each recorded in `model` before it is sent, until
+/// stopped or the server is gone. Returns the writes acknowledged.
+fn crash_test_writer(socket: &Path, model: &Mutex<Model>, round: u64, writer: usize, stop: &AtomicBool) -> u64 {
+    use rand::{Rng, SeedableRng};
+    let (seed, blocks) = {
+        let m = model.lock().unwrap();
+        (m.seed, m.blocks())
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (round << 8) ^ writer as u64);
+    let Ok(mut client) = NbdClient::connect(socket) else { return 0 };
+    let base = (writer * blocks) as u64;
+    let mut writes = 0u64;
+    let mut until_flush = rng.gen_range(4..64);
+    while !stop.load(Ordering::Relaxed) {
+        let count = rng.gen_range(1..=16usize);
+        let first = rng.gen_range(0..blocks - count);
+        // Versions: unique across writers and rounds, increasing per writer.
+        let version = ((round + 1) << 40) | ((writer as u64) << 32) | (writes + 1);
+        let data = model.lock().unwrap().write(version, first..first + count);
+        let fua = rng.gen_ratio(1, 16);
+        let flags = if fua { nbd::CMD_FLAG_FUA } else { 0 };
+        match client.write((base + first as u64) * BLOCK as u64, &data, flags) {
+            Ok(0) => writes += 1,
+            _ => break, // the server is gone
+        }
+        if fua {
+            model.lock().unwrap().written_with_fua(version, first..first + count);
+        }
+        until_flush -= 1;
+        if until_flush == 0 {
+            until_flush = rng.gen_range(4..64);
+            match client.flush() {
+                Ok(0) => model.lock().unwrap().flushed(),
+                _ => break,
+            }
+        }
+    }
+    writes
 }
 
 #[test]

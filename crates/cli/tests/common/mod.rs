@@ -10,6 +10,7 @@
 
 #![allow(dead_code)]
 
+pub mod crash_model;
 pub mod nbd;
 
 use std::io::{BufRead, BufReader};
