@@ -156,12 +156,29 @@ impl Inner {
         let urgent = waiting && free < target;
         // The map's changes take memory until a checkpoint writes them.
         let memory = self.map.read().wants_checkpoint();
-        if since >= self.checkpoint_interval_bytes() || urgent || memory {
+        let checkpoint = since >= self.checkpoint_interval_bytes() || urgent || memory;
+        if checkpoint {
             self.checkpoint_now()?;
             busy = true;
         }
         // GC's cost includes the checkpoints that make what it cleaned reusable.
         self.pacer.note_gc(started.elapsed(), gained_bytes);
+        if busy {
+            // What pacing is measured on (`ZDISK_LOG=zdisk_engine::gc=debug`).
+            tracing::debug!(
+                target: "zdisk_engine::gc",
+                free,
+                target,
+                gained_bytes,
+                checkpoint,
+                urgent,
+                memory,
+                elapsed_us = started.elapsed().as_micros() as u64,
+                gc_ps_per_byte = self.pacer.gc_ps_per_byte(),
+                paced_wait_ms = self.pacer.paced_wait_ns() / 1_000_000,
+                "background step"
+            );
+        }
         Ok(busy)
     }
 
