@@ -32,7 +32,7 @@ use crate::error::{Error, ErrorKind, Result};
 /// The stored part of a nonce: the counter, u64.
 pub const NONCE_STORED_BYTES: usize = 8;
 /// The AEAD's authentication tag.
-pub const TAG_BYTES: usize = 16;
+pub use super::aead::TAG_BYTES;
 /// What sealing adds to a fragment: stored nonce and tag.
 pub const SEAL_OVERHEAD_BYTES: usize = NONCE_STORED_BYTES + TAG_BYTES;
 /// Bytes of a metadata MAC (HMAC-SHA-256 truncated, as RFC 2104 allows down to half).

@@ -27,7 +27,7 @@
 
 use zeroize::Zeroizing;
 
-use super::aead::Aead;
+use super::aead::{Aead, NONCE_BYTES, TAG_BYTES};
 use super::{fill_random, DataKey, Secret, KEY_BYTES};
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
@@ -44,8 +44,7 @@ const SLOTS_OFFSET: usize = 48;
 const SLOT_BYTES: usize = 128;
 const CRC_OFFSET: usize = KEY_HEADER_BYTES - 4;
 const SALT_BYTES: usize = 32;
-const WRAP_NONCE_BYTES: usize = 12;
-const TAG_BYTES: usize = 16;
+const WRAP_NONCE_BYTES: usize = NONCE_BYTES;
 /// Bytes of a slot its wrap authenticates: kind, zero, and the KDF parameters.
 const SLOT_PARAMS_BYTES: usize = 16;
 /// A key file must hold at least this many bytes.
