@@ -359,13 +359,14 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
 /// real clients at QD32, is `capacity::a_store_at_native_capacity_is_filled_and_overwritten_through_nbd`.)
 #[test]
 fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
+    // With pacing (the default), writes wait for their slots, and still none fails; the
+    // last case turns it off (`ZDISK_PACING=off`): foreground GC alone must do as well.
     let cases = [
-        (zdisk_engine::OVER_PROVISION_MIN_PPM, 64u64 << 10, 1u64, false, false),
-        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false, false),
-        (zdisk_engine::OVER_PROVISION_MIN_PPM, 512 << 10, 1, false, false),
-        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 512 << 10, 2, true, false),
-        // With pacing (opt-in): writes wait for their slots, and still none fails.
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 64u64 << 10, 1u64, false, true),
         (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false, true),
+        (zdisk_engine::OVER_PROVISION_MIN_PPM, 512 << 10, 1, false, true),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 512 << 10, 2, true, true),
+        (zdisk_engine::OVER_PROVISION_DEFAULT_PPM, 64 << 10, 1, false, false),
     ];
     for seed in seeds(1) {
         for (over_provision_ppm, segment, times, two_to_one, pacing) in cases {
