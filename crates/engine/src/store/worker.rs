@@ -162,7 +162,8 @@ impl Inner {
             busy = true;
         }
         // GC's cost includes the checkpoints that make what it cleaned reusable.
-        self.pacer.note_gc(started.elapsed(), gained_bytes);
+        let elapsed = started.elapsed();
+        self.pacer.note_gc(elapsed, gained_bytes);
         if busy {
             // What pacing is measured on (`ZDISK_LOG=zdisk_engine::gc=debug`).
             tracing::debug!(
@@ -173,7 +174,7 @@ impl Inner {
                 checkpoint,
                 urgent,
                 memory,
-                elapsed_us = started.elapsed().as_micros() as u64,
+                elapsed_us = elapsed.as_micros() as u64,
                 gc_ps_per_byte = self.pacer.gc_ps_per_byte(),
                 paced_wait_ms = self.pacer.paced_wait_ns() / 1_000_000,
                 "background step"
