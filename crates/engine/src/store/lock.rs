@@ -52,6 +52,12 @@ thread_local! {
     static HELD: RefCell<[u16; RANKS]> = const { RefCell::new([0; RANKS]) };
 }
 
+/// Whether this thread holds no lock of the order (always true in release builds, which
+/// do not count).
+pub(crate) fn holds_none() -> bool {
+    HELD.with(|held| held.borrow().iter().all(|&n| n == 0))
+}
+
 /// Proof that the current thread registered a lock of `rank`; unregisters when dropped.
 struct Held(Rank);
 

@@ -47,6 +47,7 @@ mod op;
 mod options;
 mod pacing;
 mod pages;
+mod permits;
 pub(crate) mod read;
 mod recovery;
 mod replay;
@@ -565,6 +566,7 @@ impl Inner {
             foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
             foreground_rounds: AtomicU64::new(0),
             pacer: pacing::Pacer::new(),
+            write_permits: permits::WritePermits::new(options.write_concurrency),
             recovery: std::sync::OnceLock::new(),
             dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
                 chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),

@@ -75,6 +75,11 @@ pub struct OpenOptions {
     /// `ZDISK_PACING=off`: at native capacity it cut p99.9 write latency about sevenfold and
     /// raised throughput by a third (docs/space.md, "Pacing").
     pub pacing: bool,
+    /// Host writes (and trims, write-zeroes) that compress and append at once; the others
+    /// wait in arrival order (`permits.rs`). 0: no limit. Defaults to `ZDISK_WRITE_PERMITS`,
+    /// else the number of cores: more writers than cores only preempt each other while
+    /// holding the store's locks (docs/space.md, "Write admission").
+    pub write_concurrency: usize,
     /// Idle work (`store/idle.rs`) starts once the host has sent no request for this long:
     /// recompression of what the write path stored with its fallback codec, and the first
     /// dictionary. None: never. Defaults to `ZDISK_IDLE_AFTER_MS`, else 2 s.
@@ -112,6 +117,7 @@ impl Default for OpenOptions {
             accept_data_loss: false,
             codec_fallback: CodecFallback::from_env(),
             pacing: !std::env::var("ZDISK_PACING").is_ok_and(|v| v == "off"),
+            write_concurrency: write_concurrency_from_env(),
             idle_after: idle_after_from_env(),
             idle_spare_cores: idle_spare_cores_from_env(),
             auto_dictionary_blocks: Some(super::idle::AUTO_DICTIONARY_BLOCKS_MIN),
@@ -137,6 +143,17 @@ fn idle_spare_cores_from_env() -> f64 {
 }
 
 /// `ZDISK_IDLE_AFTER_MS` (milliseconds; 0 or "off": never), else the default.
+fn write_concurrency_from_env() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match std::env::var("ZDISK_WRITE_PERMITS") {
+        Ok(v) => v.parse::<usize>().unwrap_or_else(|_| {
+            tracing::warn!("ZDISK_WRITE_PERMITS={v:?} is not a number of writers; using the number of cores");
+            cores
+        }),
+        Err(_) => cores,
+    }
+}
+
 fn idle_after_from_env() -> Option<std::time::Duration> {
     match std::env::var("ZDISK_IDLE_AFTER_MS") {
         Ok(v) if v == "off" || v == "0" => None,

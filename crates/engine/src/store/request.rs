@@ -169,6 +169,7 @@ impl Inner {
             return self.make_durable(None, durability);
         }
         self.pace_host_write(data.len() as u64);
+        let permit = self.write_permits.acquire();
         let first_lba = Lba::of_byte(offset);
         let last_lba = Lba::of_byte(offset + data.len() as u64 - 1);
         let head = (offset % BLOCK_SIZE as u64) as usize;
@@ -206,6 +207,8 @@ impl Inner {
             drop(guards);
             admitted
         })?;
+        // A FUA write's wait for the disk holds no permit.
+        drop(permit);
         Counters::add(&self.counters.host_write_bytes, data.len() as u64);
         if durability == Durability::Fua {
             Counters::add(&self.counters.fua_ops, 1);
@@ -266,6 +269,7 @@ impl Inner {
         let block = BLOCK_SIZE as u64;
         let full_start = round_up(offset, block);
         let full_end = (offset + length) / block * block;
+        let permit = self.write_permits.acquire();
         let last_seq = match kind {
             RangeKind::Zero => Some(self.redo_on_conflict(|| self.zero_range(offset, length))?.last_seq),
             // Trim is advisory for partial blocks: only whole blocks are unmapped.
@@ -276,6 +280,7 @@ impl Inner {
             }
             RangeKind::Trim => None,
         };
+        drop(permit);
         self.make_durable(last_seq, durability)
     }
 

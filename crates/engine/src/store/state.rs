@@ -160,6 +160,8 @@ pub(crate) struct Inner {
     pub foreground_rounds: AtomicU64,
     /// Host writes' pace against GC (no lock: atomics).
     pub pacer: super::pacing::Pacer,
+    /// Host writes' CPU work, at most one per core at a time (`permits.rs`).
+    pub write_permits: super::permits::WritePermits,
     /// The trained dictionaries (`dictionaries.rs`). Outside the lock order: held only to
     /// read or swap `Arc`s, never while taking another lock.
     pub dictionaries: parking_lot::RwLock<super::dictionaries::DictionaryState>,
