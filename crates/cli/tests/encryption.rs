@@ -72,6 +72,7 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     run_ok(Command::new("nbdcopy").arg(&server.uri).arg(&readback));
     std::fs::OpenOptions::new().write(true).open(&readback).unwrap().set_len(text.len() as u64).unwrap();
     assert_eq!(sha256(&readback), sha256(&input));
+    server_memory_is_locked(server.nbdkit_pid());
     // `stat` needs no key while served: the server's numbers (its live file is rewritten
     // every second, so the copy shows up within a few).
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -143,6 +144,27 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     assert_eq!(sha256(&again), sha256(&input));
     common::signal(serve.id(), libc::SIGTERM);
     assert!(common::wait_timeout(&mut serve, Duration::from_secs(30)).success());
+}
+
+/// A server holding a store's keys locks its memory (`mlockall`), so that AES-GCM-SIV's key
+/// schedule, which lives in AWS-LC's allocation, never reaches swap: `VmLck` covers most of
+/// what it has touched. Only where the process may lock without a limit (as root:
+/// `CAP_IPC_LOCK`); elsewhere the engine skips it with a warning.
+fn server_memory_is_locked(pid: u32) {
+    let kib = |status: &str, field: &str| -> u64 {
+        let line = status.lines().find(|l| l.starts_with(field)).unwrap_or_else(|| panic!("no {field}"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    let own = std::fs::read_to_string("/proc/self/status").unwrap();
+    let cap_eff = u64::from_str_radix(own.lines().find(|l| l.starts_with("CapEff:")).unwrap()[7..].trim(), 16).unwrap();
+    const CAP_IPC_LOCK: u32 = 14;
+    if cap_eff & (1 << CAP_IPC_LOCK) == 0 {
+        eprintln!("not checking the server's locked memory: this process lacks CAP_IPC_LOCK");
+        return;
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let (locked, resident) = (kib(&status, "VmLck:"), kib(&status, "VmRSS:"));
+    assert!(locked * 2 >= resident, "server locked {locked} KiB of {resident} KiB resident");
 }
 
 /// Key slots do not change under a server (its nonce lease rewrites the key header), and the

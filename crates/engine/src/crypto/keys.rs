@@ -135,6 +135,7 @@ impl std::fmt::Debug for KeyHeader {
 impl KeyHeader {
     /// A new header for store `uuid`: a fresh random data key in slot 0, wrapped by `secret`.
     pub fn create(uuid: [u8; 16], secret: &Secret, kdf: KdfParams) -> Result<(KeyHeader, DataKey)> {
+        super::protect_process();
         let key = DataKey::random()?;
         let mut header = KeyHeader { uuid, generation: 0, nonce_high_water: 0, slots: Default::default() };
         header.add_slot(&key, secret, kdf)?;
@@ -143,6 +144,7 @@ impl KeyHeader {
 
     /// Tries every occupied slot of the secret's kind; the data key and the slot it opened.
     pub fn unlock(&self, secret: &Secret) -> Result<(DataKey, usize)> {
+        super::protect_process();
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(slot) = slot else { continue };
             if slot.kind != kind_of(secret) {

@@ -20,23 +20,59 @@ mod aead;
 pub mod cipher;
 pub mod keys;
 
+/// Once per process, before the first key material exists (a key header created or
+/// unlocked, a derived key): marks the process not dumpable (`PR_SET_DUMPABLE` 0: no core
+/// file, no ptrace or /proc/PID/mem by other users) and locks all its memory, present and
+/// future, as it is touched (`mlockall(MCL_CURRENT | MCL_FUTURE | MCL_ONFAULT)`, as
+/// cryptsetup does): key material the store cannot place itself — AES-GCM-SIV's key
+/// schedule inside AWS-LC's allocation, Argon2id's working memory, transient copies on the
+/// stack — then never reaches swap either. Only where no limit can make a later allocation
+/// fail: with a finite `RLIMIT_MEMLOCK` and no `CAP_IPC_LOCK` a locked process's
+/// allocations past the limit fail, so there it is skipped with a warning (the derived keys
+/// are still locked one by one, `KeyMemoryLock`). `ZDISK_LOCK_MEMORY=off` skips it.
+pub(crate) fn protect_process() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Err(e) = rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable) {
+            tracing::warn!("could not exclude the process from core dumps: {e}");
+        }
+        match lock_all_memory() {
+            Ok(()) => tracing::debug!("process memory locked (mlockall)"),
+            Err(why) => tracing::warn!(
+                "process memory not locked ({why}): AES-GCM-SIV's key schedule and transient key copies \
+                 may reach swap; use encrypted swap, or run with CAP_IPC_LOCK or an unlimited RLIMIT_MEMLOCK"
+            ),
+        }
+    });
+}
+
+fn lock_all_memory() -> std::result::Result<(), String> {
+    use rustix::mm::{mlockall, MlockAllFlags};
+    if std::env::var("ZDISK_LOCK_MEMORY").is_ok_and(|v| v == "off") {
+        return Err("ZDISK_LOCK_MEMORY=off".into());
+    }
+    let unlimited = rustix::process::getrlimit(rustix::process::Resource::Memlock).current.is_none();
+    let capable = rustix::thread::capabilities(None)
+        .is_ok_and(|sets| sets.effective.contains(rustix::thread::CapabilitySet::IPC_LOCK));
+    if !unlimited && !capable {
+        return Err("RLIMIT_MEMLOCK is finite and the process lacks CAP_IPC_LOCK".into());
+    }
+    mlockall(MlockAllFlags::CURRENT | MlockAllFlags::FUTURE | MlockAllFlags::ONFAULT)
+        .map_err(|e| format!("mlockall: {e}"))
+}
+
 /// Keeps a value holding key material out of swap and core dumps for as long as it lives:
-/// locks its pages in memory (`mlock`; a refusal — `RLIMIT_MEMLOCK` — is logged, the store
-/// still opens) and, once per process, marks the process not dumpable (`PR_SET_DUMPABLE` 0:
-/// no core file, no ptrace or /proc/PID/mem by other users). Drop it after the value
-/// (declare it after the value in a struct) so the key is zeroized before its pages unlock.
+/// `protect_process`, and its own pages locked in memory (`mlock`, in case the process
+/// could not lock all of it; a refusal — `RLIMIT_MEMLOCK` — is logged, the store still
+/// opens). Drop it after the value (declare it after the value in a struct) so the key is
+/// zeroized before its pages unlock.
 pub(crate) struct KeyMemoryLock {
     _locked: Option<region::LockGuard>,
 }
 
 impl KeyMemoryLock {
     pub(crate) fn new<T>(value: &T) -> KeyMemoryLock {
-        static NOT_DUMPABLE: std::sync::Once = std::sync::Once::new();
-        NOT_DUMPABLE.call_once(|| {
-            if let Err(e) = rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable) {
-                tracing::warn!("could not exclude the process from core dumps: {e}");
-            }
-        });
+        protect_process();
         let locked = region::lock(value as *const T, std::mem::size_of::<T>())
             .map_err(|e| tracing::warn!("could not lock key memory (raise RLIMIT_MEMLOCK): {e}"))
             .ok();
