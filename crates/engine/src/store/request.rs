@@ -96,10 +96,12 @@ impl Inner {
     }
 
     /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
-    /// already compressing (`codec::write_codec`); counts the choice.
+    /// already compressing or other writers wait for a permit (`codec::write_codec`,
+    /// `permits.rs`); counts the choice.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codec_counters;
-        let (compressing, busy) = Compressing::enter(&counters.compressing);
+        let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
+        let busy = compressing_before + self.write_permits.waiting();
         let configured = self.geometry.codec;
         let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
         let block = self.compress_with(codec, block, lba, scratch)?;
