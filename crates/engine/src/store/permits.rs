@@ -111,6 +111,13 @@ impl WritePermits {
             if first && state.free > 0 {
                 state.free -= 1;
                 state.waiting.pop_front();
+                // Two releases before this thread ran woke it twice and the next waiter
+                // not at all: pass the word on.
+                if state.free > 0 {
+                    if let Some(next) = state.waiting.front() {
+                        next.thread.unpark();
+                    }
+                }
                 return Some(WritePermit { permits: self });
             }
         }
@@ -235,6 +242,43 @@ mod tests {
         release_tx.send(()).unwrap();
         waiter.join().unwrap();
         assert_eq!((permits.state.lock().free, permits.waiting()), (1, 0));
+    }
+
+    #[test]
+    fn permits_freed_together_reach_every_waiter() {
+        let permits = Arc::new(WritePermits::new(2));
+        let (first, second) = (permits.acquire(), permits.acquire());
+        let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let done_rx = Arc::new(parking_lot::Mutex::new(done_rx));
+        let waiters: Vec<_> = (0..2)
+            .map(|_| {
+                let (shared, got_tx, done_rx) = (permits.clone(), got_tx.clone(), done_rx.clone());
+                std::thread::spawn(move || {
+                    let _permit = shared.acquire();
+                    got_tx.send(()).unwrap();
+                    done_rx.lock().recv().unwrap();
+                })
+            })
+            .collect();
+        while permits.state.lock().waiting.len() < 2 {
+            std::thread::yield_now();
+        }
+        // Both freed before either waiter runs (and before either is overdue): each
+        // release wakes the first waiter; the second must still get the other permit
+        // without a third release.
+        drop((first, second));
+        for _ in 0..2 {
+            got_rx
+                .recv_timeout(std::time::Duration::from_secs(5))
+                .expect("a waiter was left asleep with a permit free");
+        }
+        for _ in 0..2 {
+            done_tx.send(()).unwrap();
+        }
+        for waiter in waiters {
+            waiter.join().unwrap();
+        }
     }
 
     #[test]
