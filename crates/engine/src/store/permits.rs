@@ -35,6 +35,18 @@ use std::time::{Duration, Instant};
 /// writes, none cost the tail (docs/space.md, "Write admission").
 const FAIR_AFTER: Duration = Duration::from_millis(1);
 
+/// `FAIR_AFTER`, or `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds): longer trades the tail for
+/// throughput (docs/space.md, "Write admission").
+fn fair_after_from_env() -> Duration {
+    match std::env::var("ZDISK_WRITE_PERMIT_FAIR_US") {
+        Ok(v) => v.parse().map(Duration::from_micros).unwrap_or_else(|_| {
+            tracing::warn!("ZDISK_WRITE_PERMIT_FAIR_US={v:?} is not a number of microseconds; using the default");
+            FAIR_AFTER
+        }),
+        Err(_) => FAIR_AFTER,
+    }
+}
+
 /// Permits for host writes' CPU work: taken at once while one is free and no waiter is
 /// overdue; a waiter overdue by `FAIR_AFTER` gets the next one handed to it.
 pub(crate) struct WritePermits {
@@ -74,10 +86,14 @@ pub(crate) struct WritePermit<'a> {
 
 impl WritePermits {
     pub fn new(count: usize) -> WritePermits {
+        WritePermits::with_fair_after(count, fair_after_from_env())
+    }
+
+    fn with_fair_after(count: usize, fair_after: Duration) -> WritePermits {
         WritePermits {
             state: parking_lot::Mutex::new(PermitState { free: count, waiting: VecDeque::new() }),
             count,
-            fair_after: FAIR_AFTER,
+            fair_after,
             waiting: AtomicUsize::new(0),
         }
     }
@@ -168,7 +184,7 @@ mod tests {
 
     #[test]
     fn no_more_holders_than_permits_and_every_waiter_gets_one() {
-        let permits = Arc::new(WritePermits::new(2));
+        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
         let holders = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let threads: Vec<_> = (0..8)
@@ -195,7 +211,7 @@ mod tests {
 
     #[test]
     fn waiters_are_served_in_arrival_order() {
-        let permits = Arc::new(WritePermits::new(1));
+        let permits = Arc::new(WritePermits::with_fair_after(1, FAIR_AFTER));
         let held = permits.acquire();
         let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let mut threads = Vec::new();
@@ -219,7 +235,7 @@ mod tests {
 
     #[test]
     fn an_overdue_waiter_is_handed_the_next_permit() {
-        let permits = Arc::new(WritePermits::new(1));
+        let permits = Arc::new(WritePermits::with_fair_after(1, FAIR_AFTER));
         let held = permits.acquire();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let waiter = {
@@ -246,7 +262,7 @@ mod tests {
 
     #[test]
     fn permits_freed_together_reach_every_waiter() {
-        let permits = Arc::new(WritePermits::new(2));
+        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
         let (first, second) = (permits.acquire(), permits.acquire());
         let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
