@@ -76,7 +76,7 @@ pub struct OpenOptions {
     /// raised throughput by a third (docs/space.md, "Pacing").
     pub pacing: bool,
     /// Host writes (and trims, write-zeroes) that compress and append at once; the others
-    /// wait in arrival order (`permits.rs`). 0: no limit. Defaults to `ZDISK_WRITE_PERMITS`,
+    /// sleep, none passed over for more than 1 ms (`permits.rs`). 0: no limit. Defaults to `ZDISK_WRITE_PERMITS`,
     /// else the number of cores: more writers than cores only preempt each other while
     /// holding the store's locks (docs/space.md, "Write admission").
     pub write_concurrency: usize,
@@ -142,7 +142,7 @@ fn idle_spare_cores_from_env() -> f64 {
     }
 }
 
-/// `ZDISK_IDLE_AFTER_MS` (milliseconds; 0 or "off": never), else the default.
+/// `ZDISK_WRITE_PERMITS` (a number of writers; 0: no limit), else the number of cores.
 fn write_concurrency_from_env() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     match std::env::var("ZDISK_WRITE_PERMITS") {
@@ -154,6 +154,7 @@ fn write_concurrency_from_env() -> usize {
     }
 }
 
+/// `ZDISK_IDLE_AFTER_MS` (milliseconds; 0 or "off": never), else the default.
 fn idle_after_from_env() -> Option<std::time::Duration> {
     match std::env::var("ZDISK_IDLE_AFTER_MS") {
         Ok(v) if v == "off" || v == "0" => None,
