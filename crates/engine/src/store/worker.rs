@@ -137,8 +137,8 @@ impl Inner {
         let mut busy = false;
         let started = std::time::Instant::now();
         let mut gained_bytes = 0;
+        let mut cleaned = 0;
         if free < target {
-            let mut cleaned = 0;
             while free + cleaned < target && cleaned < GC_ROUND_SEGMENTS {
                 let Some(gained) = self.gc_once(GcMode::Background)? else { break };
                 gained_bytes += gained;
@@ -171,12 +171,14 @@ impl Inner {
                 free,
                 target,
                 gained_bytes,
+                victims = cleaned,
                 checkpoint,
                 urgent,
                 memory,
                 elapsed_us = elapsed.as_micros() as u64,
                 gc_ps_per_byte = self.pacer.gc_ps_per_byte(),
                 paced_wait_ms = self.pacer.paced_wait_ns() / 1_000_000,
+                foreground_rounds = self.foreground_rounds.load(Ordering::Relaxed),
                 "background step"
             );
         }
