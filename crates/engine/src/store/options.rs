@@ -76,9 +76,10 @@ pub struct OpenOptions {
     /// raised throughput by a third (docs/space.md, "Pacing").
     pub pacing: bool,
     /// Host writes (and trims, write-zeroes) that compress and append at once; the others
-    /// sleep, none passed over for more than 1 ms (`permits.rs`). 0: no limit. Defaults to `ZDISK_WRITE_PERMITS`,
-    /// else the number of cores: more writers than cores only preempt each other while
-    /// holding the store's locks (docs/space.md, "Write admission").
+    /// sleep until a permit is free or they are overdue (`permits.rs`). 0: no limit.
+    /// Defaults to `ZDISK_WRITE_PERMITS`, else the number of cores: more writers than cores
+    /// only preempt each other while holding the store's locks (docs/space.md, "Write
+    /// admission").
     pub write_concurrency: usize,
     /// Idle work (`store/idle.rs`) starts once the host has sent no request for this long:
     /// recompression of what the write path stored with its fallback codec, and the first

@@ -10,7 +10,8 @@
 //! had 3–5 ms at the same throughput.
 //!
 //! So at most one host write per core runs its CPU work (compress, append) at a time; the
-//! others sleep here, and none is passed over for longer than `FAIR_AFTER`. A permit is taken before any lock of the lock order and after pacing
+//! others sleep here, and none is passed over once overdue (`FAIR_AFTER`, or longer when
+//! its place in a queue of large writes explains the wait). A permit is taken before any lock of the lock order and after pacing
 //! (`pacing.rs`: a paced write sleeps without one), and is held through `admit`: a
 //! foreground GC round holds it too, as the writer that runs it would otherwise hold the
 //! CPU. Nothing that a permit holder waits for needs another host write to progress
@@ -55,7 +56,7 @@ fn fair_after_from_env() -> Duration {
 }
 
 /// Permits for host writes' CPU work: taken at once while one is free and no waiter is
-/// overdue; a waiter overdue by `FAIR_AFTER` gets the next one handed to it.
+/// overdue; an overdue waiter (`front_overdue`) gets the next one handed to it.
 pub(crate) struct WritePermits {
     /// Outside the lock order: held only to take or hand over a permit, never while
     /// another lock is taken.
@@ -63,8 +64,8 @@ pub(crate) struct WritePermits {
     /// 0: unlimited (no queue).
     count: usize,
     fair_after: Duration,
-    /// Writers waiting for a permit: the write path's load signal (`Inner::compress`), read
-    /// without the lock.
+    /// `state.waiting.len()`, kept beside it (changed under the lock) for the write path's
+    /// load signal (`Inner::compress`), which reads it without the lock.
     waiting: AtomicUsize,
 }
 
@@ -117,7 +118,6 @@ impl WritePermits {
             Arc::new(Waiter { thread: std::thread::current(), since: Instant::now(), granted: AtomicBool::new(false) });
         state.waiting.push_back(waiter.clone());
         self.waiting.fetch_add(1, Ordering::Relaxed);
-        let _counted = Counted(&self.waiting);
         loop {
             drop(state);
             // Woken by a release: either handed a permit, or told one is free to take.
@@ -131,6 +131,7 @@ impl WritePermits {
             if first && state.free > 0 {
                 state.free -= 1;
                 state.waiting.pop_front();
+                self.waiting.fetch_sub(1, Ordering::Relaxed);
                 // Two releases before this thread ran woke it twice and the next waiter
                 // not at all: pass the word on.
                 if state.free > 0 {
@@ -148,8 +149,8 @@ impl WritePermits {
         self.waiting.load(Ordering::Relaxed)
     }
 
-    /// Whether the longest waiter has waited past `fair_after`, or past four times the
-    /// wait its place in the queue explains (waiters ahead per permit × the mean hold),
+    /// Whether the longest waiter has waited past `fair_after`, or past `QUEUE_WAIT_SLACK`
+    /// times the wait its place in the queue explains (waiters per permit × the mean hold),
     /// whichever is longer: large writes hold a permit long, so their queue alone is a
     /// wait of milliseconds, and handing over there only idles the permit.
     fn front_overdue(&self, state: &PermitState) -> bool {
@@ -163,6 +164,7 @@ impl WritePermits {
         state.hold_ns += (held.as_nanos() as f64 - state.hold_ns) / 16.0;
         if self.front_overdue(&state) {
             let waiter = state.waiting.pop_front().expect("an overdue waiter");
+            self.waiting.fetch_sub(1, Ordering::Relaxed);
             waiter.granted.store(true, Ordering::Release);
             waiter.thread.unpark();
             return;
@@ -174,15 +176,6 @@ impl WritePermits {
         if let Some(waiter) = state.waiting.front() {
             waiter.thread.unpark();
         }
-    }
-}
-
-/// Counts a waiter until it holds its permit.
-struct Counted<'a>(&'a AtomicUsize);
-
-impl Drop for Counted<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
