@@ -247,7 +247,9 @@ attach_zdisk() {
   [[ -n ${ZDISK_PHYS_OVERRIDE:-} ]] && phys=$ZDISK_PHYS_OVERRIDE
   "$ZDISK" format "$store" --physical-size "$phys" --logical-size "$OSD_BYTES" --force "$@" >>"$WORK/attach.log" 2>&1 \
     || die "zdisk format $store failed (see $WORK/attach.log)"
-  dev=$(ZDISK_RUN_DIR=$WORK/run "$ZDISK" attach "$store" 2>>"$WORK/attach.log") || die "zdisk attach $store failed (see $WORK/attach.log)"
+  # Freed segments go back to the host (ZDISK_DISCARD_FREED=on), so host_disk_bytes compares
+  # thin zdisk files with the raw images qemu-nbd punches on discard.
+  dev=$(ZDISK_DISCARD_FREED=${ZDISK_DISCARD_FREED:-on} ZDISK_RUN_DIR=$WORK/run "$ZDISK" attach "$store" 2>>"$WORK/attach.log") || die "zdisk attach $store failed (see $WORK/attach.log)"
   DEVS+=("zdisk:$dev:$store")
   ATTACHED=$dev
 }

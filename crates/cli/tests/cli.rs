@@ -118,6 +118,31 @@ fn format_refuses_an_existing_store_without_force() {
     assert_eq!(stat["provisioned_cap"], 3 * stat["native_capacity"].as_u64().unwrap());
 }
 
+/// `--preallocate` leaves every block of the store file allocated (written zeros), and says
+/// so on stderr as it goes; without it a new store file stays sparse.
+#[test]
+fn format_preallocate_allocates_the_whole_file() {
+    use std::os::unix::fs::MetadataExt;
+    let s = Scratch::new("prealloc");
+    let sparse = s.format("sparse.zdisk", "64M", "1x", &[]);
+    let store = s.path("full.zdisk");
+    let output = s
+        .zdisk()
+        .args(["format", store.to_str().unwrap(), "--physical-size", "64M", "--preallocate"])
+        .output()
+        .expect("running zdisk");
+    common::assert_success(&output, "zdisk format --preallocate");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("writing zeros over") && stderr.contains("100%"), "{stderr}");
+    let allocated = |path: &std::path::Path| std::fs::metadata(path).unwrap().blocks() * 512;
+    assert!(allocated(&store) >= 63 << 20, "preallocated store holds {} bytes", allocated(&store));
+    assert!(allocated(&sparse) < 8 << 20, "a plain format allocated {} bytes", allocated(&sparse));
+    let (full, empty) = (s.stat_json(&store), s.stat_json(&sparse));
+    assert_eq!(full["physical_size"], empty["physical_size"], "a preallocated store is as empty as a new one");
+    assert_eq!(full["free_space"], empty["free_space"]);
+    s.zdisk_ok(&["check", store.to_str().unwrap()]);
+}
+
 #[test]
 fn stat_json_has_the_capacity_stat_keys_and_engine_names() {
     let s = Scratch::new("statjson");

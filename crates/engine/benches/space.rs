@@ -180,6 +180,7 @@ fn format_store(path: &std::path::Path, physical_bytes: u64, logical_bytes: u64,
             force: true,
             over_provision_ppm,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();
@@ -278,6 +279,7 @@ fn fill_overhead(logical_bytes: u64) {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();
@@ -321,6 +323,7 @@ fn recovery_time(logical_written_bytes: u64) {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();

@@ -25,6 +25,7 @@ fn main() {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();

@@ -117,6 +117,14 @@ pub struct Stats {
     /// the cold stream; docs/space.md, "Hot and cold").
     #[serde(default)]
     pub gc_cold_bytes_moved: u64,
+    /// Backing reads host reads needed since open (after coalescing: fragments whose
+    /// sectors touch are one read), and their bytes. Per `read_ops`, how scattered the
+    /// data a client reads lies on the backing; per `host_read_bytes`, what compression
+    /// saves the disk.
+    #[serde(default)]
+    pub host_backing_reads: u64,
+    #[serde(default)]
+    pub host_backing_read_bytes: u64,
     /// Host writes paced against GC since open (docs/space.md, "Pacing"), and their
     /// total wait.
     #[serde(default)]

@@ -14,6 +14,7 @@ fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) ->
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();
@@ -125,6 +126,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap_err();
@@ -273,4 +275,38 @@ fn a_version_1_store_is_read_and_upgraded_when_opened_for_writing() {
     let mut small = vec![0u8; 4096];
     store.read(1 << 20, &mut small).unwrap();
     assert_eq!(small, pattern(4096, 5));
+}
+
+/// `host_backing_reads` counts backing reads after coalescing: blocks written together are
+/// read in one, blocks written apart in one each, and zero or unwritten blocks in none.
+#[test]
+fn host_backing_reads_count_coalesced_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = format(&dir, 64 << 20, 64 << 20, Codec::Lz4);
+    {
+        let store = Store::open(&path, &OpenOptions::default()).unwrap();
+        store.write(0, &pattern(16 << 10, 3), false).unwrap();
+        // Two blocks far apart in the log: a megabyte written between them.
+        store.write(1 << 20, &pattern(4096, 5), false).unwrap();
+        store.write(4 << 20, &pattern(1 << 20, 6), false).unwrap();
+        store.write((1 << 20) + 4096, &pattern(4096, 9), false).unwrap();
+        store.close().unwrap();
+    }
+    // Reopened, nothing is in a segment buffer: every read goes to the backing.
+    let store = Store::open(&path, &OpenOptions::default()).unwrap();
+    let reads = |store: &Store| {
+        let stats = store.stats();
+        (stats.host_backing_reads, stats.host_backing_read_bytes)
+    };
+    let mut page = vec![0u8; 16 << 10];
+    store.read(0, &mut page).unwrap();
+    assert_eq!(page, pattern(16 << 10, 3));
+    let (one, bytes) = reads(&store);
+    assert_eq!(one, 1, "four blocks written together are one read");
+    assert!(bytes > 0 && bytes < 16 << 10, "{bytes} bytes for four compressible blocks");
+    let mut two = vec![0u8; 8192];
+    store.read(1 << 20, &mut two).unwrap();
+    assert_eq!(reads(&store).0, 3, "two blocks written apart are two reads");
+    store.read(32 << 20, &mut two).unwrap();
+    assert_eq!(reads(&store).0, 3, "unwritten blocks need no read");
 }

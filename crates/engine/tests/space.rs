@@ -196,8 +196,10 @@ fn ten_times_logical_capacity_holds_a_sparse_pattern_and_grows() {
     assert_eq!(back, [7u8; 4096]);
 }
 
-#[test]
-fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
+/// Writes 32 MiB to a 64 MiB store, trims it all, collects and checkpoints until the
+/// segments are freed; returns the backing file's allocated bytes after the write and at
+/// the end, and the store's free space.
+fn allocation_after_freeing(discard_freed: bool) -> (u64, u64, u64) {
     use std::os::unix::fs::MetadataExt;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
@@ -211,10 +213,12 @@ fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();
-    let store = Store::open(&path, &zdisk_engine::OpenOptions { background: false, ..Default::default() }).unwrap();
+    let options = zdisk_engine::OpenOptions { background: false, discard_freed, ..Default::default() };
+    let store = Store::open(&path, &options).unwrap();
     let mut rng = rng(13);
     let data = block_data(&mut rng, 32 << 20, 100);
     store.write(0, &data, true).unwrap();
@@ -225,11 +229,29 @@ fn freed_segments_are_discarded_so_a_backing_file_shrinks() {
     store.checkpoint().unwrap();
     store.checkpoint().unwrap();
     let allocated_after = std::fs::metadata(&path).unwrap().blocks() * 512;
+    (allocated_full, allocated_after, store.stats().free_space)
+}
+
+#[test]
+fn freed_segments_are_discarded_so_a_backing_file_shrinks_when_asked() {
+    let (allocated_full, allocated_after, free_space) = allocation_after_freeing(true);
     assert!(
         allocated_after < allocated_full / 4,
         "backing file still holds {allocated_after} of {allocated_full} bytes"
     );
-    assert!(store.stats().free_space > 48 << 20);
+    assert!(free_space > 48 << 20);
+}
+
+/// By default freed segments keep their blocks (`OpenOptions::discard_freed`): the log
+/// reuses them, and a flush onto blocks the file system must allocate again is slow.
+#[test]
+fn freed_segments_keep_their_blocks_by_default() {
+    let (allocated_full, allocated_after, free_space) = allocation_after_freeing(false);
+    assert!(
+        allocated_after >= allocated_full,
+        "backing file shrank from {allocated_full} to {allocated_after} bytes without discard_freed"
+    );
+    assert!(free_space > 48 << 20, "the space is free in the store all the same");
 }
 
 /// Steady random overwrites at 80% utilisation with the background worker on: foreground
@@ -254,6 +276,7 @@ fn steady_overwrites_at_high_utilisation_never_run_out_of_space() {
                 force: false,
                 over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
                 encryption: None,
+                preallocate: false,
             },
         )
         .unwrap();
@@ -404,6 +427,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
             force: false,
             over_provision_ppm,
             encryption: None,
+            preallocate: false,
         },
     )
     .unwrap();

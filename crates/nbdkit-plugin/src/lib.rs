@@ -3,7 +3,7 @@
 //! ```text
 //! nbdkit --foreground -U /tmp/sock libnbdkit_zdisk_plugin.so store=/srv/disk.zdisk \
 //!        [readonly=true] [metrics=127.0.0.1:9100] [direct=true|false] [cache=256M] [read_cache=0] \
-//!        [low_space=0.10] [rundir=/run/zdisk]
+//!        [low_space=0.10] [discard_freed=false] [rundir=/run/zdisk]
 //! ```
 //!
 //! Invariants:
@@ -50,6 +50,7 @@ struct Config {
     accept_data_loss: bool,
     idle_after: Option<std::time::Duration>,
     auto_dictionary_blocks: Option<u64>,
+    discard_freed: bool,
     run_dir: PathBuf,
     /// An encrypted store's passphrase or key file, read when configured.
     key: Option<Arc<Secret>>,
@@ -70,6 +71,7 @@ impl Default for Config {
             accept_data_loss: false,
             idle_after: defaults.idle_after,
             auto_dictionary_blocks: defaults.auto_dictionary_blocks,
+            discard_freed: defaults.discard_freed,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
             key: None,
         }
@@ -159,6 +161,7 @@ impl Server for Handle {
              low_space=FRACTION    space_flag=1 below this free fraction (default 0.10)\n\
              idle_after=MS         idle work after MS ms without requests (default 2000; 0: never)\n\
              auto_dictionary=BOOL  train the first dictionary while idle (default true)\n\
+             discard_freed=BOOL    discard freed segments: thin backing, slower flushes (default false)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)\n\
              key-file=PATH         an encrypted store's key file\n\
              passphrase-file=PATH  an encrypted store's passphrase: the first line of PATH\n\
@@ -207,6 +210,7 @@ impl Server for Handle {
                 config.low_space_fraction = fraction;
             }
             "accept_data_loss" => config.accept_data_loss = nbdkit::parse_bool(value)?,
+            "discard_freed" => config.discard_freed = nbdkit::parse_bool(value)?,
             "idle_after" => {
                 let ms: u64 = value.parse().map_err(|_| einval(format!("idle_after={value}: not milliseconds")))?;
                 config.idle_after = (ms > 0).then(|| std::time::Duration::from_millis(ms));
@@ -274,6 +278,7 @@ impl Server for Handle {
             accept_data_loss: config.accept_data_loss,
             idle_after: config.idle_after,
             auto_dictionary_blocks: config.auto_dictionary_blocks,
+            discard_freed: config.discard_freed,
             key: config.key.clone(),
             ..OpenOptions::default()
         };

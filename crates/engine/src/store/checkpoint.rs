@@ -239,10 +239,14 @@ impl Inner {
         // (2) what emptied them is durable; (3) no reader holds an old map entry.
         self.flush_upto(emptied_seq)?;
         drop(self.map.write());
-        for &id in &freeable {
-            let base = self.geometry.segment_base(id);
-            if let Err(e) = self.backing.discard(base, self.geometry.segment_size_bytes) {
-                tracing::warn!("discard of segment {id} failed: {e}");
+        // Off by default: the log reuses the segment soon, and a file's punched blocks must
+        // be allocated again under the flushes that follow (docs/format.md).
+        if self.options.discard_freed {
+            for &id in &freeable {
+                let base = self.geometry.segment_base(id);
+                if let Err(e) = self.backing.discard(base, self.geometry.segment_size_bytes) {
+                    tracing::warn!("discard of segment {id} failed: {e}");
+                }
             }
         }
         let mut log = self.log.lock();

@@ -104,8 +104,9 @@ pub(crate) fn validate_over_provision(ppm: u32) -> Result<()> {
     Ok(())
 }
 
-/// Formats `path` (created at the physical size if it does not exist).
-pub(crate) fn format(path: &Path, options: &FormatOptions) -> Result<StoreInfo> {
+/// Formats `path` (created at the physical size if it does not exist). `progress(done,
+/// total)` follows the zeros `FormatOptions::preallocate` writes.
+pub(crate) fn format(path: &Path, options: &FormatOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<StoreInfo> {
     let exists = path.exists();
     if !exists {
         let file = std::fs::OpenOptions::new()
@@ -131,7 +132,7 @@ pub(crate) fn format(path: &Path, options: &FormatOptions) -> Result<StoreInfo> 
     } else {
         backing
     };
-    format_backing(&backing, options)
+    format_backing(&backing, options, progress)
 }
 
 /// Refuses a target that holds a zdisk store or any data in its first sector.
@@ -160,7 +161,11 @@ fn refuse_to_overwrite(path: &Path, backing: &dyn Backing) -> Result<()> {
 }
 
 /// Formats an already opened backing store (its whole size).
-pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> Result<StoreInfo> {
+pub(crate) fn format_backing(
+    backing: &dyn Backing,
+    options: &FormatOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<StoreInfo> {
     let physical_size_bytes = backing.size_bytes() / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
     let segment_size_bytes = options.segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
     if !(SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&segment_size_bytes)
@@ -222,11 +227,14 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
     if let Some((_, key)) = &keys {
         sb.mac = StoreCipher::new(uuid, key, None).mac(&[&sb.mac_input()]);
     }
-    // Purge: old log records must not be mistaken for ours (they would not chain anyway,
-    // but discarding also gives the space back to a thin backing).
-    backing
-        .discard(DATA_START_BYTES, segment_count * segment_size_bytes)
-        .map_err(|e| Error::io("discard data area", e))?;
+    // Purge: old log records must not be mistaken for ours (they would not chain anyway).
+    // Zeros leave the data area allocated; a discard gives its space back to a thin backing.
+    let data_area_bytes = segment_count * segment_size_bytes;
+    if options.preallocate {
+        write_zeros(backing, DATA_START_BYTES, data_area_bytes, progress)?;
+    } else {
+        backing.discard(DATA_START_BYTES, data_area_bytes).map_err(|e| Error::io("discard data area", e))?;
+    }
     let mut slots = sb.encode();
     slots.extend_from_slice(&sb.encode());
     slots.resize(DATA_START_BYTES as usize, 0);
@@ -239,6 +247,23 @@ pub(crate) fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> 
     backing.write_at(0, &slots).map_err(|e| Error::io("write superblocks", e))?;
     backing.sync().map_err(|e| Error::io("sync superblocks", e))?;
     Ok(info_from(&sb))
+}
+
+/// Writes zeros over `[offset, offset + len)`, in chunks of 8 MiB (a multiple of the
+/// sector, so O_DIRECT takes them), reporting progress after each. The caller syncs.
+fn write_zeros(backing: &dyn Backing, offset: u64, len: u64, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+    const CHUNK_BYTES: u64 = 8 << 20;
+    let zeros = aligned_vec::avec![[SECTOR_SIZE] | 0u8; CHUNK_BYTES as usize];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(CHUNK_BYTES);
+        backing
+            .write_at(offset + done, &zeros[..n as usize])
+            .map_err(|e| Error::io(format!("write zeros at {}", offset + done), e))?;
+        done += n;
+        progress(done, len);
+    }
+    Ok(())
 }
 
 /// Reads the superblock without locking or recovering (works while the store is served).

@@ -116,12 +116,22 @@ fn durability(fua: bool) -> Durability {
 impl Store {
     /// Formats `path` (created at the physical size if it does not exist).
     pub fn format(path: &Path, options: &FormatOptions) -> Result<StoreInfo> {
-        create::format(path, options)
+        create::format(path, options, &mut |_, _| {})
+    }
+
+    /// `format`, calling `progress(done, total)` as it writes the zeros of
+    /// `FormatOptions::preallocate` (bytes; nothing else takes long).
+    pub fn format_with_progress(
+        path: &Path,
+        options: &FormatOptions,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<StoreInfo> {
+        create::format(path, options, progress)
     }
 
     /// Formats an already opened backing store (its whole size).
     pub fn format_backing(backing: &dyn Backing, options: &FormatOptions) -> Result<StoreInfo> {
-        create::format_backing(backing, options)
+        create::format_backing(backing, options, &mut |_, _| {})
     }
 
     /// Reads the superblock without locking or recovering (works while the store is served).
@@ -555,6 +565,8 @@ impl Inner {
             segment_uses,
             map_write_bytes: AtomicU64::new(0),
             gc_cold_bytes_moved: AtomicU64::new(0),
+            host_backing_reads: AtomicU64::new(0),
+            host_backing_read_bytes: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
             durable_seq: AtomicU64::new(0),

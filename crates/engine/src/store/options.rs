@@ -27,6 +27,11 @@ pub struct FormatOptions {
     /// Encrypt the store (`docs/format.md`, "Encryption"): its first key slot wraps the data
     /// key under this secret.
     pub encryption: Option<Encryption>,
+    /// Write zeros over the whole data area instead of leaving it unallocated: every
+    /// segment then lies on blocks a backing file's file system has already allocated and
+    /// written, so no flush waits for it to allocate them (docs/format.md, "Backing
+    /// allocation"). Costs one write of the physical size at format.
+    pub preallocate: bool,
 }
 
 /// How `format` encrypts a store.
@@ -81,6 +86,13 @@ pub struct OpenOptions {
     /// only preempt each other while holding the store's locks (docs/space.md, "Write
     /// admission").
     pub write_concurrency: usize,
+    /// Discard each segment as it is freed (a hole punched in a backing file, BLKDISCARD
+    /// on a block device), giving its space back to a thin backing. Off by default, as
+    /// ZFS's `autotrim`: the log reuses freed segments, and in a backing file each reuse
+    /// of a punched segment makes the next flushes wait for the file system to allocate
+    /// blocks again (docs/format.md, "Backing allocation"). Defaults to
+    /// `ZDISK_DISCARD_FREED=on`, else off.
+    pub discard_freed: bool,
     /// Idle work (`store/idle.rs`) starts once the host has sent no request for this long:
     /// recompression of what the write path stored with its fallback codec, and the first
     /// dictionary. None: never. Defaults to `ZDISK_IDLE_AFTER_MS`, else 2 s.
@@ -119,6 +131,7 @@ impl Default for OpenOptions {
             codec_fallback: CodecFallback::from_env(),
             pacing: !std::env::var("ZDISK_PACING").is_ok_and(|v| v == "off"),
             write_concurrency: write_concurrency_from_env(),
+            discard_freed: std::env::var("ZDISK_DISCARD_FREED").is_ok_and(|v| v == "on"),
             idle_after: idle_after_from_env(),
             idle_spare_cores: idle_spare_cores_from_env(),
             auto_dictionary_blocks: Some(super::idle::AUTO_DICTIONARY_BLOCKS_MIN),

@@ -96,6 +96,8 @@ impl Inner {
                 let first = runs.first().map_or(0, |run| run.start_bytes);
                 Error::io(format!("read of {} range(s) from {first}", runs.len()), e)
             })?;
+            Counters::add(&self.host_backing_reads, reads.len() as u64);
+            Counters::add(&self.host_backing_read_bytes, reads.iter().map(|(_, buf)| buf.len() as u64).sum());
         }
         for (run, raw) in runs.iter().zip(buffers) {
             for f in &on_disk[run.fragments.clone()] {

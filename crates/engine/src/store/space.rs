@@ -224,6 +224,8 @@ impl Inner {
             map_page_bytes: page_bytes,
             map_write_bytes: Counters::get(&self.map_write_bytes),
             gc_cold_bytes_moved: Counters::get(&self.gc_cold_bytes_moved),
+            host_backing_reads: Counters::get(&self.host_backing_reads),
+            host_backing_read_bytes: Counters::get(&self.host_backing_read_bytes),
             paced_writes: self.pacer.paced_writes(),
             paced_wait_ns: self.pacer.paced_wait_ns(),
         }

@@ -134,6 +134,9 @@ pub(crate) struct Inner {
     pub map_write_bytes: AtomicU64,
     /// Bytes GC moved into the cold stream since open (not persisted).
     pub gc_cold_bytes_moved: AtomicU64,
+    /// Backing reads (coalesced runs) for host reads, and their bytes, since open.
+    pub host_backing_reads: AtomicU64,
+    pub host_backing_read_bytes: AtomicU64,
     pub failed: AtomicBool,
     /// A host request was refused for lack of space (`space_flag` 2) and none has
     /// succeeded since.

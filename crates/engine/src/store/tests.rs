@@ -21,6 +21,7 @@ fn small_store(seed: u64) -> Store {
         force: true,
         over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
         encryption: None,
+        preallocate: false,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
     Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()
