@@ -741,3 +741,36 @@ fn demo_runs_end_to_end() {
     assert!(stderr.contains("demo done"), "{stderr}");
     assert!(stdout.contains("source  live") && stdout.contains("source  offline"), "{stdout}");
 }
+
+/// `zdisk serve` gives nbdkit 4 threads per core (8 to 64) unless `--threads` says
+/// otherwise, and passes `--discard-freed` to the plugin, which accepts it.
+#[test]
+fn serve_passes_threads_and_discard_freed_to_nbdkit() {
+    if !require(&["nbdkit", "nbdinfo"]) {
+        return;
+    }
+    let s = Scratch::new("threads");
+    let store = s.format("s.zdisk", "64M", "1x", &[]);
+    let argv = |server: &Server| -> Vec<String> {
+        let raw = std::fs::read(format!("/proc/{}/cmdline", server.nbdkit_pid())).unwrap();
+        raw.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
+    };
+    let threads_of = |argv: &[String]| argv.iter().position(|a| a == "-t").map(|i| argv[i + 1].clone());
+    let cores = std::thread::available_parallelism().unwrap().get() as u32;
+    let server = Server::start(&s, &store, &[]);
+    let default = argv(&server);
+    assert_eq!(threads_of(&default), Some((4 * cores).clamp(8, 64).to_string()), "{default:?}");
+    assert!(!default.iter().any(|a| a.starts_with("discard_freed")), "{default:?}");
+    server.stop();
+    let server = Server::start(&s, &store, &["--threads", "3", "--discard-freed"]);
+    let asked = argv(&server);
+    assert_eq!(threads_of(&asked), Some("3".to_string()), "{asked:?}");
+    assert!(asked.iter().any(|a| a == "discard_freed=true"), "{asked:?}");
+    // The plugin took the key (an unknown one would have stopped nbdkit before serving).
+    assert!(nbdinfo_ok(&server.uri), "the server with discard_freed=true does not answer");
+    server.stop();
+}
+
+fn nbdinfo_ok(uri: &str) -> bool {
+    Command::new("nbdinfo").arg("--size").arg(uri).output().is_ok_and(|o| o.status.success())
+}
