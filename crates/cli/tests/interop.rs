@@ -767,10 +767,6 @@ fn serve_passes_threads_and_discard_freed_to_nbdkit() {
     assert_eq!(threads_of(&asked), Some("3".to_string()), "{asked:?}");
     assert!(asked.iter().any(|a| a == "discard_freed=true"), "{asked:?}");
     // The plugin took the key (an unknown one would have stopped nbdkit before serving).
-    assert!(nbdinfo_ok(&server.uri), "the server with discard_freed=true does not answer");
+    assert!(nbdinfo_json(&server.uri)["export-size"].as_u64().is_some_and(|size| size > 0));
     server.stop();
-}
-
-fn nbdinfo_ok(uri: &str) -> bool {
-    Command::new("nbdinfo").arg("--size").arg(uri).output().is_ok_and(|o| o.status.success())
 }
