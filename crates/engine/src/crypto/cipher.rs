@@ -217,11 +217,12 @@ impl std::fmt::Debug for NonceObserver {
 }
 
 /// Where a run's nonces come from: a range leased from the key header, renewed (a durable
-/// header write) when it runs out. One mutex: taken once per seal, uncontended in practice
-/// (a seal costs microseconds, the lock tens of nanoseconds), and it makes "handed out at
-/// most once" evident.
+/// header write) when it runs out. One mutex: taken once per seal, rarely contended (a seal
+/// costs microseconds, the lock tens of nanoseconds), and it makes "handed out at most
+/// once" evident. The standard library's: a contended `parking_lot` mutex yields the core
+/// (`store/lock.rs`).
 pub struct NonceSource {
-    state: parking_lot::Mutex<NonceState>,
+    state: std::sync::Mutex<NonceState>,
     used: AtomicU64,
     /// Every value handed out, for the tests that prove none repeats.
     #[cfg(any(test, feature = "sim"))]
@@ -246,7 +247,7 @@ impl NonceSource {
     /// A source that seals nothing (read-only opens).
     fn none() -> NonceSource {
         NonceSource {
-            state: parking_lot::Mutex::new(NonceState { next: 0, limit: 0, lease: None }),
+            state: std::sync::Mutex::new(NonceState { next: 0, limit: 0, lease: None }),
             used: AtomicU64::new(0),
             #[cfg(any(test, feature = "sim"))]
             observer: None,
@@ -259,7 +260,7 @@ impl NonceSource {
         assert!(size > 0, "a lease of no nonces");
         let source = NonceSource::none();
         {
-            let mut state = source.state.lock();
+            let mut state = source.lock_state();
             state.lease = Some(Lease { header, backing, size });
             state.renew()?;
         }
@@ -270,7 +271,7 @@ impl NonceSource {
     #[cfg(test)]
     pub fn for_tests() -> NonceSource {
         let source = NonceSource::none();
-        source.state.lock().limit = u64::MAX;
+        source.lock_state().limit = u64::MAX;
         source
     }
 
@@ -280,8 +281,12 @@ impl NonceSource {
         self
     }
 
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, NonceState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn next(&self) -> Result<u64> {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         if state.next == state.limit {
             state.renew()?;
         }

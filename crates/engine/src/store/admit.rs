@@ -92,16 +92,16 @@ impl Inner {
     }
 
     /// Waits for a host write's slot when the free space above the host reserve is in the
-    /// pacing band, the background worker's cushion (`pacing.rs`). Takes no lock while it
-    /// waits.
+    /// pacing band, the background worker's cushion (`pacing.rs`). Takes no lock: the free
+    /// space is the last one published (`publish_host_slack`). Every writer passes here
+    /// before it has a write permit, so a lock taken here was taken by all of them at
+    /// once, and one preempted while holding it stalled the rest (docs/space.md,
+    /// "Yielding locks").
     pub(crate) fn pace_host_write(&self, bytes: u64) {
         if !self.options.pacing || self.pacer.gc_ps_per_byte() == 0 {
             return;
         }
-        let slack_bytes = {
-            let log = self.log.lock();
-            self.available_bytes(&log).saturating_sub(self.reserve_bytes(&log, SpaceClass::Host))
-        };
+        let slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed);
         let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
         let wait = self.pacer.wait_for(bytes, slack_bytes, band_bytes);
         if !wait.is_zero() {

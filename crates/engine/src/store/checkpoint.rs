@@ -262,6 +262,7 @@ impl Inner {
             log.segments.release(id);
             self.read_cache.forget_segment(id.0);
         }
+        self.publish_host_slack(&log);
         Ok(freeable.len())
     }
 

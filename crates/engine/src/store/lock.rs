@@ -28,6 +28,7 @@
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
+use std::sync::{Condvar, PoisonError};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -89,85 +90,96 @@ impl Drop for Held {
 }
 
 /// A mutex with a place in the lock order.
+///
+/// The standard library's locks, not `parking_lot`'s: a contended `parking_lot` lock calls
+/// `sched_yield` up to seven times before it sleeps, and on a busy machine a yield hands
+/// the core to another thread for a whole time slice — traced under 4K random writes at
+/// QD32 on 2 cores, ~11,000 yields a second, 0.6 s of them a second, and the largest share of
+/// the milliseconds the slowest writes spent not running (docs/space.md, "Yielding
+/// locks"). The standard library's futex locks spin briefly and then sleep until woken.
+/// A panic while a lock is held does not poison it for the other threads (as before).
 pub(crate) struct Mutex<T> {
     rank: Rank,
-    inner: parking_lot::Mutex<T>,
+    inner: std::sync::Mutex<T>,
 }
 
 pub(crate) struct MutexGuard<'a, T> {
-    guard: parking_lot::MutexGuard<'a, T>,
+    /// `None` only inside `wait_for`, which gives the guard to the condition variable.
+    guard: Option<std::sync::MutexGuard<'a, T>>,
     _held: Held,
 }
-
 impl<T> Mutex<T> {
     pub fn new(rank: Rank, value: T) -> Mutex<T> {
-        Mutex { rank, inner: parking_lot::Mutex::new(value) }
+        Mutex { rank, inner: std::sync::Mutex::new(value) }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, T> {
         let held = Held::acquire(self.rank);
-        MutexGuard { guard: self.inner.lock(), _held: held }
+        MutexGuard { guard: Some(self.inner.lock().unwrap_or_else(PoisonError::into_inner)), _held: held }
     }
 
     /// The value, through exclusive access (no lock is taken).
     pub fn get_mut(&mut self) -> &mut T {
-        self.inner.get_mut()
+        self.inner.get_mut().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl<T> MutexGuard<'_, T> {
     /// Waits on `condvar` for at most `timeout`, releasing the lock meanwhile.
-    pub fn wait_for(&mut self, condvar: &parking_lot::Condvar, timeout: Duration) {
-        condvar.wait_for(&mut self.guard, timeout);
+    pub fn wait_for(&mut self, condvar: &Condvar, timeout: Duration) {
+        let guard = self.guard.take().expect("a held guard");
+        let (guard, _) = condvar.wait_timeout(guard, timeout).unwrap_or_else(PoisonError::into_inner);
+        self.guard = Some(guard);
     }
 }
 
 impl<T> Deref for MutexGuard<'_, T> {
     type Target = T;
     fn deref(&self) -> &T {
-        &self.guard
+        self.guard.as_ref().expect("a held guard")
     }
 }
 
 impl<T> DerefMut for MutexGuard<'_, T> {
     fn deref_mut(&mut self) -> &mut T {
-        &mut self.guard
+        self.guard.as_mut().expect("a held guard")
     }
 }
 
 /// A reader-writer lock with a place in the lock order.
+/// (The standard library's, as `Mutex`.)
 pub(crate) struct RwLock<T> {
     rank: Rank,
-    inner: parking_lot::RwLock<T>,
+    inner: std::sync::RwLock<T>,
 }
 
 pub(crate) struct ReadGuard<'a, T> {
-    guard: parking_lot::RwLockReadGuard<'a, T>,
+    guard: std::sync::RwLockReadGuard<'a, T>,
     _held: Held,
 }
 
 pub(crate) struct WriteGuard<'a, T> {
-    guard: parking_lot::RwLockWriteGuard<'a, T>,
+    guard: std::sync::RwLockWriteGuard<'a, T>,
     _held: Held,
 }
 
 impl<T> RwLock<T> {
     pub fn new(rank: Rank, value: T) -> RwLock<T> {
-        RwLock { rank, inner: parking_lot::RwLock::new(value) }
+        RwLock { rank, inner: std::sync::RwLock::new(value) }
     }
 
     pub fn read(&self) -> ReadGuard<'_, T> {
         let held = Held::acquire(self.rank);
-        ReadGuard { guard: self.inner.read(), _held: held }
+        ReadGuard { guard: self.inner.read().unwrap_or_else(PoisonError::into_inner), _held: held }
     }
 
     pub fn write(&self) -> WriteGuard<'_, T> {
         let held = Held::acquire(self.rank);
-        WriteGuard { guard: self.inner.write(), _held: held }
+        WriteGuard { guard: self.inner.write().unwrap_or_else(PoisonError::into_inner), _held: held }
     }
 
     pub fn into_inner(self) -> T {
-        self.inner.into_inner()
+        self.inner.into_inner().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -189,6 +189,7 @@ impl Inner {
             return Ok(Attempt::Short { shortfall_bytes });
         }
         let appended = self.append_locked(&mut log, ops, stream)?;
+        self.publish_host_slack(&log);
         if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
             self.space_exhausted.store(false, Ordering::Relaxed);
         }

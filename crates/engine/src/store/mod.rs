@@ -77,10 +77,10 @@ use std::thread::JoinHandle;
 use lock::{Mutex, Rank, RwLock};
 use log::{Appender, CheckpointEpochs, Log};
 use op::RangeKind;
-use parking_lot::Condvar;
 use request::{Durability, BLOCK_LOCK_STRIPES};
 use segments::SegmentTable;
 use state::{Geometry, Inner, WorkerSignal};
+use std::sync::Condvar;
 use streams::Stream;
 
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
@@ -561,6 +561,7 @@ impl Inner {
             codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
             failed: AtomicBool::new(false),
             space_exhausted: AtomicBool::new(false),
+            host_slack_bytes: AtomicU64::new(u64::MAX),
             cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,
             segment_uses,
             map_write_bytes: AtomicU64::new(0),

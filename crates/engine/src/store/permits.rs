@@ -24,7 +24,7 @@
 //! writes of 2:1 data.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -43,6 +43,11 @@ const FAIR_AFTER: Duration = Duration::from_millis(1);
 /// their tail (docs/space.md, "Write admission").
 const QUEUE_WAIT_SLACK: f64 = 4.0;
 
+/// How long a wait for a permit keeps counting as load (`load_besides_holder`): longer than
+/// the gaps between waits under a sustained load (a 128K write holds a permit ~100 µs), and
+/// a lone writer never waits, so it keeps the store's codec.
+const FULL_MEMORY: Duration = Duration::from_millis(10);
+
 /// `FAIR_AFTER`, or `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds): longer trades the tail for
 /// throughput (docs/space.md, "Write admission").
 fn fair_after_from_env() -> Duration {
@@ -59,14 +64,19 @@ fn fair_after_from_env() -> Duration {
 /// overdue; an overdue waiter (`front_overdue`) gets the next one handed to it.
 pub(crate) struct WritePermits {
     /// Outside the lock order: held only to take or hand over a permit, never while
-    /// another lock is taken.
-    state: parking_lot::Mutex<PermitState>,
+    /// another lock is taken. (A standard library mutex: `store/lock.rs` says why.)
+    state: std::sync::Mutex<PermitState>,
     /// 0: unlimited (no queue).
     count: usize,
     fair_after: Duration,
     /// `state.waiting.len()`, kept beside it (changed under the lock) for the write path's
     /// load signal (`Inner::compress`), which reads it without the lock.
     waiting: AtomicUsize,
+    /// Permits held now (`count - state.free`), kept beside it likewise.
+    held: AtomicUsize,
+    /// When a writer last had to wait (nanoseconds since `epoch`; 0: never).
+    last_full_ns: AtomicU64,
+    epoch: Instant,
 }
 
 struct PermitState {
@@ -96,10 +106,13 @@ impl WritePermits {
 
     fn with_fair_after(count: usize, fair_after: Duration) -> WritePermits {
         WritePermits {
-            state: parking_lot::Mutex::new(PermitState { free: count, waiting: VecDeque::new(), hold_ns: 0.0 }),
+            state: std::sync::Mutex::new(PermitState { free: count, waiting: VecDeque::new(), hold_ns: 0.0 }),
             count,
             fair_after,
             waiting: AtomicUsize::new(0),
+            held: AtomicUsize::new(0),
+            last_full_ns: AtomicU64::new(0),
+            epoch: Instant::now(),
         }
     }
 
@@ -109,13 +122,15 @@ impl WritePermits {
         if self.count == 0 {
             return None;
         }
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         if state.free > 0 && !self.front_overdue(&state) {
             state.free -= 1;
+            self.held.fetch_add(1, Ordering::Relaxed);
             return Some(WritePermit { permits: self, since: Instant::now() });
         }
         let waiter =
             Arc::new(Waiter { thread: std::thread::current(), since: Instant::now(), granted: AtomicBool::new(false) });
+        self.last_full_ns.store(self.nanos_since_epoch(waiter.since).max(1), Ordering::Relaxed);
         state.waiting.push_back(waiter.clone());
         self.waiting.fetch_add(1, Ordering::Relaxed);
         loop {
@@ -123,13 +138,14 @@ impl WritePermits {
             // Woken by a release: either handed a permit, or told one is free to take.
             // (`park` may also return spuriously: the checks below decide.)
             std::thread::park();
-            state = self.state.lock();
+            state = self.lock_state();
             if waiter.granted.load(Ordering::Acquire) {
                 return Some(WritePermit { permits: self, since: Instant::now() });
             }
             let first = state.waiting.front().is_some_and(|w| Arc::ptr_eq(w, &waiter));
             if first && state.free > 0 {
                 state.free -= 1;
+                self.held.fetch_add(1, Ordering::Relaxed);
                 state.waiting.pop_front();
                 self.waiting.fetch_sub(1, Ordering::Relaxed);
                 // Two releases before this thread ran woke it twice and the next waiter
@@ -144,9 +160,34 @@ impl WritePermits {
         }
     }
 
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, PermitState> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// How many writers wait for a permit now (0 while they are not limited).
     pub fn waiting(&self) -> usize {
         self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// The write path's load signal for a writer that holds a permit: the writers waiting
+    /// for one, and the others holding one — each of those runs CPU work (compression or an
+    /// append) on a core now; and all the permits if a writer had to wait within the last
+    /// `FULL_MEMORY`. That memory is for loads whose bottleneck is outside the store: under
+    /// 128K writes at QD32 the front end's receive path (one thread at a time reads a request
+    /// and its data) often leaves a single writer inside, which then chose zstd:1 and took
+    /// the CPU the front end needed (docs/space.md, "Adaptive fallback"). 0 while writers
+    /// are not limited.
+    pub fn load_besides_holder(&self) -> usize {
+        let now = self.waiting() + self.held.load(Ordering::Relaxed).saturating_sub(1);
+        let last_full_ns = self.last_full_ns.load(Ordering::Relaxed);
+        if last_full_ns != 0 && self.nanos_since_epoch(Instant::now()) - last_full_ns < FULL_MEMORY.as_nanos() as u64 {
+            return now.max(self.count);
+        }
+        now
+    }
+
+    fn nanos_since_epoch(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.epoch).as_nanos() as u64
     }
 
     /// Whether the longest waiter has waited past `fair_after`, or past `QUEUE_WAIT_SLACK`
@@ -160,7 +201,7 @@ impl WritePermits {
     }
 
     fn release(&self, held: Duration) {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         state.hold_ns += (held.as_nanos() as f64 - state.hold_ns) / 16.0;
         if self.front_overdue(&state) {
             let waiter = state.waiting.pop_front().expect("an overdue waiter");
@@ -170,6 +211,7 @@ impl WritePermits {
             return;
         }
         state.free += 1;
+        self.held.fetch_sub(1, Ordering::Relaxed);
         debug_assert!(state.free <= self.count, "more permits returned than taken");
         // The first waiter may take it — unless a writer arriving meanwhile does first
         // (no hand-over: a sleeping thread would hold the permit idle until it runs).
@@ -213,8 +255,35 @@ mod tests {
             thread.join().unwrap();
         }
         assert_eq!(most.load(Ordering::SeqCst), 2, "two permits, eight threads: two hold at once");
-        let state = permits.state.lock();
+        let state = permits.lock_state();
         assert_eq!((state.free, state.waiting.len()), (2, 0), "every permit came back");
+        assert_eq!(permits.held.load(Ordering::SeqCst), 0, "the held count came back to 0");
+    }
+
+    #[test]
+    fn load_counts_other_holders_and_a_recent_wait() {
+        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
+        let first = permits.acquire().expect("limited");
+        assert_eq!(permits.load_besides_holder(), 0, "a lone writer sees no load");
+        let second = permits.acquire().expect("limited");
+        assert_eq!(permits.load_besides_holder(), 1, "the other holder counts");
+        let before_wait = Instant::now();
+        let waiter = {
+            let permits = permits.clone();
+            std::thread::spawn(move || drop(permits.acquire()))
+        };
+        while permits.waiting() == 0 {
+            std::thread::yield_now();
+        }
+        assert_eq!(permits.load_besides_holder(), 2, "a waiter counts");
+        drop((first, second));
+        waiter.join().unwrap();
+        let _lone = permits.acquire().expect("limited");
+        // Within FULL_MEMORY of the wait the load stays at all permits, then falls back.
+        let load = permits.load_besides_holder();
+        assert!(load == 2 || before_wait.elapsed() >= FULL_MEMORY, "load {load} right after a wait");
+        std::thread::sleep(FULL_MEMORY + Duration::from_millis(5));
+        assert_eq!(permits.load_besides_holder(), 0, "the wait is forgotten after {FULL_MEMORY:?}");
     }
 
     #[test]
@@ -230,7 +299,7 @@ mod tests {
                 order.lock().push(i);
             }));
             // Wait until thread i is queued before starting the next.
-            while permits.state.lock().waiting.len() < i + 1 {
+            while permits.lock_state().waiting.len() < i + 1 {
                 std::thread::yield_now();
             }
         }
@@ -253,19 +322,19 @@ mod tests {
                 release_rx.recv().unwrap();
             })
         };
-        while permits.state.lock().waiting.is_empty() {
+        while permits.lock_state().waiting.is_empty() {
             std::thread::yield_now();
         }
         std::thread::sleep(FAIR_AFTER * 3);
         assert_eq!(permits.waiting(), 1, "the load signal counts the waiter");
         drop(held);
         {
-            let state = permits.state.lock();
+            let state = permits.lock_state();
             assert_eq!((state.free, state.waiting.len()), (0, 0), "handed over, not returned to the pool");
         }
         release_tx.send(()).unwrap();
         waiter.join().unwrap();
-        assert_eq!((permits.state.lock().free, permits.waiting()), (1, 0));
+        assert_eq!((permits.lock_state().free, permits.waiting()), (1, 0));
     }
 
     #[test]
@@ -285,7 +354,7 @@ mod tests {
                 })
             })
             .collect();
-        while permits.state.lock().waiting.len() < 2 {
+        while permits.lock_state().waiting.len() < 2 {
             std::thread::yield_now();
         }
         // Both freed before either waiter runs (and before either is overdue): each

@@ -96,12 +96,14 @@ impl Inner {
     }
 
     /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
-    /// already compressing or other writers wait for a permit (`codec::write_codec`,
+    /// already compressing or busy with other writers' CPU work (`codec::write_codec`,
     /// `permits.rs`); counts the choice.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codec_counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
-        let busy = compressing_before + self.write_permits.waiting();
+        // Other compressions, or — with write admission — the other writers holding or
+        // waiting for a permit, whichever says more (a permit holder compressing counts once).
+        let busy = compressing_before.max(self.write_permits.load_besides_holder());
         let configured = self.geometry.codec;
         let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
         let block = self.compress_with(codec, block, lba, scratch)?;

@@ -89,6 +89,13 @@ impl Inner {
         }
     }
 
+    /// Publishes the free bytes above the host reserve for pacing (`host_slack_bytes`);
+    /// called wherever they change (appends, freeing).
+    pub(crate) fn publish_host_slack(&self, log: &Log) {
+        let slack_bytes = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
+        self.host_slack_bytes.store(slack_bytes, Ordering::Relaxed);
+    }
+
     /// The host reserve in whole segments, for the background worker's targets.
     pub(crate) fn host_reserve_segments(&self, log: &Log) -> u64 {
         self.reserve_bytes(log, SpaceClass::Host).div_ceil(self.geometry.segment_capacity())

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use aligned_vec::{AVec, ConstAlign};
-use parking_lot::Condvar;
+use std::sync::Condvar;
 
 use super::lock::{Mutex, RwLock};
 use super::log::Log;
@@ -141,6 +141,11 @@ pub(crate) struct Inner {
     /// A host request was refused for lack of space (`space_flag` 2) and none has
     /// succeeded since.
     pub space_exhausted: AtomicBool,
+    /// Free bytes above the host reserve, as of the last change to the log's space (an
+    /// append or a freeing; `Inner::publish_host_slack`): what pacing reads, so that a
+    /// writer about to be paced does not take the log lock (docs/space.md, "Yielding
+    /// locks").
+    pub host_slack_bytes: AtomicU64,
     /// GC's output may go to the cold stream (`log.rs`, `Stream`): the store was formatted
     /// with it (superblock feature flag `FEATURE_LOG_JUMPS`; its native capacity counts the
     /// second open segment).
