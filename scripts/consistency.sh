@@ -6,7 +6,8 @@
 # latency, over the last two thirds of the run (the first third reaches steady state).
 #   usage: bash scripts/consistency.sh [PHYSICAL=1G] [OP_PERCENT=10] [SECONDS=90] [WORKDIR]
 # CONSISTENCY_TARGET=raw runs the same job against a raw file served by qemu-nbd --cache=none.
-# ZDISK_SERVE_ARGS adds options to `zdisk serve` (e.g. "--threads 4").
+# ZDISK_SERVE_ARGS adds options to `zdisk serve` (e.g. "--threads 4"); CONSISTENCY_FIO_ARGS to
+# the steady-state fio job (e.g. "--rate_iops=30000", the same writes below saturation).
 # Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit), fio, nbdkit.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,7 +35,7 @@ common=(--ioengine=nbd "--uri=$uri" --buffer_compress_percentage=0 --refill_buff
 fio --name=fill "${common[@]}" --rw=write --bs=128k --iodepth=32 --output-format=json >"$dir/fill.json"
 rm -f "$dir"/iops*.log
 fio --name=steady "${common[@]}" --rw=randwrite --bs=4k --iodepth=32 --time_based --runtime="$seconds" \
-  --write_iops_log="$dir/iops" --log_avg_msec=1000 --percentile_list=50:99:99.9 \
+  ${CONSISTENCY_FIO_ARGS:-} --write_iops_log="$dir/iops" --log_avg_msec=1000 --percentile_list=50:99:99.9 \
   --output-format=json >"$dir/steady.json"
 [[ $op == raw ]] && echo '{}' >"$dir/stat.json" || "$zdisk" stat "$dir/s.zdisk" --json >"$dir/stat.json" 2>/dev/null || true
 python3 - "$dir" "$op" <<'EOF'

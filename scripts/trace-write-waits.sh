@@ -17,7 +17,7 @@ plugin=$(realpath "${2:-$here/target/release/libnbdkit_zdisk_plugin.so}")
 slow_us=${SLOW_US:-2000}
 command -v bpftrace >/dev/null || { echo "bpftrace is not installed (apt-get install bpftrace)" >&2; exit 1; }
 # The nbdkit crate's C entry point for pwrite (a mangled Rust name).
-symbol=$(nm "$plugin" | awk '/ _ZN6nbdkit3ffi6pwrite/ {print $3; exit}')
+symbol=$(nm "$plugin" | awk '/ _ZN6nbdkit3ffi6pwrite/ {s = $3} END {print s}')
 [[ -n $symbol ]] || { echo "no nbdkit pwrite entry point in $plugin" >&2; exit 1; }
 bpftrace -e "
 uprobe:$plugin:$symbol { @start[tid] = nsecs; @pre[tid] = 0; @wake[tid] = 0; @sleep[tid] = 0; }
