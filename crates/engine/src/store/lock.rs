@@ -108,6 +108,7 @@ pub(crate) struct MutexGuard<'a, T> {
     guard: Option<std::sync::MutexGuard<'a, T>>,
     _held: Held,
 }
+
 impl<T> Mutex<T> {
     pub fn new(rank: Rank, value: T) -> Mutex<T> {
         Mutex { rank, inner: std::sync::Mutex::new(value) }

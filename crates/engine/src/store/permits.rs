@@ -180,7 +180,9 @@ impl WritePermits {
     pub fn load_besides_holder(&self) -> usize {
         let now = self.waiting() + self.held.load(Ordering::Relaxed).saturating_sub(1);
         let last_full_ns = self.last_full_ns.load(Ordering::Relaxed);
-        if last_full_ns != 0 && self.nanos_since_epoch(Instant::now()) - last_full_ns < FULL_MEMORY.as_nanos() as u64 {
+        if last_full_ns != 0
+            && self.nanos_since_epoch(Instant::now()).saturating_sub(last_full_ns) < FULL_MEMORY.as_nanos() as u64
+        {
             return now.max(self.count);
         }
         now
