@@ -90,8 +90,11 @@ impl Inner {
     }
 
     /// Publishes the free bytes above the host reserve for pacing (`host_slack_bytes`);
-    /// called wherever they change (appends, freeing).
+    /// called wherever they change (appends, freeing). Nothing reads them without pacing.
     pub(crate) fn publish_host_slack(&self, log: &Log) {
+        if !self.options.pacing {
+            return;
+        }
         let slack_bytes = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
         self.host_slack_bytes.store(slack_bytes, Ordering::Relaxed);
     }
