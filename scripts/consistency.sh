@@ -5,7 +5,9 @@
 # Prints mean IOPS, the worst second as a share of the mean, and the p50/p99.9/max write
 # latency, over the last two thirds of the run (the first third reaches steady state).
 #   usage: bash scripts/consistency.sh [PHYSICAL=1G] [OP_PERCENT=10] [SECONDS=90] [WORKDIR]
-# CONSISTENCY_TARGET=raw runs the same job against a raw file served by qemu-nbd --cache=none.
+# CONSISTENCY_TARGET=raw runs the same job against a raw file served by qemu-nbd --cache=none;
+# CONSISTENCY_TARGET=memory against nbdkit's memory plugin with zdisk's thread count (8): the
+# transport's own tail, with no storage behind it.
 # ZDISK_SERVE_ARGS adds options to `zdisk serve` (e.g. "--threads 4"); CONSISTENCY_FIO_ARGS to
 # the steady-state fio job (e.g. "--rate_iops=30000", the same writes below saturation).
 # Needs a release build (cargo build --release -p zdisk -p zdisk-nbdkit), fio, nbdkit.
@@ -25,6 +27,9 @@ if [[ ${CONSISTENCY_TARGET:-zdisk} == raw ]]; then
   rm -f "$dir/raw.img"; truncate -s "$physical" "$dir/raw.img"; op=raw
   qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 -k "$dir/s.sock" "$dir/raw.img" \
     >"$dir/serve.log" 2>&1 & pid=$!
+elif [[ ${CONSISTENCY_TARGET:-zdisk} == memory ]]; then
+  op=memory
+  nbdkit --foreground -t 8 -U "$dir/s.sock" memory "$physical" >"$dir/serve.log" 2>&1 & pid=$!
 else
   "$zdisk" format "$dir/s.zdisk" --physical-size "$physical" --over-provision "$op" --force | grep -E "native|over-provision"
   "$zdisk" serve "$dir/s.zdisk" --unix "$dir/s.sock" ${ZDISK_SERVE_ARGS:-} >"$dir/serve.log" 2>&1 & pid=$!
@@ -37,7 +42,7 @@ rm -f "$dir"/iops*.log
 fio --name=steady "${common[@]}" --rw=randwrite --bs=4k --iodepth=32 --time_based --runtime="$seconds" \
   ${CONSISTENCY_FIO_ARGS:-} --write_iops_log="$dir/iops" --log_avg_msec=1000 --percentile_list=50:99:99.9 \
   --output-format=json >"$dir/steady.json"
-[[ $op == raw ]] && echo '{}' >"$dir/stat.json" || "$zdisk" stat "$dir/s.zdisk" --json >"$dir/stat.json" 2>/dev/null || true
+[[ $op == raw || $op == memory ]] && echo '{}' >"$dir/stat.json" || "$zdisk" stat "$dir/s.zdisk" --json >"$dir/stat.json" 2>/dev/null || true
 python3 - "$dir" "$op" <<'EOF'
 import glob, json, sys
 d, op = sys.argv[1], sys.argv[2]
@@ -51,5 +56,5 @@ job = fio_json(f"{d}/steady.json")["jobs"][0]["write"]
 p = job["clat_ns"]["percentile"]
 p50, p999 = p["50.000000"] / 1e6, p["99.900000"] / 1e6
 stat = json.load(open(f"{d}/stat.json"))
-print(f"| {op if op == 'raw' else op + '%'} | {len(steady)} | {mean:.0f} | {min(steady) / mean:.2f} | {p50:.2f} | {p999:.2f} | {p999 / p50:.1f} | {job['clat_ns']['max'] / 1e6:.0f} | {stat.get('write_amplification', 0):.2f} |")
+print(f"| {op if op in ('raw', 'memory') else op + '%'} | {len(steady)} | {mean:.0f} | {min(steady) / mean:.2f} | {p50:.2f} | {p999:.2f} | {p999 / p50:.1f} | {job['clat_ns']['max'] / 1e6:.0f} | {stat.get('write_amplification', 0):.2f} |")
 EOF
