@@ -49,6 +49,15 @@ struct Cleaning {
     relocation_short: Option<String>,
 }
 
+/// What a host request lacked when it was refused.
+#[derive(Clone, Copy)]
+struct Short {
+    shortfall_bytes: u64,
+    /// Available when it was refused: a round that finds the space given back meanwhile
+    /// (by the background worker, while the writer waited for the round) only retries.
+    available_bytes: u64,
+}
+
 /// What a foreground GC round tells the waiting writer.
 enum RoundOutcome {
     /// Try the append again.
@@ -67,10 +76,10 @@ impl Inner {
         let mut rounds = 0;
         let mut stalled_rounds = 0;
         loop {
-            let shortfall_bytes = match self.try_append(ops, class)? {
+            let short = match self.try_append(ops, class)? {
                 Attempt::Appended(appended) => return Ok(Admitted::Appended(appended)),
                 Attempt::Conflict => return Ok(Admitted::Conflict),
-                Attempt::Short { shortfall_bytes } => shortfall_bytes,
+                Attempt::Short { shortfall_bytes, available_bytes } => Short { shortfall_bytes, available_bytes },
             };
             if class.is_internal() {
                 return Err(Error::new(ErrorKind::NoSpace, EXHAUSTED));
@@ -79,7 +88,7 @@ impl Inner {
                 RoundOutcome::GiveUp(format!("{EXHAUSTED} ({FOREGROUND_GC_ROUNDS_MAX} rounds of GC did not make room)"))
             } else {
                 rounds += 1;
-                self.foreground_gc_round(shortfall_bytes, &mut stalled_rounds)?
+                self.foreground_gc_round(short, &mut stalled_rounds)?
             };
             if let RoundOutcome::GiveUp(message) = outcome {
                 if class == SpaceClass::HostMetadata && metadata_only(ops) {
@@ -119,7 +128,8 @@ impl Inner {
         self.checkpoint_when(|| self.map.read().must_checkpoint())
     }
 
-    /// One round of foreground GC for a writer that lacks `shortfall_bytes`: clean a few
+    /// One round of foreground GC for a writer refused for lacking `short.shortfall_bytes`:
+    /// free what is cleaned; then, while the request still does not fit, clean a few
     /// segments and free them; when they wait for the reuse horizon, checkpoint (at most
     /// twice) to move it past them. One writer runs a round at a time; the others wait for
     /// it and then retry.
@@ -128,20 +138,50 @@ impl Inner {
     /// spending it for no gain only digs deeper. But only when it is the round's own
     /// failure: the background worker may have freed what the writer needed meanwhile, and
     /// then the writer retries.
-    fn foreground_gc_round(&self, shortfall_bytes: u64, stalled_rounds: &mut u32) -> Result<RoundOutcome> {
+    fn foreground_gc_round(&self, short: Short, stalled_rounds: &mut u32) -> Result<RoundOutcome> {
+        let Short { shortfall_bytes, available_bytes: available_when_refused } = short;
         let round_generation = self.foreground_rounds.load(Ordering::Acquire);
         let _round = self.foreground_gc.lock();
         if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
             return Ok(RoundOutcome::Retry); // another writer just ran a round: retry the append first
         }
+        // The background worker's step borrows free segments for its victims' relocations
+        // and frees the victims at its end: a paced store meets the host reserve mostly in
+        // such a step, and the room comes back within milliseconds. So the round stops as
+        // soon as the request fits, whoever gave the room back; cleaning a segment's worth
+        // regardless (~10 victims, ~100 ms at 10% OP) stalled every writer (docs/space.md,
+        // "The worst write").
+        let fits = || self.available_bytes(&self.log.lock()) >= available_when_refused + shortfall_bytes;
+        let freed_first = self.free_cleaned()?;
+        if fits() {
+            if freed_first > 0 {
+                self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+            }
+            return Ok(RoundOutcome::Retry);
+        }
         let (available_before, unused_before) = {
             let log = self.log.lock();
+            // Why a round was needed, next to the worker's steps (`ZDISK_LOG=zdisk_engine::gc=debug`).
+            tracing::debug!(
+                target: "zdisk_engine::gc",
+                shortfall_bytes,
+                available_bytes = self.available_bytes(&log),
+                host_reserve_bytes = self.reserve_bytes(&log, SpaceClass::Host),
+                published_slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed),
+                free = log.segments.free_count(),
+                cleaned = log.segments.cleaned_count(),
+                awaiting_pages = log.segments.has_awaiting_pages(),
+                since_checkpoint_bytes = log.epochs.bytes_since_checkpoint,
+                "foreground round"
+            );
             (self.available_bytes(&log), self.unused_bytes(&log))
         };
         let host_written_before = Counters::get(&self.counters.host_write_bytes);
         let worker_before = self.gc_and_checkpoint_count();
         // After a round that gained nothing, clean enough to pay for the checkpoints too.
-        let Cleaning { cleaned, mut freed, relocation_short } = self.clean_for(shortfall_bytes, *stalled_rounds > 0)?;
+        let Cleaning { cleaned, mut freed, relocation_short } =
+            self.clean_for(shortfall_bytes, *stalled_rounds > 0, &fits)?;
+        freed += freed_first;
         // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
         // the previous one, so two free everything cleaned before the first. Victims that
         // wait for their map pages too: the checkpoint rewrites the pages elsewhere. (At
@@ -226,7 +266,9 @@ impl Inner {
     }
 
     /// Cleans victims until they give back what a writer lacks (no more: every segment GC
-    /// keeps free beyond the reserve raises the utilisation it works at), and frees them.
+    /// keeps free beyond the reserve raises the utilisation it works at), or until the
+    /// writer's request `fits` because the background worker freed room meanwhile, and
+    /// frees them.
     /// With `pay_checkpoints`, also what the two checkpoints that free them will take: at
     /// native capacity with small segments and little over-provisioning, the victims of a
     /// round may give back less than those checkpoints cost (16 victims at 10% of a 64 KiB
@@ -235,7 +277,7 @@ impl Inner {
     /// segment cleaned beyond need raises the utilisation GC works at. Returns (segments
     /// cleaned, segments freed, and whether a relocation was refused for lack of space: GC's
     /// reserve, or no free segment to open).
-    fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool) -> Result<Cleaning> {
+    fn clean_for(&self, shortfall_bytes: u64, pay_checkpoints: bool, fits: &dyn Fn() -> bool) -> Result<Cleaning> {
         // As the last checkpoint cost, with a quarter to spare (the reserve's bound on a
         // checkpoint is far above a typical one on a large store).
         let checkpoints_bytes = if pay_checkpoints { 2 * self.log.lock().epochs.checkpoint_bytes * 5 / 4 } else { 0 };
@@ -250,7 +292,7 @@ impl Inner {
         let mut gained_bytes = 0;
         let mut freed = 0;
         let mut relocation_short = None;
-        while cleaned < victims_max && gained_bytes < want_bytes {
+        while cleaned < victims_max && gained_bytes < want_bytes && (pay_checkpoints || !fits()) {
             let mode = if pay_checkpoints { GcMode::Stalled } else { GcMode::Foreground };
             match self.gc_once(mode) {
                 Ok(Some(bytes)) => {

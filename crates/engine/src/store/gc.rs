@@ -580,7 +580,7 @@ impl Inner {
         let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
         match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),
-            Attempt::Short { shortfall_bytes } => {
+            Attempt::Short { shortfall_bytes, .. } => {
                 // The terms, for the operator (and for a test that fails).
                 let log = self.log.lock();
                 let bytes = group_bytes(&ops, self.geometry.segment_capacity(), self.record_extra_bytes());

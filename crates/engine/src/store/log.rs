@@ -131,9 +131,11 @@ pub(crate) struct Appended {
 /// The outcome of one append attempt.
 pub(crate) enum Attempt {
     Appended(Appended),
-    /// The log lacks this many bytes for the group (its class's reserve included).
+    /// The log lacks this many bytes for the group (its class's reserve included), with
+    /// `available_bytes` available when it was refused.
     Short {
         shortfall_bytes: u64,
+        available_bytes: u64,
     },
     /// A block the group read-modify-writes changed since it was read: redo the request.
     Conflict,
@@ -186,7 +188,7 @@ impl Inner {
         let stream = self.stream_for(&log, ops, class);
         let shortfall_bytes = self.shortfall_bytes(&log, ops, class, stream);
         if shortfall_bytes > 0 {
-            return Ok(Attempt::Short { shortfall_bytes });
+            return Ok(Attempt::Short { shortfall_bytes, available_bytes: self.available_bytes(&log) });
         }
         let appended = self.append_locked(&mut log, ops, stream)?;
         self.publish_host_slack(&log);

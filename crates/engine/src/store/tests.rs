@@ -75,6 +75,46 @@ fn gc_can_always_move_at_its_floor() {
     );
 }
 
+/// A writer refused for space while cleaned segments wait only for a flush (the background
+/// worker's step frees its victims at its end) frees them and goes on: its foreground round
+/// cleans no victim. Before, the round cleaned a segment's worth of victims regardless
+/// (~100 ms at 10% OP; docs/space.md, "The worst write").
+#[test]
+fn a_round_that_frees_enough_cleans_no_victim() {
+    let store = small_store(11);
+    let inner = &store.inner;
+    let mut rng = crate::sim::SimRng::new(11);
+    store.write(0, &incompressible(&mut rng, 512 << 10), false).unwrap();
+    for lba in (0..128u64).step_by(2) {
+        store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+    }
+    // The reuse horizon past everything written; then one victim cleaned, not yet freed
+    // (freeing it takes only a flush, as for the background worker's old victims).
+    inner.checkpoint_now().unwrap();
+    inner.checkpoint_now().unwrap();
+    assert!(inner.gc_once(GcMode::Foreground).unwrap().is_some());
+    assert_eq!(inner.log.lock().segments.cleaned_count(), 1);
+    // Leave as many free segments as keep a 4 KiB write just short of the host reserve.
+    let capacity = inner.geometry.segment_capacity();
+    let keep = {
+        let log = inner.log.lock();
+        let need = inner.reserve_bytes(&log, SpaceClass::Host) + 4096 + 2 * inner.fragment_end_waste_bytes();
+        let room = inner.room(&log) as u64;
+        assert!(need > room + capacity, "the open segment alone would take the write");
+        ((need - room - 1) / capacity) as usize
+    };
+    assert!(inner.log.lock().segments.free_count() > keep, "the store has fewer free segments than the test needs");
+    take_free_segments(inner, keep);
+    let cleaned_before = crate::stats::Counters::get(&inner.counters.gc_segments_cleaned);
+    store.write(600 * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+    assert_eq!(inner.log.lock().segments.cleaned_count(), 0, "the cleaned segment was not freed");
+    assert_eq!(
+        crate::stats::Counters::get(&inner.counters.gc_segments_cleaned),
+        cleaned_before,
+        "the round cleaned victims although freeing what was cleaned made room"
+    );
+}
+
 /// Every checkpoint carries the trained dictionaries: one raises the room a checkpoint takes
 /// by its bytes (so the reserves keep room for the checkpoints that free GC's victims), and
 /// on a store at its floor training is refused with ENOSPC and changes nothing.
