@@ -11,7 +11,7 @@
 use std::sync::atomic::Ordering;
 
 use super::gc::GcMode;
-use super::log::{Appended, Attempt};
+use super::log::{Appended, Attempt, Log};
 use super::op::{metadata_only, Op};
 use super::space::SpaceClass;
 use super::state::Inner;
@@ -47,6 +47,14 @@ struct Cleaning {
     freed: usize,
     /// The last refusal's message, if any.
     relocation_short: Option<String>,
+}
+
+/// What a round's checkpoints did: how many were written, the segments they freed, and
+/// why the last one failed for lack of space, if it did.
+struct Checkpointing {
+    checkpoints: u64,
+    freed: usize,
+    failed: Option<Error>,
 }
 
 /// What a host request lacked when it was refused.
@@ -161,19 +169,7 @@ impl Inner {
         }
         let (available_before, unused_before) = {
             let log = self.log.lock();
-            // Why a round was needed, next to the worker's steps (`ZDISK_LOG=zdisk_engine::gc=debug`).
-            tracing::debug!(
-                target: "zdisk_engine::gc",
-                shortfall_bytes,
-                available_bytes = self.available_bytes(&log),
-                host_reserve_bytes = self.reserve_bytes(&log, SpaceClass::Host),
-                published_slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed),
-                free = log.segments.free_count(),
-                cleaned = log.segments.cleaned_count(),
-                awaiting_pages = log.segments.has_awaiting_pages(),
-                since_checkpoint_bytes = log.epochs.bytes_since_checkpoint,
-                "foreground round"
-            );
+            self.trace_round(&log, shortfall_bytes);
             (self.available_bytes(&log), self.unused_bytes(&log))
         };
         let host_written_before = Counters::get(&self.counters.host_write_bytes);
@@ -182,33 +178,9 @@ impl Inner {
         let Cleaning { cleaned, mut freed, relocation_short } =
             self.clean_for(shortfall_bytes, *stalled_rounds > 0, &fits)?;
         freed += freed_first;
-        // Cleaned segments the reuse horizon has not passed yet: each checkpoint moves it to
-        // the previous one, so two free everything cleaned before the first. Victims that
-        // wait for their map pages too: the checkpoint rewrites the pages elsewhere. (At
-        // native capacity with 1% OP, two of those held a megabyte while no victim's
-        // relocation fitted what was left: ENOSPC, "GC found nothing to clean", although a
-        // checkpoint would have freed both.)
-        let mut checkpoint_failed = None;
-        let mut checkpoints = 0;
-        for _ in 0..2 {
-            let (short, waiting) = {
-                let log = self.log.lock();
-                let waiting = log.segments.has_cleaned() || log.segments.has_awaiting_pages();
-                (self.available_bytes(&log) < available_before + shortfall_bytes, waiting)
-            };
-            if !short || !waiting {
-                break;
-            }
-            match self.checkpoint_now() {
-                Ok(()) => checkpoints += 1,
-                Err(e) if e.kind() == ErrorKind::NoSpace => {
-                    checkpoint_failed = Some(e);
-                    break;
-                }
-                Err(e) => return Err(e),
-            }
-            freed += self.free_cleaned()?;
-        }
+        let Checkpointing { checkpoints, freed: freed_by_checkpoints, failed: checkpoint_failed } =
+            self.checkpoint_for_cleaned(available_before + shortfall_bytes)?;
+        freed += freed_by_checkpoints;
         self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
         // Progress is judged by the space not holding records (free and cleaned segments,
         // the open segment's room), not by this round's own work: the background worker may
@@ -258,6 +230,52 @@ impl Inner {
         }
         *stalled_rounds += 1;
         Ok(if *stalled_rounds >= 2 { why("GC cannot give back space") } else { RoundOutcome::Retry })
+    }
+
+    /// Checkpoints (at most two) while the available space is below `enough_bytes` and
+    /// cleaned segments wait for the reuse horizon: each checkpoint moves it to the previous
+    /// one, so two free everything cleaned before the first. Victims that wait for their map
+    /// pages too: the checkpoint rewrites the pages elsewhere. (At native capacity with 1%
+    /// OP, two of those held a megabyte while no victim's relocation fitted what was left:
+    /// ENOSPC, "GC found nothing to clean", although a checkpoint would have freed both.)
+    fn checkpoint_for_cleaned(&self, enough_bytes: u64) -> Result<Checkpointing> {
+        let mut done = Checkpointing { checkpoints: 0, freed: 0, failed: None };
+        for _ in 0..2 {
+            let (short, waiting) = {
+                let log = self.log.lock();
+                let waiting = log.segments.has_cleaned() || log.segments.has_awaiting_pages();
+                (self.available_bytes(&log) < enough_bytes, waiting)
+            };
+            if !short || !waiting {
+                break;
+            }
+            match self.checkpoint_now() {
+                Ok(()) => done.checkpoints += 1,
+                Err(e) if e.kind() == ErrorKind::NoSpace => {
+                    done.failed = Some(e);
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+            done.freed += self.free_cleaned()?;
+        }
+        Ok(done)
+    }
+
+    /// Why a round was needed, next to the worker's steps (`ZDISK_LOG=zdisk_engine::gc=debug`).
+    fn trace_round(&self, log: &Log, shortfall_bytes: u64) {
+        tracing::debug!(
+            target: "zdisk_engine::gc",
+            shortfall_bytes,
+            available_bytes = self.available_bytes(log),
+            host_reserve_bytes = self.reserve_bytes(log, SpaceClass::Host),
+            published_slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed),
+            free = log.segments.free_count(),
+            cleaned = log.segments.cleaned_count(),
+            awaiting_pages = log.segments.has_awaiting_pages(),
+            since_checkpoint_bytes = log.epochs.bytes_since_checkpoint,
+            "foreground round"
+        );
     }
 
     /// Segments GC cleaned and checkpoints written since open, by anyone.
