@@ -70,6 +70,11 @@ struct Short {
 enum RoundOutcome {
     /// Try the append again.
     Retry,
+    /// The room the request lacked came back before the round cleaned anything (the
+    /// background worker freed it): try the append again. Not counted against
+    /// `FOREGROUND_GC_ROUNDS_MAX`: each one needs the space to have grown again since the
+    /// refusal, so it is progress, and cheap.
+    RoomBack,
     /// The message says what the round found, for the operator (and for a test that fails).
     GiveUp(String),
 }
@@ -95,8 +100,9 @@ impl Inner {
             let outcome = if rounds >= FOREGROUND_GC_ROUNDS_MAX {
                 RoundOutcome::GiveUp(format!("{EXHAUSTED} ({FOREGROUND_GC_ROUNDS_MAX} rounds of GC did not make room)"))
             } else {
-                rounds += 1;
-                self.foreground_gc_round(short, &mut stalled_rounds)?
+                let outcome = self.foreground_gc_round(short, &mut stalled_rounds)?;
+                rounds += usize::from(!matches!(outcome, RoundOutcome::RoomBack));
+                outcome
             };
             if let RoundOutcome::GiveUp(message) = outcome {
                 if class == SpaceClass::HostMetadata && metadata_only(ops) {
@@ -165,7 +171,7 @@ impl Inner {
             if freed_first > 0 {
                 self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
             }
-            return Ok(RoundOutcome::Retry);
+            return Ok(RoundOutcome::RoomBack);
         }
         let (available_before, unused_before) = {
             let log = self.log.lock();
