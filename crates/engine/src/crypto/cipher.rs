@@ -282,7 +282,7 @@ impl NonceSource {
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, NonceState> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::store::lock::lock_unranked(&self.state)
     }
 
     fn next(&self) -> Result<u64> {

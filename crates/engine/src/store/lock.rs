@@ -89,6 +89,12 @@ impl Drop for Held {
     }
 }
 
+/// Locks a standard library mutex kept outside the lock order (the write permits, the
+/// nonce source), ignoring poisoning like the ranked locks below.
+pub(crate) fn lock_unranked<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// A mutex with a place in the lock order.
 ///
 /// The standard library's locks, not `parking_lot`'s: a contended `parking_lot` lock calls
@@ -116,7 +122,7 @@ impl<T> Mutex<T> {
 
     pub fn lock(&self) -> MutexGuard<'_, T> {
         let held = Held::acquire(self.rank);
-        MutexGuard { guard: Some(self.inner.lock().unwrap_or_else(PoisonError::into_inner)), _held: held }
+        MutexGuard { guard: Some(lock_unranked(&self.inner)), _held: held }
     }
 
     /// The value, through exclusive access (no lock is taken).

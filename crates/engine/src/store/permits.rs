@@ -161,7 +161,7 @@ impl WritePermits {
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, PermitState> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        super::lock::lock_unranked(&self.state)
     }
 
     /// How many writers wait for a permit now (0 while they are not limited).

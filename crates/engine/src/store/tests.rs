@@ -31,6 +31,15 @@ fn incompressible(rng: &mut crate::sim::SimRng, len: usize) -> Vec<u8> {
     (0..len).map(|_| rng.next_u64() as u8).collect()
 }
 
+/// 512 KiB of incompressible blocks, then every other block of them overwritten: the first
+/// segments are half garbage.
+fn write_half_garbage(store: &Store, rng: &mut crate::sim::SimRng) {
+    store.write(0, &incompressible(rng, 512 << 10), false).unwrap();
+    for lba in (0..128u64).step_by(2) {
+        store.write(lba * 4096, &incompressible(rng, 4096), false).unwrap();
+    }
+}
+
 /// Takes free segments out of the free set (and out of GC's reach) until `keep` are
 /// left: the state a busy store reaches, made directly.
 fn take_free_segments(inner: &Inner, keep: usize) {
@@ -47,12 +56,7 @@ fn gc_can_always_move_at_its_floor() {
     let store = small_store(3);
     let inner = &store.inner;
     let mut rng = crate::sim::SimRng::new(3);
-    // 512 KiB of incompressible blocks, then every other block overwritten: the first
-    // segments are half garbage.
-    store.write(0, &incompressible(&mut rng, 512 << 10), false).unwrap();
-    for lba in (0..128u64).step_by(2) {
-        store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
-    }
+    write_half_garbage(&store, &mut rng);
     // Fill the open segment to its last few KiB with fresh blocks.
     let mut lba = 512;
     while inner.room(&inner.log.lock()) > 12 << 10 {
@@ -84,10 +88,7 @@ fn a_round_that_frees_enough_cleans_no_victim() {
     let store = small_store(11);
     let inner = &store.inner;
     let mut rng = crate::sim::SimRng::new(11);
-    store.write(0, &incompressible(&mut rng, 512 << 10), false).unwrap();
-    for lba in (0..128u64).step_by(2) {
-        store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
-    }
+    write_half_garbage(&store, &mut rng);
     // The reuse horizon past everything written; then one victim cleaned, not yet freed
     // (freeing it takes only a flush, as for the background worker's old victims).
     inner.checkpoint_now().unwrap();
