@@ -13,14 +13,32 @@ written in the second half of the run; WA for 2:1 data is about 0.512 x (1 + tha
 
     python3 scripts/gc-model.py                # every pattern, policy and separation
     python3 scripts/gc-model.py 80/20 --lag 25000
+    python3 scripts/gc-model.py uniform --passes-of-permutations --waves   # fio's random map
+
+`--passes-of-permutations` writes the uniform pattern as fio does by default (a random map:
+every block once per pass, in random order) instead of drawing each write independently
+(as Iometer and `fio --norandommap` do); `--waves` prints GC's work per host write in
+windows of a twentieth of the blocks, and the lowest window's host rate as a share of the
+mean, for a disk shared by host writes and GC's reads and writes (docs/space.md, "Why fio's
+random map makes waves").
 """
 import argparse
 import bisect
 import random
 
 
-def picker(pattern, blocks, rnd):
+def picker(pattern, blocks, rnd, permutations=False):
     """The block each host write goes to, and the set of the hottest fifth of the blocks."""
+    if pattern == "uniform" and permutations:
+        order = []
+
+        def next_of_pass():
+            if not order:
+                order.extend(range(blocks))
+                rnd.shuffle(order)
+            return order.pop()
+
+        return next_of_pass, set(range(blocks // 5))
     if pattern == "uniform":
         return (lambda: rnd.randrange(blocks)), set(range(blocks // 5))
     scatter = list(range(blocks))
@@ -38,7 +56,8 @@ def picker(pattern, blocks, rnd):
     return pick, set(scatter[:hot])
 
 
-def run(pattern, policy, streams, nseg=127, per=512, util=0.8, reserve=4, passes=8, lag=0, seed=1, data_age=False):
+def run(pattern, policy, streams, nseg=127, per=512, util=0.8, reserve=4, passes=8, lag=0, seed=1, data_age=False,
+        permutations=False, windows=None):
     """streams: 1 (one stream), 2 (host + cold), N > 2 (host + N-1 cold streams by how many
     times GC moved the block: GC's first move to the first, its second to the second, ...),
     0 (an oracle that knows each block's class: the hottest fifth of the blocks and the rest
@@ -98,21 +117,35 @@ def run(pattern, policy, streams, nseg=127, per=512, util=0.8, reserve=4, passes
 
     for block in range(blocks):
         append(0, block)
-    pick, hot = picker(pattern, blocks, rnd)
+    pick, hot = picker(pattern, blocks, rnd, permutations)
     total = passes * blocks
     moved = written = 0
+    window, window_moved = max(blocks // 20, 1), 0
     for i in range(total):
         clock += 1
         while len(free) < reserve:
             gained = clean_one()
+            window_moved += gained
             if i >= total // 2:
                 moved += gained
+        if windows is not None and i % window == window - 1:
+            windows.append(window_moved / window)
+            window_moved = 0
         block = pick()
         moves[block], born[block] = 0, clock
         append(0 if streams != 0 or block in hot else "cold written", block)
         if i >= total // 2:
             written += 1
     return moved / written
+
+
+def print_waves(windows):
+    """Moved per written in each window, and how low a disk-bound host rate goes: each host
+    write costs itself plus a read and a write of every fragment GC moves."""
+    print("moved per written, window by window:", " ".join(f"{w:.1f}" for w in windows))
+    steady = windows[len(windows) // 4:]
+    rates = [1 / (1 + 2 * w) for w in steady]
+    print(f"lowest window's host rate / mean: {min(rates) / (sum(rates) / len(rates)):.2f}")
 
 
 def main():
@@ -123,13 +156,19 @@ def main():
     parser.add_argument("--policies", default="greedy,cost-benefit")
     parser.add_argument("--util", type=float, default=0.8)
     parser.add_argument("--data-age", action="store_true", help="cost-benefit ages a segment by its live data's host writes")
+    parser.add_argument("--passes-of-permutations", action="store_true", help="uniform writes as fio's random map makes them")
+    parser.add_argument("--waves", action="store_true", help="print GC's work per host write window by window")
     args = parser.parse_args()
     print("| pattern | policy | streams | moved per written | WA, 2:1 data (model) |")
     print("|---|---|---|---|---|")
     for pattern in args.patterns.split(","):
         for policy in args.policies.split(","):
             for streams in map(int, args.streams.split(",")):
-                ratio = run(pattern, policy, streams, util=args.util, lag=args.lag, data_age=args.data_age)
+                windows = [] if args.waves else None
+                ratio = run(pattern, policy, streams, util=args.util, lag=args.lag, data_age=args.data_age,
+                            permutations=args.passes_of_permutations, windows=windows)
+                if windows:
+                    print_waves(windows)
                 name = {0: "oracle: hot and cold apart", 1: "one", 2: "host + cold"}.get(streams, f"host + {streams - 1} cold by moves")
                 print(f"| {pattern} | {policy} | {name} | {ratio:.2f} | {0.512 * (1 + ratio) + 0.03:.2f} |", flush=True)
 
