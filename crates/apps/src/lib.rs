@@ -176,10 +176,18 @@ impl BenchArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct PowercutArgs {
-    /// The database: mysql (doublewrite off; innochecksum + CHECK TABLE) or postgres
-    /// (full_page_writes off, data checksums; pg_checksums + pg_amcheck).
+    /// The database: mysql (innochecksum + CHECK TABLE) or postgres (data checksums;
+    /// pg_checksums + pg_amcheck).
     #[arg(value_enum)]
     pub db: Db,
+
+    /// The database's own torn-page protection: doublewrite (mysql) or full_page_writes
+    /// (postgres). Default: off for mysql (what the test proves safe: O_DIRECT pages arrive
+    /// whole), on for postgres (PostgreSQL writes pages through the page cache, whose
+    /// writeback may split them: off is not advised, docs/guarantees.md; `off` measures
+    /// whether pages tore).
+    #[arg(long, value_name = "on|off", value_parser = clap::builder::BoolishValueParser::new(), hide_possible_values = true)]
+    pub torn_page_guard: Option<bool>,
 
     /// Power cuts to run. Default 20 (smoke 2).
     #[arg(long, value_name = "N")]

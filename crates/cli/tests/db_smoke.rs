@@ -4,7 +4,8 @@
 //! - `zdisk db bench mysql --smoke`: zdisk (doublewrite off) and raw (doublewrite on), one short
 //!   point; the report must be complete and every number positive. No speed is compared.
 //! - `zdisk db powercut mysql|postgres --smoke`: 2 power cuts each (SIGKILL of zdisk's nbdkit and
-//!   the database together under load); every cycle must pass (innochecksum / pg_checksums on
+//!   the database together under load; MariaDB with doublewrite off, PostgreSQL with
+//!   full_page_writes on, as advised); every cycle must pass (innochecksum / pg_checksums on
 //!   every page, CHECK TABLE / pg_amcheck, the load's invariants, zdisk check). The seed is
 //!   printed; replay a failure with the printed command (or ZDISK_CRASH_SEED=<seed>).
 //!
@@ -112,6 +113,9 @@ fn powercut(db: &str) {
     let r: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let cycles = r["cycles"].as_array().unwrap();
     assert_eq!(cycles.len(), 2);
+    // MariaDB runs without doublewrite (the claim under test); PostgreSQL with
+    // full_page_writes, the configuration docs/guarantees.md advises.
+    assert_eq!(r["torn_page_guard"], db == "postgres", "{r}");
     for cy in cycles {
         assert_eq!(cy["passed"], true, "{cy}");
         assert_eq!(cy["bad_pages_before_recovery"], 0, "{cy}");
