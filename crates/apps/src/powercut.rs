@@ -195,7 +195,7 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
     let mnt = ctx.work.join("mnt");
     let datadir = mnt.join(if db == Db::Mysql { "mysql" } else { "pgdata" });
 
-    // Load once, with the guard off from the start.
+    // Load once, with the run's torn-page guard from the start.
     load_data_set(ctx, db, setup, (&store, &mnt, &datadir), (&lua, &text), &format_args, result)?;
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
