@@ -125,6 +125,9 @@ fn run(s: &Scenario, seed: u64) -> Result<RunCounts, String> {
         options.key = key.clone();
         options.nonce_lease = rng.gen_range(16..64);
         options.nonce_observer = Some(nonces.observer());
+        // Every run's nonces cross into a new epoch after a few hundred seals: the open
+        // segments are sealed, and older fragments sealed again when GC moves them.
+        options.nonce_epoch_end_margin = Some(rng.gen_range(0..400));
     }
     options.codec_fallback = s.codec_fallback;
     // Idle work's own first dictionary, in a store of a few MiB.
@@ -577,9 +580,10 @@ fn dictionaries_trained_and_recompressed_into_survive_crashes_and_racing_overwri
 }
 
 /// Encrypted stores (`crypto/`) under the same crashes, GC and damaged copies as the plain
-/// ones, with dictionaries (sealed in the checkpoints) and a nonce lease small enough that
-/// runs renew it, and crash inside the renewal: every recovery must read back the contract,
-/// and no nonce may be handed out twice across all the cycles and crashes.
+/// ones, with dictionaries (sealed in the checkpoints), a nonce lease small enough that
+/// runs renew it, and crash inside the renewal, and every run crossing into a new nonce
+/// epoch: every recovery must read back the contract, and no nonce may be handed out twice
+/// across all the cycles and crashes.
 #[test]
 fn encrypted_stores_survive_crashes_and_never_reuse_a_nonce() {
     run_scenario(

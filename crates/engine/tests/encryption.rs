@@ -11,13 +11,14 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use common::*;
+use rand::Rng;
 use zdisk_engine::sim::inspect;
 use zdisk_engine::sim::SimDisk;
 use zdisk_engine::{Codec, DictionaryOptions, ErrorKind, OpenOptions, Secret, Store};
 
 const LOGICAL: u64 = 4 << 20;
-/// Bytes a sealed fragment adds: the stored nonce (8) and the tag (16).
-const SEAL_BYTES: usize = 24;
+/// Bytes a sealed fragment adds: the stored nonce's low 32 bits (4) and the tag (16).
+const SEAL_BYTES: usize = 20;
 const PI_BYTES: usize = 12;
 
 fn key(passphrase: &str) -> Option<Arc<Secret>> {
@@ -183,6 +184,59 @@ fn tampered_ciphertext_and_tags_read_as_eio() {
             assert_eq!(read_block(&store, other).unwrap(), data[other as usize * 4096..][..4096]);
         }
     }
+}
+
+/// Short nonces (`docs/format.md`, "Nonces"): a fragment stores its nonce's low 32 bits, 20
+/// bytes of seal in all, and its segment's use records the epoch. A run whose nonces cross
+/// into the next epoch seals its open segments and goes on in new ones; GC seals older
+/// fragments again as it moves them; every block reads back — after the crossing, after GC,
+/// after a reopen (which crosses once more) — and `check` finds the store clean.
+#[test]
+fn nonces_crossing_into_a_new_epoch_keep_every_block() {
+    let disk = encrypted_disk(Codec::Lz4);
+    let options = OpenOptions { nonce_lease: 16, nonce_epoch_end_margin: Some(100), ..options("correct horse") };
+    let mut rng = rng(12);
+    // Incompressible: a raw fragment is its protection information, the block and the seal.
+    let mut expected = block_data(&mut rng, 256 * 4096, 100);
+    let store = Store::open_backing(disk.clone(), &options).unwrap();
+    store.write(0, &expected, false).unwrap();
+    store.flush().unwrap();
+    let stored = (0..256u64).find(|&lba| expected[lba as usize * 4096..][..4096].iter().any(|&b| b != 0)).unwrap();
+    let range = fragment_of(&disk.image(), stored);
+    assert_eq!(range.end - range.start, (PI_BYTES + 4096 + SEAL_BYTES) as u64);
+    store.close().unwrap();
+    for _ in 0..2 {
+        // Each open crosses into the next epoch again: every block from the run before is
+        // of an older one.
+        let store = Store::open_backing(disk.clone(), &options).unwrap();
+        assert!(read_all(&store)[..expected.len()] == expected[..], "differs after a reopen");
+        for _ in 0..48 {
+            let lba = rng.gen_range(0..256u64);
+            let block = block_data(&mut rng, 4096, 100);
+            store.write(lba * 4096, &block, false).unwrap();
+            expected[lba as usize * 4096..][..4096].copy_from_slice(&block);
+        }
+        store.flush().unwrap();
+        store.collect_garbage(usize::MAX).unwrap();
+        assert!(read_all(&store)[..expected.len()] == expected[..], "a block reads back different");
+        assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
+        store.close().unwrap();
+    }
+    let store = Store::open_backing(disk.clone(), &options).unwrap();
+    for lba in 0..128u64 {
+        let block = block_data(&mut rng, 4096, 100);
+        store.write(lba * 4096, &block, false).unwrap();
+        expected[lba as usize * 4096..][..4096].copy_from_slice(&block);
+    }
+    store.flush().unwrap();
+    store.collect_garbage(usize::MAX).unwrap();
+    store.checkpoint().unwrap();
+    assert!(read_all(&store)[..expected.len()] == expected[..], "differs after GC of older epochs");
+    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
+    drop(store); // a crash: replay meets the last segments' epochs in their records
+    let store = reopen(&disk);
+    assert!(read_all(&store)[..expected.len()] == expected[..], "differs after a crash");
+    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
 }
 
 #[test]
@@ -416,33 +470,36 @@ fn an_older_version_from_an_earlier_use_of_the_segment_at_the_same_address_fails
     }
 }
 
-/// `tests/fixtures/v5-encrypted-address-placement.img.zst`: an encrypted store made by the
-/// code of 2026-11-25 (commit bf1d092), whose placement tags bind the address alone (no
-/// superblock feature flag 16): 512 KiB of `block_data(rng(5), _, 50)`, checkpointed, then
-/// 128 KiB of `block_data(rng(6), _, 50)` over it from 64 KiB, flushed, abandoned (the
-/// second write is replayed). It opens, replays, reads back, takes new writes — with tags of
-/// the address alone still, as its superblock says — and checks clean, before and after a
-/// reopen.
+/// Encrypted stores made by earlier code, each 512 KiB of `block_data(rng(5), _, 50)`,
+/// checkpointed, then 128 KiB of `block_data(rng(6), _, 50)` over it from 64 KiB, flushed,
+/// abandoned (the second write is replayed):
+/// - `v5-encrypted-address-placement.img.zst`, by the code of 2026-11-25 (commit bf1d092):
+///   placement tags of the address alone (no superblock feature flag 16), whole nonces;
+/// - `v5-encrypted-whole-nonces.img.zst`, by the code of 2026-11-26 (commit 3b942cb):
+///   placement tags binding the segment's use, whole nonces (no feature flag 32).
+///
+/// Each opens, replays, reads back, takes new writes — in its own layout still, as its
+/// superblock says — and checks clean, before and after a reopen.
 #[test]
-fn an_encrypted_store_from_before_placement_bound_the_segment_use_still_works() {
-    let compressed = std::fs::read(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v5-encrypted-address-placement.img.zst"),
-    )
-    .unwrap();
-    let image = zstd::decode_all(&compressed[..]).unwrap();
-    let mut expected = block_data(&mut rng(5), 512 << 10, 50);
-    let again = block_data(&mut rng(6), 128 << 10, 50);
-    expected[64 << 10..(64 << 10) + again.len()].copy_from_slice(&again);
-    let disk = Arc::new(SimDisk::from_image(image, 1));
-    let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
-    assert!(read_all(&store)[..expected.len()] == expected[..], "the old store reads back different");
-    let fresh = block_data(&mut rng(7), 64 << 10, 50);
-    store.write(256 << 10, &fresh, false).unwrap();
-    expected[256 << 10..(256 << 10) + fresh.len()].copy_from_slice(&fresh);
-    store.flush().unwrap();
-    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
-    store.close().unwrap();
-    let store = reopen(&disk);
-    assert!(read_all(&store)[..expected.len()] == expected[..], "differs after new writes and a reopen");
-    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
+fn encrypted_stores_of_earlier_layouts_still_work() {
+    for fixture in ["v5-encrypted-address-placement.img.zst", "v5-encrypted-whole-nonces.img.zst"] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(fixture);
+        let image = zstd::decode_all(&std::fs::read(path).unwrap()[..]).unwrap();
+        let mut expected = block_data(&mut rng(5), 512 << 10, 50);
+        let again = block_data(&mut rng(6), 128 << 10, 50);
+        expected[64 << 10..(64 << 10) + again.len()].copy_from_slice(&again);
+        let disk = Arc::new(SimDisk::from_image(image, 1));
+        let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
+        assert!(read_all(&store)[..expected.len()] == expected[..], "{fixture} reads back different");
+        let fresh = block_data(&mut rng(7), 64 << 10, 50);
+        store.write(256 << 10, &fresh, false).unwrap();
+        expected[256 << 10..(256 << 10) + fresh.len()].copy_from_slice(&fresh);
+        store.flush().unwrap();
+        store.collect_garbage(usize::MAX).unwrap();
+        assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty(), "{fixture}");
+        store.close().unwrap();
+        let store = reopen(&disk);
+        assert!(read_all(&store)[..expected.len()] == expected[..], "{fixture} differs after writes and a reopen");
+        assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty(), "{fixture}");
+    }
 }

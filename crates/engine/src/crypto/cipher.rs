@@ -9,13 +9,17 @@
 //! - The **associated data** binds a fragment to its store, its kind (block, map page,
 //!   dictionary), its reference tag (LBA or page id) and its length and codec: a fragment
 //!   copied to another LBA, page or store fails authentication and reads as EIO.
-//! - **Nonces**: 96 bits, the top 32 zero and the low 64 a counter stored in the fragment.
-//!   The counter's values come from leases made durable in the key header before first use
-//!   ([`NonceSource`]), so no value is handed out twice, across crashes too.
+//! - **Nonces**: 96 bits, the top 32 zero and the low 64 a counter. The counter's values
+//!   come from leases made durable in the key header before first use ([`NonceSource`]), so
+//!   no value is handed out twice, across crashes too. A fragment stores the counter's low
+//!   32 bits; the high bits are the **nonce epoch**, which the segment the fragment lies in
+//!   records (every fragment of a segment's use has its epoch; `docs/format.md`, "Nonces").
+//!   Stores formatted before 2026-11-27 (no `FEATURE_SHORT_NONCES`) store all 64 bits, as do
+//!   dictionaries, which lie in checkpoints, not in segments.
 //! - **Metadata**: checkpoints and superblocks carry an HMAC-SHA-256 (truncated to 96 bits)
 //!   under a separate metadata key.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use aes::cipher::{BlockCipherEncrypt, KeyInit};
@@ -29,17 +33,38 @@ use super::{DataKey, KeyMemoryLock, KEY_BYTES};
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
 
-/// The stored part of a nonce: the counter, u64.
+/// The stored part of a whole nonce: the counter, u64 (dictionaries; every fragment of a
+/// store formatted before 2026-11-27).
 pub const NONCE_STORED_BYTES: usize = 8;
+/// The stored part of a fragment's nonce in a store with short nonces: the counter's low 32
+/// bits (the rest is the epoch its segment records).
+pub const NONCE_SHORT_STORED_BYTES: usize = 4;
 /// The AEAD's authentication tag.
 pub use super::aead::TAG_BYTES;
-/// What sealing adds to a fragment: stored nonce and tag.
+/// What sealing adds at most (a whole stored nonce and the tag): what capacity and space
+/// rules count, so they hold for both layouts.
 pub const SEAL_OVERHEAD_BYTES: usize = NONCE_STORED_BYTES + TAG_BYTES;
+/// Counter values per nonce epoch: the epoch is the counter's bits 32 and up.
+pub const NONCES_PER_EPOCH: u64 = 1 << 32;
+/// The high bits of a nonce counter that a short-nonce fragment does not store: recorded per
+/// segment use (`SegmentUsage::nonce_epoch`) and in every record's head. 16 bits: 2^48
+/// counter values per store.
+pub type NonceEpoch = u16;
 /// Bytes of a metadata MAC (HMAC-SHA-256 truncated, as RFC 2104 allows down to half).
 pub const MAC_BYTES: usize = 12;
-/// Nonces reserved per key-header write: 2^32 (one write per open; a run that seals more
-/// fragments than that — 8 TiB of 2 KiB fragments — writes the header again).
-pub const NONCE_LEASE_DEFAULT: u64 = 1 << 32;
+/// Nonces reserved per key-header write: 2^24 (a write per open, and one per 16.7 million
+/// fragments sealed — every few minutes under a full write load). Small against an epoch
+/// (2^32), so a crash wastes at most 1/256 of one, and 2^24 opens fit in a store's 2^48.
+pub const NONCE_LEASE_DEFAULT: u64 = 1 << 24;
+
+/// The use of the segment a fragment lies in: the sequence number of the use's first record
+/// (what placement tags bind besides the address) and the nonce epoch of its fragments
+/// (what a short nonce lacks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SegmentUse {
+    pub seq: u64,
+    pub nonce_epoch: NonceEpoch,
+}
 
 /// What a sealed thing is; part of its associated data, so one kind never passes for another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +86,9 @@ pub struct StoreCipher {
     /// Placement tags bind the segment's use as well as the address (superblock feature
     /// `FEATURE_PLACEMENT_USE`); false in stores formatted before 2026-11-26.
     placement_binds_use: bool,
+    /// Fragments store the nonce's low 32 bits only (superblock feature
+    /// `FEATURE_SHORT_NONCES`); false in stores formatted before 2026-11-27.
+    short_nonces: bool,
 }
 
 /// The fragment key (as the AEAD's key schedule, in AWS-LC's allocation, which it cleanses
@@ -95,6 +123,39 @@ impl StoreCipher {
             _locked: locked,
             nonces: nonces.unwrap_or_else(NonceSource::none),
             placement_binds_use: true,
+            short_nonces: true,
+        }
+    }
+
+    /// The cipher of a store formatted before short nonces: every fragment stores its whole
+    /// nonce.
+    pub fn with_whole_nonces(mut self) -> StoreCipher {
+        self.short_nonces = false;
+        self
+    }
+
+    /// Whether fragments store only the nonce's low 32 bits (their segment has the epoch).
+    pub fn short_nonces(&self) -> bool {
+        self.short_nonces
+    }
+
+    /// Bytes sealing adds to a fragment (block or map page) of this store.
+    pub fn fragment_overhead_bytes(&self) -> usize {
+        self.nonce_bytes(Domain::Block) + TAG_BYTES
+    }
+
+    /// The epoch of the nonces the source hands out now (what a segment begun now records).
+    pub fn current_epoch(&self) -> NonceEpoch {
+        self.nonces.epoch.load(Ordering::Acquire)
+    }
+
+    /// Stored nonce bytes of a sealed thing of `domain`: a dictionary lies in a checkpoint,
+    /// where no segment records an epoch, so it keeps its whole nonce.
+    fn nonce_bytes(&self, domain: Domain) -> usize {
+        if self.short_nonces && domain != Domain::Dictionary {
+            NONCE_SHORT_STORED_BYTES
+        } else {
+            NONCE_STORED_BYTES
         }
     }
 
@@ -107,32 +168,74 @@ impl StoreCipher {
 
     /// Seals `plaintext` as a fragment of `domain` with reference tag `tag` whose
     /// protection information will carry `entry_packed` (length and codec): appends
-    /// `nonce | ciphertext | tag` to `out`.
-    pub fn seal(&self, domain: Domain, tag: u64, entry_packed: u16, plaintext: &[u8], out: &mut Vec<u8>) -> Result<()> {
+    /// `nonce | ciphertext | tag` to `out` (the nonce's stored bytes: 4 or 8). Returns the
+    /// nonce's epoch, which a short-nonce fragment's segment must record.
+    pub fn seal(
+        &self,
+        domain: Domain,
+        tag: u64,
+        entry_packed: u16,
+        plaintext: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<NonceEpoch> {
         let counter = self.nonces.next()?;
-        out.extend_from_slice(&counter.to_le_bytes());
+        out.extend_from_slice(&counter.to_le_bytes()[..self.nonce_bytes(domain)]);
         let start = out.len();
         out.extend_from_slice(plaintext);
         let aad = self.associated_data(domain, tag, entry_packed);
         let sealed_tag = self.keys.fragments.seal(nonce(counter), &aad, &mut out[start..]);
         out.extend_from_slice(&sealed_tag);
-        Ok(())
+        Ok(epoch_of(counter))
     }
 
     /// Opens `sealed` (`nonce | ciphertext | tag`), checking it against what the reader
-    /// expects it to be; returns the plaintext. Any mismatch is a `Checksum` error.
-    pub fn open(&self, domain: Domain, tag: u64, entry_packed: u16, sealed: &[u8]) -> Result<Vec<u8>> {
+    /// expects it to be; returns the plaintext. `epoch` is what the fragment's segment (or
+    /// record) records: a short nonce's high bits (ignored where the whole nonce is stored).
+    /// Any mismatch is a `Checksum` error.
+    pub fn open(
+        &self,
+        domain: Domain,
+        tag: u64,
+        entry_packed: u16,
+        sealed: &[u8],
+        epoch: NonceEpoch,
+    ) -> Result<Vec<u8>> {
         let bad = || Error::new(ErrorKind::Checksum, "fragment fails authentication");
-        if sealed.len() < SEAL_OVERHEAD_BYTES {
+        let nonce_bytes = self.nonce_bytes(domain);
+        if sealed.len() < nonce_bytes + TAG_BYTES {
             return Err(bad());
         }
-        let (counter, rest) = sealed.split_at(NONCE_STORED_BYTES);
+        let (stored, rest) = sealed.split_at(nonce_bytes);
         let (ciphertext, auth) = rest.split_at(rest.len() - TAG_BYTES);
-        let counter = u64::from_le_bytes(counter.try_into().expect("8 bytes"));
+        let mut counter = [0u8; 8];
+        counter[..nonce_bytes].copy_from_slice(stored);
+        let mut counter = u64::from_le_bytes(counter);
+        if nonce_bytes == NONCE_SHORT_STORED_BYTES {
+            counter |= (epoch as u64) << 32;
+        }
         let mut plaintext = ciphertext.to_vec();
         let aad = self.associated_data(domain, tag, entry_packed);
         self.keys.fragments.open(nonce(counter), &aad, &mut plaintext, auth).map_err(|_| bad())?;
         Ok(plaintext)
+    }
+
+    /// Seals again, under a fresh nonce, a fragment (`nonce | ciphertext | tag`, of
+    /// `domain`, `tag` and `entry_packed`) sealed under epoch `epoch`, for a segment of
+    /// another epoch: the same length. Returns the new bytes and their epoch, or `None` if
+    /// the fragment does not open (damaged: it is moved as it is and still reads as EIO).
+    pub fn reseal(
+        &self,
+        domain: Domain,
+        tag: u64,
+        entry_packed: u16,
+        sealed: &[u8],
+        epoch: NonceEpoch,
+    ) -> Result<Option<(Vec<u8>, NonceEpoch)>> {
+        let Ok(plaintext) = self.open(domain, tag, entry_packed, sealed, epoch) else { return Ok(None) };
+        let mut out = Vec::with_capacity(sealed.len());
+        let epoch = self.seal(domain, tag, entry_packed, &plaintext, &mut out)?;
+        debug_assert_eq!(out.len(), sealed.len());
+        Ok(Some((out, epoch)))
     }
 
     /// The placement tag of a sealed fragment (`nonce | ciphertext | tag`) written at byte
@@ -193,6 +296,12 @@ impl StoreCipher {
     }
 }
 
+/// The epoch of a nonce counter value (leases stay below 2^48: `NonceState::renew`).
+pub fn epoch_of(counter: u64) -> NonceEpoch {
+    debug_assert!(counter >> 32 <= NonceEpoch::MAX as u64, "nonce {counter} past the last epoch");
+    (counter >> 32) as NonceEpoch
+}
+
 fn nonce(counter: u64) -> [u8; NONCE_BYTES] {
     let mut bytes = [0u8; NONCE_BYTES];
     bytes[4..].copy_from_slice(&counter.to_le_bytes());
@@ -224,6 +333,8 @@ impl std::fmt::Debug for NonceObserver {
 pub struct NonceSource {
     state: std::sync::Mutex<NonceState>,
     used: AtomicU64,
+    /// The epoch of the current lease (`StoreCipher::current_epoch`).
+    epoch: AtomicU16,
     /// Every value handed out, for the tests that prove none repeats.
     #[cfg(any(test, feature = "sim"))]
     observer: Option<NonceObserver>,
@@ -241,6 +352,8 @@ struct Lease {
     header: KeyHeader,
     backing: Arc<dyn Backing>,
     size: u64,
+    /// A lease never spans two epochs (short nonces: each fragment's segment records one).
+    within_epochs: bool,
 }
 
 impl NonceSource {
@@ -249,20 +362,23 @@ impl NonceSource {
         NonceSource {
             state: std::sync::Mutex::new(NonceState { next: 0, limit: 0, lease: None }),
             used: AtomicU64::new(0),
+            epoch: AtomicU16::new(0),
             #[cfg(any(test, feature = "sim"))]
             observer: None,
         }
     }
 
     /// Leases `size` nonces from `header` (written and synced before this returns) and
-    /// leases again whenever they run out.
-    pub fn lease(header: KeyHeader, backing: Arc<dyn Backing>, size: u64) -> Result<NonceSource> {
-        assert!(size > 0, "a lease of no nonces");
+    /// leases again whenever they run out. `within_epochs`: no lease spans two epochs, and
+    /// none reaches past the last (a short-nonce store).
+    pub fn lease(header: KeyHeader, backing: Arc<dyn Backing>, size: u64, within_epochs: bool) -> Result<NonceSource> {
+        assert!(size > 0 && (!within_epochs || size <= NONCES_PER_EPOCH), "a lease of {size} nonces");
         let source = NonceSource::none();
         {
             let mut state = source.lock_state();
-            state.lease = Some(Lease { header, backing, size });
+            state.lease = Some(Lease { header, backing, size, within_epochs });
             state.renew()?;
+            source.epoch.store(epoch_of(state.next), Ordering::Release);
         }
         Ok(source)
     }
@@ -289,6 +405,7 @@ impl NonceSource {
         let mut state = self.lock_state();
         if state.next == state.limit {
             state.renew()?;
+            self.epoch.store(epoch_of(state.next), Ordering::Release);
         }
         let value = state.next;
         state.next += 1;
@@ -307,7 +424,11 @@ impl NonceState {
         let Some(lease) = self.lease.as_mut() else {
             return Err(Error::new(ErrorKind::ReadOnly, "the store is open read-only: nothing can be sealed"));
         };
-        let first = lease.header.lease(lease.size)?;
+        let first = if lease.within_epochs {
+            lease.header.lease_within_epoch(lease.size, NONCES_PER_EPOCH, NonceEpoch::MAX as u64)?
+        } else {
+            lease.header.lease(lease.size)?
+        };
         lease.header.write(lease.backing.as_ref())?;
         // Only now, with the new high-water mark durable, may a value of the lease be used.
         debug_assert!(first >= self.limit, "leases only move up");

@@ -230,6 +230,26 @@ impl KeyHeader {
         Ok(first)
     }
 
+    /// Reserves `count` nonces inside one epoch of `per_epoch` values: from the high-water
+    /// mark, or — the rest of its epoch is shorter — from the next epoch's start, the values
+    /// skipped never used. Refuses a lease reaching past epoch `last_epoch`.
+    pub fn lease_within_epoch(&mut self, count: u64, per_epoch: u64, last_epoch: u64) -> Result<u64> {
+        debug_assert!(count <= per_epoch);
+        let mark = self.nonce_high_water;
+        let first = if mark % per_epoch + count > per_epoch { mark.next_multiple_of(per_epoch) } else { mark };
+        if (first + count - 1) / per_epoch > last_epoch {
+            return Err(Error::new(ErrorKind::NoSpace, "the store's nonces are used up: copy its data to a new store"));
+        }
+        self.nonce_high_water = first + count;
+        Ok(first)
+    }
+
+    /// Moves the high-water mark to `mark` (tests that start a store near an epoch's end).
+    #[cfg(any(test, feature = "sim"))]
+    pub fn set_nonce_high_water(&mut self, mark: u64) {
+        self.nonce_high_water = mark;
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut buf = vec![0u8; KEY_HEADER_BYTES];
         buf[..8].copy_from_slice(&MAGIC);
@@ -480,6 +500,21 @@ mod tests {
                 .collect();
             assert!(KeyHeader::decode(&garbage).is_err());
         }
+    }
+
+    #[test]
+    fn leases_within_epochs_never_span_two_and_stop_at_the_last() {
+        let (mut header, _) = KeyHeader::create([6; 16], &pass("pw"), KdfParams::TEST).unwrap();
+        assert_eq!(header.lease_within_epoch(6, 16, 2).unwrap(), 0);
+        assert_eq!(header.lease_within_epoch(6, 16, 2).unwrap(), 6);
+        // 12..18 would span epochs 0 and 1: the lease starts at 16, 12..16 never used.
+        assert_eq!(header.lease_within_epoch(6, 16, 2).unwrap(), 16);
+        assert_eq!(header.nonce_high_water(), 22);
+        assert_eq!(header.lease_within_epoch(10, 16, 2).unwrap(), 22);
+        assert_eq!(header.lease_within_epoch(16, 16, 2).unwrap(), 32);
+        let refused = header.lease_within_epoch(1, 16, 2).unwrap_err();
+        assert_eq!(refused.kind(), ErrorKind::NoSpace);
+        assert_eq!(header.nonce_high_water(), 48, "a refused lease moves nothing");
     }
 
     #[test]

@@ -42,6 +42,10 @@ const SEGMENT_USAGE_BYTES: u64 = 1 + 6 * 8;
 const SEGMENT_USAGE_BYTES_V1: u64 = 1 + 4 * 8;
 /// Bytes one map entry takes in a version 1 image: LBA delta u64, entry u64.
 const MAP_ENTRY_BYTES: u64 = 16;
+/// "EPCH": the marker of the nonce epoch table that ends a short-nonce store's image.
+const EPOCH_TABLE_MARKER: u32 = 0x4843_5045;
+/// Bytes one segment's nonce epoch takes in the epoch table.
+const EPOCH_BYTES: u64 = 2;
 /// Bytes one superseded-pages entry takes: segment u32, bytes u64.
 const SUPERSEDED_BYTES: u64 = 12;
 /// Magic, sequence number, generation, logical size, counter count and counters.
@@ -116,6 +120,9 @@ pub struct SegmentUsage {
     /// Bytes of map pages in this segment that a retained checkpoint references (not
     /// counted in `live_bytes`, which is data).
     pub page_bytes: u64,
+    /// The nonce epoch of every sealed fragment of this use (a short-nonce store: the
+    /// image's epoch table; 0 otherwise). Set with `first_seq`, from the use's records.
+    pub nonce_epoch: u16,
 }
 
 impl SegmentUsage {
@@ -127,6 +134,7 @@ impl SegmentUsage {
         cleaned_seq: 0,
         first_seq: 0,
         page_bytes: 0,
+        nonce_epoch: 0,
     };
 }
 
@@ -158,6 +166,9 @@ pub struct Checkpoint {
     pub legacy_map: Vec<(u64, u64)>,
     /// The store's dictionaries, ascending by id (magic `ZDSKCKP5` when not empty).
     pub dictionaries: Vec<DictionaryEntry>,
+    /// The image ends with the epoch table (each segment's `nonce_epoch`): exactly in a
+    /// short-nonce store (superblock feature `FEATURE_SHORT_NONCES`).
+    pub nonce_epochs: bool,
 }
 
 impl Checkpoint {
@@ -169,7 +180,10 @@ impl Checkpoint {
             + 8
             + segment_count * (SEGMENT_USAGE_BYTES + SUPERSEDED_BYTES)
             + 8
-            + DICTIONARY_TABLE_BYTES_MAX;
+            + DICTIONARY_TABLE_BYTES_MAX
+            + 4
+            + 8
+            + segment_count * EPOCH_BYTES;
         let v1 = FIXED_BYTES + 8 + segment_count * SEGMENT_USAGE_BYTES_V1 + 8 + block_count * MAP_ENTRY_BYTES;
         v4.max(v1)
     }
@@ -184,7 +198,8 @@ impl Checkpoint {
             + self.segments.len() as u64 * SEGMENT_USAGE_BYTES
             + 8
             + self.superseded.len() as u64 * SUPERSEDED_BYTES
-            + self.dictionary_table_bytes();
+            + self.dictionary_table_bytes()
+            + if self.nonce_epochs { 4 + 8 + self.segments.len() as u64 * EPOCH_BYTES } else { 0 };
         let mut raw = Vec::with_capacity(raw_bytes as usize);
         let mut w = Writer { buf: &mut raw };
         w.u64(if self.dictionaries.is_empty() { CHECKPOINT_MAGIC } else { CHECKPOINT_MAGIC_DICTIONARIES });
@@ -223,6 +238,13 @@ impl Checkpoint {
                 w.u32(d.bytes.len() as u32);
                 w.u32(crc32c::crc32c(&d.bytes));
                 w.buf.extend_from_slice(&d.bytes);
+            }
+        }
+        if self.nonce_epochs {
+            w.u32(EPOCH_TABLE_MARKER);
+            w.u64(self.segments.len() as u64);
+            for s in &self.segments {
+                w.u16(s.nonce_epoch);
             }
         }
         debug_assert_eq!(raw.len() as u64, raw_bytes);
@@ -283,13 +305,22 @@ impl Checkpoint {
         if segment_count > r.remaining() as u64 / usage_bytes {
             return Err(corrupt("checkpoint segment count"));
         }
-        let segments = (0..segment_count).map(|_| decode_usage(&mut r, legacy)).collect::<Result<Vec<_>>>()?;
+        let mut segments = (0..segment_count).map(|_| decode_usage(&mut r, legacy)).collect::<Result<Vec<_>>>()?;
         let (superseded, legacy_map) = if legacy {
             (Vec::new(), decode_legacy_map(&mut r)?)
         } else {
             (decode_superseded(&mut r, segment_count)?, Vec::new())
         };
         let dictionaries = if has_dictionaries { decode_dictionaries(&mut r)? } else { Vec::new() };
+        let nonce_epochs = !legacy && r.remaining() != 0;
+        if nonce_epochs {
+            if r.u32()? != EPOCH_TABLE_MARKER || r.u64()? != segment_count {
+                return Err(corrupt("checkpoint epoch table"));
+            }
+            for s in segments.iter_mut() {
+                s.nonce_epoch = r.u16()?;
+            }
+        }
         if r.remaining() != 0 {
             return Err(corrupt("checkpoint has trailing bytes"));
         }
@@ -305,6 +336,7 @@ impl Checkpoint {
             superseded,
             legacy_map,
             dictionaries,
+            nonce_epochs,
         })
     }
 }
@@ -415,6 +447,7 @@ mod tests {
                 cleaned_seq: 0,
                 first_seq: 3,
                 page_bytes: 4,
+                nonce_epoch: 0,
             }],
             map_root: Some(MapRoot { height: 2, root: 0x1234_5003 }),
             stored_blocks: 8,
@@ -422,7 +455,27 @@ mod tests {
             superseded: vec![(0, 77)],
             legacy_map: Vec::new(),
             dictionaries: Vec::new(),
+            nonce_epochs: false,
         }
+    }
+
+    #[test]
+    fn a_short_nonce_stores_epoch_table_round_trips_and_is_checked() {
+        let mut cp = Checkpoint { nonce_epochs: true, ..sample() };
+        cp.segments[0].nonce_epoch = 0xbeef;
+        cp.dictionaries = vec![DictionaryEntry { id: 1, level: 3, since_seq: 0, bytes: vec![7; 10] }];
+        let max = Checkpoint::decoded_bytes_max(1, 100);
+        assert_eq!(Checkpoint::decode(&cp.encode(), max).unwrap(), cp);
+        let raw = zstd::bulk::decompress(&cp.encode(), 1 << 20).unwrap();
+        // The table's count must be the segment count, after its marker.
+        let mut bad = raw.clone();
+        let at = bad.len() - 2 - 8;
+        bad[at] = 2;
+        assert!(Checkpoint::decode(&zstd::bulk::compress(&bad, 1).unwrap(), max).is_err());
+        let mut bad = raw;
+        let at = bad.len() - 2 - 8 - 4;
+        bad[at] ^= 1;
+        assert!(Checkpoint::decode(&zstd::bulk::compress(&bad, 1).unwrap(), max).is_err());
     }
 
     #[test]

@@ -23,8 +23,8 @@ pub const RECORD_MAGIC: u32 = 0x3343_525A;
 const MAGIC_OFFSET: usize = 0;
 const KIND_OFFSET: usize = MAGIC_OFFSET + 4;
 const FLAGS_OFFSET: usize = KIND_OFFSET + 1;
-const RESERVED_OFFSET: usize = FLAGS_OFFSET + 1;
-const SEQ_OFFSET: usize = RESERVED_OFFSET + 2;
+const EPOCH_OFFSET: usize = FLAGS_OFFSET + 1;
+const SEQ_OFFSET: usize = EPOCH_OFFSET + 2;
 const DURABLE_SEQ_OFFSET: usize = SEQ_OFFSET + 8;
 const START_LBA_OFFSET: usize = DURABLE_SEQ_OFFSET + 8;
 const COUNT_OFFSET: usize = START_LBA_OFFSET + 8;
@@ -351,6 +351,9 @@ pub struct RecordHeader {
     pub store_tag: u32,
     pub payload_len: u32,
     pub payload_crc: u32,
+    /// The nonce epoch of its segment's use (a short-nonce store; 0 otherwise and in
+    /// version 2): the high bits of its sealed fragments' nonces.
+    pub nonce_epoch: u16,
     pub body: RecordBody,
 }
 
@@ -368,6 +371,7 @@ pub struct Head {
     pub store_tag: u32,
     pub payload_len: u32,
     pub payload_crc: u32,
+    pub nonce_epoch: u16,
     /// The head's CRC: the record's chain value.
     pub crc: u32,
 }
@@ -381,9 +385,6 @@ impl Head {
         let crc = u32_at(bytes, HEAD_CRC_OFFSET);
         if crc32c::crc32c(&bytes[..HEAD_CRC_OFFSET]) != crc {
             return Err(corrupt("record head checksum mismatch"));
-        }
-        if bytes[RESERVED_OFFSET..SEQ_OFFSET] != [0, 0] {
-            return Err(corrupt("record head reserved bytes"));
         }
         let kind = RecordKind::from_u8(bytes[KIND_OFFSET])?;
         if kind.entry_bytes() == 0
@@ -404,6 +405,7 @@ impl Head {
             store_tag: u32_at(bytes, STORE_TAG_OFFSET),
             payload_len: u32_at(bytes, PAYLOAD_LEN_OFFSET),
             payload_crc: u32_at(bytes, PAYLOAD_CRC_OFFSET),
+            nonce_epoch: u16::from_le_bytes([bytes[EPOCH_OFFSET], bytes[EPOCH_OFFSET + 1]]),
             crc,
         })
     }
@@ -476,6 +478,7 @@ impl Head {
             store_tag: self.store_tag,
             payload_len: self.payload_len,
             payload_crc: self.payload_crc,
+            nonce_epoch: self.nonce_epoch,
             body,
         }
     }
@@ -520,7 +523,7 @@ impl RecordHeader {
         w.u32(RECORD_MAGIC);
         w.u8(self.kind() as u8);
         w.u8(self.flags);
-        w.u16(0);
+        w.u16(self.nonce_epoch);
         w.u64(self.seq);
         w.u64(self.durable_seq);
         w.u64(start_lba.0);
@@ -665,6 +668,7 @@ mod tests {
             store_tag: 5,
             payload_len,
             payload_crc: 6,
+            nonce_epoch: 0x0102,
             body,
         }
     }

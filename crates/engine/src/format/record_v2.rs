@@ -102,6 +102,7 @@ pub fn decode(buf: &[u8]) -> Result<(RecordHeader, u32)> {
         store_tag,
         payload_len,
         payload_crc,
+        nonce_epoch: 0,
         body,
     };
     Ok((header, crc))
@@ -296,6 +297,7 @@ mod tests {
             store_tag: 3,
             payload_len: 10,
             payload_crc: 4,
+            nonce_epoch: 0,
             body: RecordBody::Write {
                 start_lba: Lba(5),
                 fragments: vec![
@@ -323,6 +325,7 @@ mod tests {
             store_tag: 5,
             payload_len: 4100 + 20,
             payload_crc: 0,
+            nonce_epoch: 0,
             body: RecordBody::Batch {
                 entries: vec![
                     BatchEntry { lba: Lba((1 << 48) - 1), fragment: fragment(4100, CodecTag::Raw) },
@@ -423,7 +426,7 @@ mod tests {
         let header = RecordHeader {
             version: RecordVersion::V2,
             durable_seq: 0,
-            flags: FLAG_LAST, seq: 1, prev_crc: 0, session: 0, store_tag: 0, payload_len: 7, payload_crc: 0,
+            flags: FLAG_LAST, seq: 1, prev_crc: 0, session: 0, store_tag: 0, payload_len: 7, payload_crc: 0, nonce_epoch: 0,
             body: RecordBody::Write { start_lba: Lba(1), fragments: vec![FragmentEntry { stored_len: 7, codec: CodecTag::Zstd }, FragmentEntry { stored_len: 0, codec: CodecTag::Raw }, FragmentEntry { stored_len: 0, codec: CodecTag::Raw }] },
         };
         let mut buf = Vec::new();

@@ -72,9 +72,20 @@ pub const FEATURE_LOG_JUMPS: u64 = 8;
 /// kept by every checkpoint; encrypted stores formatted before keep tags of the address
 /// alone, and code from before refuses a store with it as "newer version".
 pub const FEATURE_PLACEMENT_USE: u64 = 16;
+/// Feature flag: an encrypted store's fragments store their nonce's low 32 bits only; the
+/// high bits, the nonce epoch, are recorded per segment use — in every record's head and in
+/// the checkpoint's epoch table (docs/format.md, "Nonces"). Set with `FEATURE_ENCRYPTED` by
+/// every format since 2026-11-27 and kept by every checkpoint; encrypted stores formatted
+/// before keep whole nonces, and code from before refuses a store with it as "newer
+/// version".
+pub const FEATURE_SHORT_NONCES: u64 = 32;
 /// The feature flags this code understands; any other is refused as "newer version".
-pub const FEATURES_KNOWN: u64 =
-    FEATURE_DICTIONARIES | FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS | FEATURE_PLACEMENT_USE;
+pub const FEATURES_KNOWN: u64 = FEATURE_DICTIONARIES
+    | FEATURE_ENCRYPTED
+    | FEATURE_AUTHENTICATED_LOG
+    | FEATURE_LOG_JUMPS
+    | FEATURE_PLACEMENT_USE
+    | FEATURE_SHORT_NONCES;
 
 /// One superblock slot. The two slots hold the two newest checkpoints; the higher
 /// `generation` with a valid CRC wins.
@@ -209,6 +220,9 @@ impl Superblock {
         if feature_flags & FEATURE_PLACEMENT_USE != 0 && feature_flags & FEATURE_ENCRYPTED == 0 {
             return Err(corrupt("the placement-use flag on a plain store"));
         }
+        if feature_flags & FEATURE_SHORT_NONCES != 0 && feature_flags & FEATURE_ENCRYPTED == 0 {
+            return Err(corrupt("the short-nonce flag on a plain store"));
+        }
         CodecTag::from_u8(codec_tag)?;
         if segment_size_bytes == 0
             || !segment_size_bytes.is_multiple_of(crate::SECTOR_SIZE as u64)
@@ -307,11 +321,13 @@ mod tests {
         assert_eq!(FEATURE_FLAGS_OFFSET, 72, "docs/format.md");
         assert_eq!(super::super::u64_at(&bytes, FEATURE_FLAGS_OFFSET), 1);
         assert_eq!(Superblock::decode(&bytes).unwrap(), with_dictionaries);
-        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 32, ..sample_superblock() };
+        let unknown = Superblock { feature_flags: FEATURE_DICTIONARIES | 64, ..sample_superblock() };
         assert_eq!(Superblock::decode(&unknown.encode()).unwrap_err().kind(), ErrorKind::NewerVersion);
         // Placement tags that bind the segment's use: an encrypted store's flag only.
         let placement_plain = Superblock { feature_flags: FEATURE_PLACEMENT_USE, ..sample_superblock() };
         assert_eq!(Superblock::decode(&placement_plain.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
+        let short_plain = Superblock { feature_flags: FEATURE_SHORT_NONCES, ..sample_superblock() };
+        assert_eq!(Superblock::decode(&short_plain.encode()).unwrap_err().kind(), ErrorKind::Corrupt);
         // Encryption: flag and version 5 together, never one without the other.
         let encrypted_flags = FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG;
         let plain_version = Superblock { feature_flags: encrypted_flags, ..sample_superblock() };

@@ -10,7 +10,7 @@
 
 use super::Stored;
 use crate::codec::{decompress_block, CodecTag};
-use crate::crypto::cipher::{Domain, StoreCipher, SEAL_OVERHEAD_BYTES};
+use crate::crypto::cipher::{Domain, SegmentUse, StoreCipher};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, Protection, PI_BYTES};
 use crate::types::Lba;
@@ -75,8 +75,13 @@ pub type PageBody = [u64; PAGE_SLOTS];
 
 /// The fragment of a page: protection information, then the page compressed (and, in an
 /// encrypted store, sealed: its guard then is the placement tag the log sets where the page
-/// lands, as a block's; zero until then).
-pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Result<(FragmentEntry, Vec<u8>)> {
+/// lands, as a block's; zero until then). With it, the nonce epoch a short-nonce page's
+/// segment must record.
+pub fn encode(
+    id: PageId,
+    body: &PageBody,
+    cipher: Option<&StoreCipher>,
+) -> Result<(FragmentEntry, Vec<u8>, Option<u16>)> {
     let raw: Vec<u8> = body.iter().flat_map(|v| v.to_le_bytes()).collect();
     let plain_guard = crc32c::crc32c(&raw);
     let compressed = zstd::bulk::compress(&raw, PAGE_ZSTD_LEVEL).expect("zstd compression of a memory buffer");
@@ -86,25 +91,25 @@ pub fn encode(id: PageId, body: &PageBody, cipher: Option<&StoreCipher>) -> Resu
         let mut bytes = Vec::with_capacity(entry.stored_len as usize);
         bytes.extend_from_slice(&Protection { guard: plain_guard, lba: id.tag(), entry }.encode());
         bytes.extend_from_slice(&data);
-        return Ok((entry, bytes));
+        return Ok((entry, bytes, None));
     };
-    let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + data.len()) as u16, codec };
+    let entry = FragmentEntry { stored_len: (PI_BYTES + cipher.fragment_overhead_bytes() + data.len()) as u16, codec };
     let mut bytes = Protection { guard: 0, lba: id.tag(), entry }.encode().to_vec();
-    cipher.seal(Domain::MapPage, id.tag().0, entry.packed(), &data, &mut bytes)?;
-    Ok((entry, bytes))
+    let epoch = cipher.seal(Domain::MapPage, id.tag().0, entry.packed(), &data, &mut bytes)?;
+    Ok((entry, bytes, cipher.short_nonces().then_some(epoch)))
 }
 
 /// Decodes and checks a page's fragment, at the place `s` its pointer gives: it must be page
 /// `id`, with the length and codec the pointer gives, and decode to its guard (encrypted:
 /// carry the placement tag of that address, and open under the store's key).
-/// `use_seq`: the use of the segment the page lies in (what an encrypted store's placement
-/// tags bind besides the address).
+/// `in_use`: the use of the segment the page lies in (what an encrypted store's placement
+/// tags bind besides the address, and its nonce epoch).
 pub fn decode(
     id: PageId,
     s: Stored,
     bytes: &[u8],
     cipher: Option<&StoreCipher>,
-    use_seq: u64,
+    in_use: SegmentUse,
 ) -> Result<Box<PageBody>> {
     let entry = s.fragment_entry();
     let bad = |why: &str| Error::new(ErrorKind::Checksum, format!("map page {id:?}: {why}"));
@@ -118,11 +123,11 @@ pub fn decode(
     let mut raw = vec![0u8; BLOCK_SIZE];
     let output = match cipher {
         Some(cipher) => {
-            if cipher.placement(s.offset_bytes, use_seq, &bytes[PI_BYTES..]) != pi.guard {
+            if cipher.placement(s.offset_bytes, in_use.seq, &bytes[PI_BYTES..]) != pi.guard {
                 return Err(bad("fails authentication: not the page written at this address"));
             }
             cipher
-                .open(Domain::MapPage, id.tag().0, entry.packed(), &bytes[PI_BYTES..])
+                .open(Domain::MapPage, id.tag().0, entry.packed(), &bytes[PI_BYTES..], in_use.nonce_epoch)
                 .map_err(|_| bad("fails authentication"))?
         }
         None => bytes[PI_BYTES..].to_vec(),
@@ -154,7 +159,9 @@ mod tests {
         let source = crate::crypto::cipher::NonceSource::for_tests();
         let cipher = StoreCipher::new([1; 16], &key, Some(source));
         for cipher in [None, Some(&cipher)] {
-            let (entry, mut bytes) = encode(id, &body, cipher).unwrap();
+            let (entry, mut bytes, epoch) = encode(id, &body, cipher).unwrap();
+            assert_eq!(epoch, cipher.map(|_| 0), "a short nonce's epoch (the test source's first)");
+            let in_use = |seq, nonce_epoch| SegmentUse { seq, nonce_epoch };
             let at = |offset_bytes| Stored {
                 offset_bytes,
                 stored_len: entry.stored_len,
@@ -166,14 +173,16 @@ mod tests {
                 // So are its use's: the same address in another use of the segment is not it.
                 let guard = cipher.placement(1 << 20, 5, &bytes[PI_BYTES..]);
                 bytes[..4].copy_from_slice(&guard.to_le_bytes());
-                assert!(decode(id, at(2 << 20), &bytes, Some(cipher), 5).is_err());
-                assert!(decode(id, at(1 << 20), &bytes, Some(cipher), 6).is_err());
+                assert!(decode(id, at(2 << 20), &bytes, Some(cipher), in_use(5, 0)).is_err());
+                assert!(decode(id, at(1 << 20), &bytes, Some(cipher), in_use(6, 0)).is_err());
+                // The nonce's high bits are its segment's epoch: another epoch does not open.
+                assert!(decode(id, at(1 << 20), &bytes, Some(cipher), in_use(5, 1)).is_err());
             }
-            assert_eq!(*decode(id, at(1 << 20), &bytes, cipher, 5).unwrap(), body);
-            assert!(decode(PageId { level: 1, index: 78 }, at(1 << 20), &bytes, cipher, 5).is_err());
+            assert_eq!(*decode(id, at(1 << 20), &bytes, cipher, in_use(5, 0)).unwrap(), body);
+            assert!(decode(PageId { level: 1, index: 78 }, at(1 << 20), &bytes, cipher, in_use(5, 0)).is_err());
             let mut damaged = bytes.clone();
             damaged[PI_BYTES + 5] ^= 1;
-            assert!(decode(id, at(1 << 20), &damaged, cipher, 5).is_err());
+            assert!(decode(id, at(1 << 20), &damaged, cipher, in_use(5, 0)).is_err());
         }
     }
 

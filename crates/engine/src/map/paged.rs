@@ -56,8 +56,8 @@ pub(crate) trait PageSource {
 
     /// The use of the segment holding byte `address` (what an encrypted store's placement
     /// tags bind besides the address; `Inner::segment_use`).
-    fn segment_use(&self, _address: u64) -> u64 {
-        0
+    fn segment_use(&self, _address: u64) -> crate::crypto::cipher::SegmentUse {
+        crate::crypto::cipher::SegmentUse::default()
     }
 }
 

@@ -274,7 +274,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
-            use_of: &|offset, seq| self.record_use(offset, seq),
+            use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let (records, damaged) = parse_segment(image, base, &context);
         scan.records.fetch_add(records.len() as u64, Ordering::Relaxed);
@@ -386,7 +386,13 @@ impl Inner {
                     Ok(()) => {}
                     // A dead fragment of a dictionary the store freed (`dictionaries.rs`):
                     // it no longer decodes, by design.
-                    Err(_) if !live && freed_dictionary(stored, self.named_dictionary(bytes, *lba), &dictionaries) => {}
+                    Err(_)
+                        if !live
+                            && freed_dictionary(
+                                stored,
+                                self.named_dictionary(bytes, *lba, self.segment_use(stored.offset_bytes).nonce_epoch),
+                                &dictionaries,
+                            ) => {}
                     Err(e) => {
                         let state = if live { "live: reads of it fail" } else { "no longer mapped" };
                         report.problem(

@@ -34,8 +34,8 @@ use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Checkpoint, MapRoot, SegmentState, Superblock, CHUNK_REFS_MAX, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG,
-    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS, FEATURE_PLACEMENT_USE, FORMAT_VERSION,
-    SUPERBLOCK_SLOT_BYTES,
+    FEATURE_DICTIONARIES, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS, FEATURE_PLACEMENT_USE, FEATURE_SHORT_NONCES,
+    FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES,
 };
 use crate::stats::Counters;
 use crate::types::SegmentId;
@@ -93,6 +93,7 @@ impl Inner {
             superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
             legacy_map: Vec::new(),
             dictionaries: self.dictionaries.read().entries(self.cipher.as_deref())?,
+            nonce_epochs: self.cipher.as_deref().is_some_and(StoreCipher::short_nonces),
         };
         let encoded = image.encode();
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
@@ -114,7 +115,11 @@ impl Inner {
             checkpoint_chunks: appended.chunks,
             // Older code refuses a store that keeps a dictionary (docs/format.md, "Dictionaries").
             feature_flags: (durable_sb.feature_flags
-                & (FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_LOG_JUMPS | FEATURE_PLACEMENT_USE))
+                & (FEATURE_ENCRYPTED
+                    | FEATURE_AUTHENTICATED_LOG
+                    | FEATURE_LOG_JUMPS
+                    | FEATURE_PLACEMENT_USE
+                    | FEATURE_SHORT_NONCES))
                 | if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };
@@ -343,6 +348,9 @@ pub(crate) fn load_checkpoint(
     }
     if (sb.feature_flags & FEATURE_DICTIONARIES != 0) == cp.dictionaries.is_empty() {
         return Err(Error::new(ErrorKind::Corrupt, "the superblock and its checkpoint disagree on dictionaries"));
+    }
+    if (sb.feature_flags & FEATURE_SHORT_NONCES != 0) != cp.nonce_epochs {
+        return Err(Error::new(ErrorKind::Corrupt, "the superblock and its checkpoint disagree on nonce epochs"));
     }
     Ok(Some(cp))
 }

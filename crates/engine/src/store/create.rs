@@ -17,7 +17,7 @@ use crate::crypto::keys::{KeyHeader, KEY_HEADER_OFFSETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Superblock, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS,
-    FEATURE_PLACEMENT_USE, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES,
+    FEATURE_PLACEMENT_USE, FEATURE_SHORT_NONCES, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES,
 };
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -216,7 +216,11 @@ pub(crate) fn format_backing(
         codec_tag: options.codec.tag() as u8,
         codec_level: options.codec.level(),
         feature_flags: FEATURE_LOG_JUMPS
-            | if keys.is_some() { FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_PLACEMENT_USE } else { 0 },
+            | if keys.is_some() {
+                FEATURE_ENCRYPTED | FEATURE_AUTHENTICATED_LOG | FEATURE_PLACEMENT_USE | FEATURE_SHORT_NONCES
+            } else {
+                0
+            },
         checkpoint_seq: 0,
         replay_offset_bytes: DATA_START_BYTES,
         replay_prev_crc: 0,

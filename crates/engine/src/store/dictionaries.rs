@@ -106,7 +106,7 @@ impl DictionaryState {
             .iter()
             .map(|e| {
                 let bytes = match cipher {
-                    Some(c) => c.open(Domain::Dictionary, e.id as u64, 0, &e.bytes)?,
+                    Some(c) => c.open(Domain::Dictionary, e.id as u64, 0, &e.bytes, 0)?,
                     None => e.bytes.clone(),
                 };
                 Dictionary::new(e.id, e.level, bytes).map(Arc::new)
@@ -395,10 +395,11 @@ impl Inner {
             for &(lba, s) in fragments {
                 let at = (s.offset_bytes - base) as usize;
                 let bytes = &image[at..at + s.stored_len as usize];
-                let named = self.named_dictionary(bytes, lba);
+                let named = self.named_dictionary(bytes, lba, self.segment_use(s.offset_bytes).nonce_epoch);
                 if named != Some(newest.id) {
                     let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
-                    let block = Block { entry, bytes: bytes.to_vec() };
+                    let block =
+                        Block { entry, bytes: bytes.to_vec(), nonce_epoch: self.nonce_epoch_at(s.offset_bytes) };
                     let keeps_guard = !self.placed_at(bytes, s.offset_bytes);
                     older.push(LiveFragment { lba, old: PackedEntry::stored(s), block, keeps_guard });
                 }

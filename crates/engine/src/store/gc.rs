@@ -408,7 +408,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
-            use_of: &|offset, seq| self.record_use(offset, seq),
+            use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let (records, _) = parse_segment(&image, base, &context);
         let mut fragments = Vec::new(); // (lba, here, format, byte range in the image)
@@ -440,7 +440,11 @@ impl Inner {
                         if lba.0 < map.block_count() && map.get(*lba, self)? == *here {
                             let bytes = &image[range.clone()];
                             let block = match format {
-                                FragmentFormat::V3 => Block { entry: *fragment, bytes: bytes.to_vec() },
+                                FragmentFormat::V3 => Block {
+                                    entry: *fragment,
+                                    bytes: bytes.to_vec(),
+                                    nonce_epoch: self.nonce_epoch_at(base + range.start as u64),
+                                },
                                 FragmentFormat::V2 => convert_v2_fragment(bytes, *lba, *fragment),
                             };
                             let keeps_guard = !self.placed_at(&block.bytes, base + range.start as u64);
@@ -470,7 +474,7 @@ impl Inner {
         match Protection::decode(&fragment[..PI_BYTES]) {
             Ok(pi) => {
                 pi.entry.is_zero_block(FragmentFormat::V3)
-                    || cipher.placement(address, self.segment_use(address), &fragment[PI_BYTES..]) == pi.guard
+                    || cipher.placement(address, self.segment_use(address).seq, &fragment[PI_BYTES..]) == pi.guard
             }
             Err(_) => false,
         }
@@ -494,7 +498,9 @@ impl Inner {
     ) -> (Vec<LiveFragment>, Vec<LiveFragment>) {
         let Some(target) = target else { return (live, Vec::new()) };
         let named = |f: &LiveFragment| {
-            (f.block.entry.codec == CodecTag::ZstdDict).then(|| self.named_dictionary(&f.block.bytes, f.lba)).flatten()
+            (f.block.entry.codec == CodecTag::ZstdDict)
+                .then(|| self.named_dictionary(&f.block.bytes, f.lba, f.block.nonce_epoch.unwrap_or(0)))
+                .flatten()
         };
         if !live.iter().any(|f| target.takes(f.block.entry.codec, named(f))) {
             return (live, Vec::new());
@@ -573,10 +579,12 @@ impl Inner {
     /// no foreground GC).
     pub(crate) fn relocate(
         &self,
-        verbatim: Vec<LiveFragment>,
+        mut verbatim: Vec<LiveFragment>,
         recompressed: Vec<LiveFragment>,
         class: SpaceClass,
     ) -> Result<()> {
+        // (Only now: recompression verifies a fragment as it lay at its old address.)
+        self.reseal_older_epochs(&mut verbatim)?;
         let ops = [Op::Relocate { fragments: verbatim }, Op::Recompress { fragments: recompressed }];
         match self.try_append(&ops, class)? {
             Attempt::Appended(_) => Ok(()),
@@ -609,5 +617,5 @@ fn convert_v2_fragment(bytes: &[u8], lba: Lba, fragment: FragmentEntry) -> Block
     let mut out = Vec::with_capacity(entry.stored_len as usize);
     out.extend_from_slice(&Protection { guard, lba, entry }.encode());
     out.extend_from_slice(compressed);
-    Block { entry, bytes: out }
+    Block { entry, bytes: out, nonce_epoch: None }
 }

@@ -329,7 +329,7 @@ impl Inner {
             return Ok(None);
         }
         let overhead = crate::format::PI_BYTES
-            + if self.cipher.is_some() { crate::crypto::cipher::SEAL_OVERHEAD_BYTES } else { 0 };
+            + self.cipher.as_deref().map_or(0, crate::crypto::cipher::StoreCipher::fragment_overhead_bytes);
         let mut out = Vec::new();
         let mut stored_bytes = 0;
         for block in &samples {

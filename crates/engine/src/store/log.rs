@@ -51,6 +51,9 @@ pub(crate) struct Appender {
     pub next_seq: u64,
     pub prev_crc: u32,
     pub session: u32,
+    /// The nonce epoch of the segment uses begun now, which every record's head carries: a
+    /// short-nonce store's sealed fragments must have it (`Inner::hold_to_one_epoch`).
+    pub nonce_epoch: u16,
     pub open: Option<OpenSegment>,
     /// The batch record growing in the open segment, if any.
     pub batch: Option<OpenBatch>,
@@ -185,6 +188,8 @@ impl Inner {
         if !self.expectations_hold(ops)? {
             return Ok(Attempt::Conflict);
         }
+        let resealed = self.hold_to_one_epoch(&mut log, ops)?;
+        let ops = resealed.as_deref().unwrap_or(ops);
         let stream = self.stream_for(&log, ops, class);
         let shortfall_bytes = self.shortfall_bytes(&log, ops, class, stream);
         if shortfall_bytes > 0 {
@@ -527,7 +532,7 @@ impl Inner {
             payload_crc: 0,
         });
         let end = open.append_offset_bytes as u64;
-        log.segments.note_append(segment, end, Some(appender.next_seq));
+        log.segments.note_append(segment, end, Some((appender.next_seq, appender.nonce_epoch)));
         appender.next_seq += 1;
         Ok(())
     }
@@ -546,6 +551,7 @@ impl Inner {
             prev_crc: batch.prev_crc,
             session: appender.session,
             store_tag: self.geometry.store_tag,
+            nonce_epoch: appender.nonce_epoch,
             payload_len: batch.payload_len as u32,
             payload_crc: batch.payload_crc,
             body: RecordBody::Batch { entries: batch.entries },
@@ -621,6 +627,7 @@ impl Inner {
             prev_crc: appender.prev_crc,
             session: appender.session,
             store_tag: self.geometry.store_tag,
+            nonce_epoch: appender.nonce_epoch,
             payload_len: payload_len as u32,
             payload_crc,
             body,
@@ -634,7 +641,7 @@ impl Inner {
             data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
         }
         open.append_offset_bytes += total;
-        log.segments.note_append(segment, (record_at + total) as u64, Some(appender.next_seq));
+        log.segments.note_append(segment, (record_at + total) as u64, Some((appender.next_seq, appender.nonce_epoch)));
         appender.prev_crc = encoded.crc;
         appender.next_seq += 1;
         log.epochs.bytes_since_checkpoint += total as u64;

@@ -526,6 +526,7 @@ impl Inner {
                 next_seq: sb.checkpoint_seq + 1,
                 prev_crc: sb.replay_prev_crc,
                 session: create::session_nonce(),
+                nonce_epoch: cipher.as_deref().filter(|c| c.short_nonces()).map_or(0, StoreCipher::current_epoch),
                 open: None,
                 batch: None,
                 sealed_unwritten: VecDeque::new(),
@@ -619,7 +620,7 @@ pub(crate) fn scan_image(image: &[u8], base: u64, store_tag: u32) -> Vec<Scanned
         store_tag,
         dictionaries: &crate::codec::NO_DICTIONARIES,
         cipher: None,
-        use_of: &|_, _| 0,
+        use_of: &|_, _, _| crate::crypto::cipher::SegmentUse::default(),
     };
     let (records, _) = scan::parse_segment(image, base, &context);
     records

@@ -3,6 +3,7 @@
 //! (`format::RecordBody` is their on-disk description, `apply::MapEffect` what they do to
 //! the map).
 
+use crate::crypto::cipher::Domain;
 use crate::format::{
     FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
 };
@@ -22,10 +23,15 @@ pub(crate) const BATCH_WRITE_BLOCKS_MAX: usize = 8;
 pub(crate) struct Block {
     pub entry: FragmentEntry,
     pub bytes: Vec<u8>,
+    /// A short-nonce store's sealed fragment: the epoch of its nonce, which the segment it
+    /// goes to must record (`Inner::hold_to_one_epoch`). None: nothing sealed, or the whole
+    /// nonce stored.
+    pub nonce_epoch: Option<u16>,
 }
 
 /// A live fragment GC found in a victim: where the map points now, and its bytes (a
 /// version 3 fragment; a version 2 one is converted as it is read).
+#[derive(Clone)]
 pub(crate) struct LiveFragment {
     pub lba: Lba,
     pub old: PackedEntry,
@@ -77,6 +83,7 @@ impl RangeKind {
 }
 
 /// One operation of a record group.
+#[derive(Clone)]
 pub(crate) enum Op {
     /// Host blocks from `start_lba` on. `expected` lists the blocks read-modify-written for
     /// it and the map entry each had when read: the group is appended only if the map still
@@ -96,6 +103,38 @@ pub(crate) enum Op {
 }
 
 impl Op {
+    /// The op's blocks, each with what its seal binds: its domain and reference tag (LBA or
+    /// page). GC's copies whose guard does not hold where they were (`keeps_guard`) are left
+    /// out: they move exactly as they are.
+    pub fn sealed_blocks_mut(&mut self) -> Vec<(Domain, u64, &mut Block)> {
+        match self {
+            Op::Write { start_lba, blocks, .. } => {
+                let start = start_lba.0;
+                blocks.iter_mut().enumerate().map(|(i, b)| (Domain::Block, start + i as u64, b)).collect()
+            }
+            Op::Relocate { fragments } | Op::Recompress { fragments } => fragments
+                .iter_mut()
+                .filter(|f| !f.keeps_guard)
+                .map(|f| (Domain::Block, f.lba.0, &mut f.block))
+                .collect(),
+            Op::MapPages { pages } => pages.iter_mut().map(|(id, b)| (Domain::MapPage, id.tag().0, b)).collect(),
+            Op::Range { .. } | Op::Checkpoint { .. } => Vec::new(),
+        }
+    }
+
+    /// The short-nonce epochs of the op's sealed blocks.
+    pub fn nonce_epochs(&self) -> impl Iterator<Item = u16> + '_ {
+        let blocks: Box<dyn Iterator<Item = &Block>> = match self {
+            Op::Write { blocks, .. } => Box::new(blocks.iter()),
+            Op::Relocate { fragments } | Op::Recompress { fragments } => {
+                Box::new(fragments.iter().filter(|f| !f.keeps_guard).map(|f| &f.block))
+            }
+            Op::MapPages { pages } => Box::new(pages.iter().map(|(_, b)| b)),
+            Op::Range { .. } | Op::Checkpoint { .. } => Box::new(std::iter::empty()),
+        };
+        blocks.filter_map(|b| b.nonce_epoch)
+    }
+
     /// The LBAs the op touches (for the range check against a resize); none for GC and
     /// checkpoints.
     pub fn lba_range(&self) -> Option<(Lba, u64)> {

@@ -114,6 +114,11 @@ pub struct OpenOptions {
     #[doc(hidden)]
     #[cfg(feature = "sim")]
     pub nonce_observer: Option<NonceObserver>,
+    /// At each writable open, move the nonce high-water mark to this many values before
+    /// the end of its epoch (the tests that cross nonce epochs within a run).
+    #[doc(hidden)]
+    #[cfg(feature = "sim")]
+    pub nonce_epoch_end_margin: Option<u64>,
 }
 
 impl Default for OpenOptions {
@@ -139,6 +144,8 @@ impl Default for OpenOptions {
             nonce_lease: crate::crypto::cipher::NONCE_LEASE_DEFAULT,
             #[cfg(feature = "sim")]
             nonce_observer: None,
+            #[cfg(feature = "sim")]
+            nonce_epoch_end_margin: None,
         }
     }
 }

@@ -29,7 +29,7 @@ impl PageSource for Inner {
         self.cipher.as_deref()
     }
 
-    fn segment_use(&self, address: u64) -> u64 {
+    fn segment_use(&self, address: u64) -> crate::crypto::cipher::SegmentUse {
         Inner::segment_use(self, address)
     }
 
@@ -135,8 +135,8 @@ impl Inner {
             debts.push(self.walk_debt(p)?);
             let body = p.merged();
             if uniform_constant(&body).is_none() {
-                let (entry, bytes) = page::encode(p.id, &body, self.cipher.as_deref())?;
-                pages.push((p.id, Block { entry, bytes }));
+                let (entry, bytes, nonce_epoch) = page::encode(p.id, &body, self.cipher.as_deref())?;
+                pages.push((p.id, Block { entry, bytes, nonce_epoch }));
             }
             bodies.push(body);
         }
@@ -231,6 +231,7 @@ fn note_snapshot_pages(cp: &mut PageCheckpoint, live: &SegmentUsage, segment: Se
         *snap = SegmentUsage {
             state: crate::format::SegmentState::Sealed,
             first_seq: live.first_seq,
+            nonce_epoch: live.nonce_epoch,
             last_seq: live.last_seq,
             end_bytes: live.end_bytes,
             ..SegmentUsage::FREE

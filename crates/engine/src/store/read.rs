@@ -10,7 +10,7 @@ use std::ops::Range;
 
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
 use crate::codec::{decompress_block, CodecTag, DictionarySet, NO_DICTIONARIES};
-use crate::crypto::cipher::{Domain, StoreCipher};
+use crate::crypto::cipher::{Domain, SegmentUse, StoreCipher};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, Stored};
@@ -154,12 +154,13 @@ impl Inner {
 
     /// The dictionary a `ZstdDict` fragment's frame names (an encrypted store's opened
     /// first); `None` when the bytes do not say (damaged, or not this LBA's).
-    pub(crate) fn named_dictionary(&self, fragment: &[u8], lba: Lba) -> Option<u32> {
+    /// `nonce_epoch`: its segment's (what a short nonce lacks).
+    pub(crate) fn named_dictionary(&self, fragment: &[u8], lba: Lba, nonce_epoch: u16) -> Option<u32> {
         let pi = Protection::decode(fragment.get(..PI_BYTES)?).ok()?;
         let output = fragment.get(PI_BYTES..)?;
         match &self.cipher {
             Some(cipher) => {
-                let plain = cipher.open(Domain::Block, lba.0, pi.entry.packed(), output).ok()?;
+                let plain = cipher.open(Domain::Block, lba.0, pi.entry.packed(), output, nonce_epoch).ok()?;
                 crate::codec::frame_dictionary_id(&plain)
             }
             None => crate::codec::frame_dictionary_id(output),
@@ -184,32 +185,34 @@ impl Inner {
 #[derive(Clone, Copy)]
 pub(crate) struct Sealed<'a> {
     pub cipher: &'a StoreCipher,
-    pub use_seq: u64,
+    pub in_use: SegmentUse,
 }
 
 impl Inner {
     /// The use of the segment holding byte `address`: its first record's sequence number
-    /// (`SegmentTable::uses`; no lock taken).
-    pub(crate) fn segment_use(&self, address: u64) -> u64 {
+    /// and nonce epoch (`SegmentTable::uses`; no lock taken).
+    pub(crate) fn segment_use(&self, address: u64) -> SegmentUse {
         let segment = self.geometry.segment_of(address);
-        self.segment_uses.get(segment.index()).map_or(0, |u| u.load(std::sync::atomic::Ordering::Acquire))
+        let (seq, nonce_epoch) = self.segment_uses.get(segment.index()).map_or((0, 0), |u| u.get());
+        SegmentUse { seq, nonce_epoch }
     }
 
-    /// The use of the segment of a record at `record_offset` with sequence number `seq`: a
-    /// record at the segment's start begins its use (replay may meet it before the table
-    /// knows the new use), any other is in the use the table knows.
-    pub(crate) fn record_use(&self, record_offset: u64, seq: u64) -> u64 {
+    /// The use of the segment of a record at `record_offset` with sequence number `seq` and
+    /// nonce epoch `nonce_epoch` (its head's): a record at the segment's start begins its
+    /// use (replay may meet it before the table knows the new use), any other is in the use
+    /// the table knows; every record of a use carries the use's epoch.
+    pub(crate) fn record_use(&self, record_offset: u64, seq: u64, nonce_epoch: u16) -> SegmentUse {
         let segment = self.geometry.segment_of(record_offset);
         if record_offset == self.geometry.segment_base(segment) {
-            seq
+            SegmentUse { seq, nonce_epoch }
         } else {
-            self.segment_use(record_offset)
+            SegmentUse { seq: self.segment_use(record_offset).seq, nonce_epoch }
         }
     }
 
     /// What verifying a fragment at `address` needs of an encrypted store (None: plain).
     pub(crate) fn sealed_at(&self, address: u64) -> Option<Sealed<'_>> {
-        self.cipher.as_deref().map(|cipher| Sealed { cipher, use_seq: self.segment_use(address) })
+        self.cipher.as_deref().map(|cipher| Sealed { cipher, in_use: self.segment_use(address) })
     }
 }
 
@@ -244,15 +247,15 @@ pub(crate) fn verify_fragment(
     let entry = FragmentEntry { stored_len: s.stored_len, codec: s.codec };
     if s.format == FragmentFormat::V3 && entry.is_zero_block(s.format) {
         block.fill(0); // an all-zero block's fragment is its protection information alone
-    } else if let Some(Sealed { cipher, use_seq }) = sealed {
+    } else if let Some(Sealed { cipher, in_use }) = sealed {
         // Sealed: the guard is the placement tag of this address (so an authentic fragment
         // written anywhere else — an older version of this block too — is refused), and the
         // AEAD's tag proves the bytes, and that they are this LBA's, this long, of this codec.
-        if cipher.placement(s.offset_bytes, use_seq, &fragment[prefix..]) != guard {
+        if cipher.placement(s.offset_bytes, in_use.seq, &fragment[prefix..]) != guard {
             return Err("fails authentication: not the fragment written at this address".into());
         }
         let plain = cipher
-            .open(Domain::Block, lba.0, entry.packed(), &fragment[prefix..])
+            .open(Domain::Block, lba.0, entry.packed(), &fragment[prefix..], in_use.nonce_epoch)
             .map_err(|_| "fails authentication".to_string())?;
         decompress_block(s.codec, &plain, block, dictionaries).map_err(|_| "does not decompress".to_string())?;
         return Ok(());

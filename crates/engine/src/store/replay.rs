@@ -362,7 +362,7 @@ impl Inner {
             log.segments.restart_in_replay(segment);
         }
         let end = (record.end_bytes - base).max(log.segments.get(segment).end_bytes);
-        log.segments.note_append(segment, end, Some(record.header.seq));
+        log.segments.note_append(segment, end, Some((record.header.seq, record.header.nonce_epoch)));
         Ok(())
     }
 
@@ -553,7 +553,7 @@ impl Inner {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: self.cipher.as_deref(),
-            use_of: &|offset, seq| self.record_use(offset, seq),
+            use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let mut offset = from;
         loop {
@@ -600,8 +600,8 @@ impl Inner {
         let mut damaged: Vec<(std::ops::Range<usize>, Vec<usize>)> = Vec::new();
         let dictionaries = self.dictionary_set();
         // (The record's segment use: what an encrypted store's placement tags bind.)
-        let use_seq = self.record_use(record.offset_bytes, record.header.seq);
-        let sealed = self.cipher.as_deref().map(|cipher| Sealed { cipher, use_seq });
+        let in_use = self.record_use(record.offset_bytes, record.header.seq, record.header.nonce_epoch);
+        let sealed = self.cipher.as_deref().map(|cipher| Sealed { cipher, in_use });
         let mut at = 0;
         for (lba, fragment) in record.header.body.fragments() {
             let range = at..at + fragment.stored_len as usize;

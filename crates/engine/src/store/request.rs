@@ -21,7 +21,7 @@ use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
 use crate::codec::{write_codec, Codec, CodecTag};
-use crate::crypto::cipher::{Domain, SEAL_OVERHEAD_BYTES};
+use crate::crypto::cipher::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, WalkItem};
@@ -136,7 +136,7 @@ impl Inner {
         if block.iter().all(|&b| b == 0) {
             let entry = FragmentEntry::ZERO_BLOCK;
             let bytes = Protection { guard: crc32c::crc32c(block), lba, entry }.encode().to_vec();
-            return Ok(Block { entry, bytes });
+            return Ok(Block { entry, bytes, nonce_epoch: None });
         }
         let codec = compress(block, scratch);
         let Some(cipher) = &self.cipher else {
@@ -144,17 +144,18 @@ impl Inner {
             let mut bytes = Vec::with_capacity(entry.stored_len as usize);
             bytes.extend_from_slice(&Protection { guard: crc32c::crc32c(block), lba, entry }.encode());
             bytes.extend_from_slice(scratch);
-            return Ok(Block { entry, bytes });
+            return Ok(Block { entry, bytes, nonce_epoch: None });
         };
         // Encrypted: the codec's output sealed (bound to the LBA). The guard is the placement
         // tag, which the log sets where the fragment lands (`Inner::place_fragment`); zero
         // until then (a plaintext CRC would leak a hash of the data).
-        let entry = FragmentEntry { stored_len: (PI_BYTES + SEAL_OVERHEAD_BYTES + scratch.len()) as u16, codec };
-        let mut bytes = Vec::with_capacity(entry.stored_len as usize);
+        let stored_len = PI_BYTES + cipher.fragment_overhead_bytes() + scratch.len();
+        let entry = FragmentEntry { stored_len: stored_len as u16, codec };
+        let mut bytes = Vec::with_capacity(stored_len);
         bytes.extend_from_slice(&Protection { guard: 0, lba, entry }.encode());
-        cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
-        debug_assert_eq!(bytes.len(), entry.stored_len as usize);
-        Ok(Block { entry, bytes })
+        let epoch = cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
+        debug_assert_eq!(bytes.len(), stored_len);
+        Ok(Block { entry, bytes, nonce_epoch: cipher.short_nonces().then_some(epoch) })
     }
 
     /// Locks the stripes of the given partial blocks, in stripe order.

@@ -24,9 +24,9 @@ pub(crate) struct RecordContext<'a> {
     pub cipher: Option<&'a StoreCipher>,
     /// The use of the segment of a record at an offset with a sequence number (what an
     /// encrypted store's placement tags bind: `Inner::record_use`).
-    pub use_of: &'a dyn Fn(u64, u64) -> u64,
+    pub use_of: &'a dyn Fn(u64, u64, u16) -> SegmentUse,
 }
-use crate::crypto::cipher::{Domain, StoreCipher};
+use crate::crypto::cipher::{Domain, SegmentUse, StoreCipher};
 use crate::format::v2;
 use crate::format::{
     decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, FragmentFormat, Head, Protection,
@@ -157,8 +157,8 @@ fn body_without_tail(
         // LBA, so map-pages records are walked like batches.
         RecordKind::Write | RecordKind::Batch | RecordKind::MapPages => {
             let domain = if head.kind == RecordKind::MapPages { Domain::MapPage } else { Domain::Block };
-            let use_seq = (context.use_of)(payload_address - HEAD_BYTES as u64, head.seq);
-            let sealed = context.cipher.map(|cipher| (cipher, domain, use_seq));
+            let in_use = (context.use_of)(payload_address - HEAD_BYTES as u64, head.seq, head.nonce_epoch);
+            let sealed = context.cipher.map(|cipher| (cipher, domain, in_use));
             let walked = walk_fragments(payload, payload_address, context.dictionaries, sealed)?;
             if walked.len() as u64 != head.count {
                 return None;
@@ -197,7 +197,7 @@ pub(crate) fn walk_fragments(
     payload: &[u8],
     payload_address: u64,
     dictionaries: &DictionarySet,
-    sealed: Option<(&StoreCipher, Domain, u64)>,
+    sealed: Option<(&StoreCipher, Domain, SegmentUse)>,
 ) -> Option<Vec<BatchEntry>> {
     let mut entries = Vec::new();
     let mut at = 0;
@@ -207,12 +207,12 @@ pub(crate) fn walk_fragments(
         let fragment = payload.get(at..at + pi.entry.stored_len as usize)?;
         if pi.entry.is_zero_block(FragmentFormat::V3) {
             block.fill(0);
-        } else if let Some((cipher, domain, use_seq)) = sealed {
+        } else if let Some((cipher, domain, in_use)) = sealed {
             let body = &fragment[PI_BYTES..];
-            if cipher.placement(payload_address + at as u64, use_seq, body) != pi.guard {
+            if cipher.placement(payload_address + at as u64, in_use.seq, body) != pi.guard {
                 return None;
             }
-            cipher.open(domain, pi.lba.0, pi.entry.packed(), body).ok()?;
+            cipher.open(domain, pi.lba.0, pi.entry.packed(), body, in_use.nonce_epoch).ok()?;
             entries.push(BatchEntry { lba: pi.lba, fragment: pi.entry });
             at += fragment.len();
             continue;
@@ -412,7 +412,7 @@ impl SegmentCache {
             store_tag: inner.geometry.store_tag,
             dictionaries: &dictionaries,
             cipher: inner.cipher.as_deref(),
-            use_of: &|offset, seq| inner.record_use(offset, seq),
+            use_of: &|offset, seq, epoch| inner.record_use(offset, seq, epoch),
         };
         let (image, base) = self.image_at(inner, offset)?;
         parse_record_near(image, base, offset, &context, accept)

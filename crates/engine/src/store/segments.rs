@@ -14,7 +14,7 @@
 //! map pages in it that a retained checkpoint references; a free segment's hint is zero.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::codec::CodecTag;
@@ -90,12 +90,38 @@ pub(crate) struct SegmentTable {
     hints: Vec<RecompressHint>,
     /// Counts hint increments: idle work looks through the hints again only when it moved.
     hint_generation: u64,
-    /// Each segment's `first_seq` (its use: an encrypted store's placement tags bind it),
-    /// readable without the log lock by reads (`Inner::segment_use`). A reader that holds a
-    /// map entry pointing into a segment sees its current use: the entry was set after the
-    /// use's first record was appended, and a segment is freed under the map's write lock.
-    uses: Arc<[AtomicU64]>,
+    /// Each segment's `first_seq` (its use: an encrypted store's placement tags bind it) and
+    /// `nonce_epoch`, readable without the log lock by reads (`Inner::segment_use`). A
+    /// reader that holds a map entry pointing into a segment sees its current use: the
+    /// entry was set after the use's first record was appended, and a segment is freed
+    /// under the map's write lock.
+    uses: Arc<[UseCell]>,
     pub counts: BlockCounts,
+}
+
+/// A segment's use as reads see it without the log lock: its first record's sequence number
+/// (0: none yet) and the nonce epoch of its sealed fragments.
+pub(crate) struct UseCell {
+    seq: AtomicU64,
+    nonce_epoch: AtomicU16,
+}
+
+impl UseCell {
+    fn new(seq: u64, nonce_epoch: u16) -> UseCell {
+        UseCell { seq: AtomicU64::new(seq), nonce_epoch: AtomicU16::new(nonce_epoch) }
+    }
+
+    /// The epoch is stored first: a reader that sees the sequence number sees its epoch.
+    fn set(&self, seq: u64, nonce_epoch: u16) {
+        self.nonce_epoch.store(nonce_epoch, Ordering::Relaxed);
+        self.seq.store(seq, Ordering::Release);
+    }
+
+    /// The use's first sequence number and nonce epoch.
+    pub fn get(&self) -> (u64, u16) {
+        let seq = self.seq.load(Ordering::Acquire);
+        (seq, self.nonce_epoch.load(Ordering::Relaxed))
+    }
 }
 
 /// Fragments that joined the map in a segment, by what recompression could make of them.
@@ -124,7 +150,7 @@ impl SegmentTable {
     /// built by [`SegmentTable::settle_at_open`].
     pub fn recovered(mut usage: Vec<SegmentUsage>) -> SegmentTable {
         let usage_len = usage.len();
-        let uses = usage.iter().map(|u| AtomicU64::new(u.first_seq)).collect();
+        let uses = usage.iter().map(|u| UseCell::new(u.first_seq, u.nonce_epoch)).collect();
         for s in usage.iter_mut() {
             if s.state == SegmentState::Open {
                 s.state = SegmentState::Sealed;
@@ -172,7 +198,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
-        self.uses[id.index()].store(0, Ordering::Release);
+        self.uses[id.index()].set(0, 0);
         Some(id)
     }
 
@@ -189,7 +215,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
-        self.uses[id.index()].store(0, Ordering::Release);
+        self.uses[id.index()].set(0, 0);
         Some(id)
     }
 
@@ -217,16 +243,19 @@ impl SegmentTable {
         usage.end_bytes = end_bytes;
     }
 
-    /// Records an append to segment `id` (its end, and the newest record in it if any).
-    pub fn note_append(&mut self, id: SegmentId, end_bytes: u64, last_seq: Option<u64>) {
+    /// Records an append to segment `id` (its end, and the newest record in it if any, with
+    /// the nonce epoch its head carries: the first record's begins the use).
+    pub fn note_append(&mut self, id: SegmentId, end_bytes: u64, last_seq: Option<(u64, u16)>) {
         let usage = &mut self.usage[id.index()];
         usage.end_bytes = end_bytes;
-        if let Some(seq) = last_seq {
+        if let Some((seq, nonce_epoch)) = last_seq {
             usage.last_seq = seq;
             if usage.first_seq == 0 {
                 usage.first_seq = seq;
-                self.uses[id.index()].store(seq, Ordering::Release);
+                usage.nonce_epoch = nonce_epoch;
+                self.uses[id.index()].set(seq, nonce_epoch);
             }
+            debug_assert_eq!(usage.nonce_epoch, nonce_epoch, "segment {id}: one nonce epoch per use");
         }
     }
 
@@ -278,7 +307,7 @@ impl SegmentTable {
         assert_eq!(usage.page_bytes, 0, "freeing segment {id} with live map pages");
         *usage = SegmentUsage::FREE;
         self.hints[id.index()] = RecompressHint::default();
-        self.uses[id.index()].store(0, Ordering::Release);
+        self.uses[id.index()].set(0, 0);
         self.free.insert(id);
     }
 
@@ -290,7 +319,7 @@ impl SegmentTable {
         self.free.remove(&id);
         *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
-        self.uses[id.index()].store(0, Ordering::Release);
+        self.uses[id.index()].set(0, 0);
     }
 
     /// At open, after replay: segments that hold nothing live and lie behind the reuse
@@ -313,7 +342,7 @@ impl SegmentTable {
             if s.state == SegmentState::Free {
                 *s = SegmentUsage::FREE;
                 self.hints[i] = RecompressHint::default();
-                self.uses[i].store(0, Ordering::Release);
+                self.uses[i].set(0, 0);
                 self.free.insert(id);
             }
         }
@@ -429,7 +458,7 @@ impl SegmentTable {
     }
 
     /// Every segment's use, for reads that do not take the log lock.
-    pub fn uses(&self) -> Arc<[AtomicU64]> {
+    pub fn uses(&self) -> Arc<[UseCell]> {
         Arc::clone(&self.uses)
     }
 

@@ -13,7 +13,6 @@ use super::log::Log;
 use super::op::{group_bytes, metadata_only, Op};
 use super::state::{Inner, FRAGMENT_END_WASTE_BYTES};
 use super::streams::{Stream, JUMP_RESERVE_BYTES};
-use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 use crate::error::{Error, ErrorKind};
 use crate::format::{
     SegmentState, BATCH_ENTRY_BYTES, PI_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, SUPERBLOCK_SLOT_BYTES,
@@ -256,7 +255,7 @@ impl Inner {
     /// larger by its seal, and its record by its MAC.
     pub(crate) fn fragment_end_waste_bytes(&self) -> u64 {
         match self.cipher {
-            Some(_) => FRAGMENT_END_WASTE_BYTES + (SEAL_OVERHEAD_BYTES + RECORD_MAC_BYTES) as u64,
+            Some(ref c) => FRAGMENT_END_WASTE_BYTES + (c.fragment_overhead_bytes() + RECORD_MAC_BYTES) as u64,
             None => FRAGMENT_END_WASTE_BYTES,
         }
     }

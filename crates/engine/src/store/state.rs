@@ -180,7 +180,7 @@ pub(crate) struct Inner {
     pub cipher: Option<Arc<crate::crypto::cipher::StoreCipher>>,
     /// Each segment's use, shared with the segment table (`SegmentTable::uses`): what an
     /// encrypted store's placement tags bind besides the address, read without the log lock.
-    pub segment_uses: Arc<[std::sync::atomic::AtomicU64]>,
+    pub segment_uses: Arc<[super::segments::UseCell]>,
 }
 
 impl Inner {

@@ -170,15 +170,20 @@ impl Inner {
     pub(crate) fn seal_open_segments(&self) -> Result<()> {
         let mut log = self.log.lock();
         self.check_writable()?;
-        self.close_batch(&mut log);
+        self.seal_open_segments_locked(&mut log)
+    }
+
+    /// `seal_open_segments` under the log lock.
+    pub(crate) fn seal_open_segments_locked(&self, log: &mut Log) -> Result<()> {
+        self.close_batch(log);
         if log.appender.open.is_some() {
-            self.switch_stream(&mut log, Stream::Host)?;
+            self.switch_stream(log, Stream::Host)?;
         }
         if let Some(parked) = log.appender.parked.take() {
-            self.seal(&mut log, parked.open);
+            self.seal(log, parked.open);
         }
         if let Some(open) = log.appender.open.take() {
-            self.seal(&mut log, open);
+            self.seal(log, open);
         }
         Ok(())
     }
