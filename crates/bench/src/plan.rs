@@ -230,18 +230,6 @@ impl DataMode {
         }
     }
 
-    /// Percentage of `--size` every target exposes. Incompressible data can fill only zdisk's
-    /// native capacity (about 87% of a 4 GiB store with the default 10% over-provisioning:
-    /// record headers, checkpoints, the GC reserve and the spare area need the rest), so that
-    /// mode runs all targets on 80% of the size: within native capacity, the same bytes of
-    /// backing and the same range for everyone, like a drive's hidden over-provisioning.
-    pub fn usable_pct(self) -> u32 {
-        match self {
-            Self::Incompressible => 80,
-            _ => 100,
-        }
-    }
-
     /// fio `buffer_compress_percentage` for synthetic data; the real mode is calibrated at run
     /// time from the corpus, so it has none here.
     pub fn compress_pct(self) -> Option<u32> {

@@ -62,6 +62,9 @@ struct Bench<'a> {
     corpus: Option<Corpus>,
     stat_failures: u32,
     job_seq: u32,
+    /// The native capacity of a zdisk store of the run's physical size: what incompressible
+    /// data can always fill and overwrite, so what every target exposes in that mode.
+    native_bytes: u64,
 }
 
 fn zdisk_stat(bin: &Path, store: &Path) -> Result<Value> {
@@ -135,10 +138,12 @@ impl Bench<'_> {
         (0..self.targets.len()).filter(|&i| self.targets[i].kind.has_disk()).collect()
     }
 
-    /// The range every target exposes for `data`, minus `spare_pct` extra spare area.
+    /// The range every target exposes for `data`, minus `spare_pct` extra spare area:
+    /// incompressible data on zdisk's native capacity (`native_bytes`), other data on the
+    /// whole size.
     fn spare_range(&self, data: DataMode, spare_pct: u32) -> u64 {
-        let pct = data.usable_pct() as u64 * (100 - spare_pct as u64) / 100;
-        self.cfg.size_bytes * pct / 100 / (1 << 20) * (1 << 20)
+        let full = if data == DataMode::Incompressible { self.native_bytes } else { self.cfg.size_bytes };
+        full * (100 - spare_pct as u64) / 100 / (1 << 20) * (1 << 20)
     }
 
     /// Upper-bound estimate of the whole run (preconditioning may stop early).

@@ -142,3 +142,39 @@ fn bench_smoke_writes_a_complete_report() {
     assert!(html.matches("<svg").count() >= WORKLOADS.len(), "report.html has too few inline charts");
     assert!(!html.contains("<script") && !html.contains("src=\"http"), "report.html must be self-contained");
 }
+
+/// Incompressible data runs every target on zdisk's native capacity (docs/bench.md): the
+/// fills before the workload cover exactly that range (rounded down to a MiB) on zdisk and on
+/// the raw target, and zdisk's store is provisioned at it — what incompressible data can
+/// always fill and overwrite, not a fixed share of the size.
+#[test]
+fn bench_runs_incompressible_data_on_the_native_capacity() {
+    if !require(&["fio", "nbdkit", "qemu-nbd"]) {
+        return;
+    }
+    let scratch = Scratch::new("bench-native");
+    let out = scratch.path("report");
+    let output = scratch
+        .zdisk()
+        .args(["bench", "--smoke", "--targets", "zdisk,raw", "--data", "incompressible", "--workloads", "4k-randwrite"])
+        .arg("--dir")
+        .arg(scratch.path("backing"))
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .expect("running zdisk bench");
+    assert!(output.status.success(), "zdisk bench failed:\n{}", String::from_utf8_lossy(&output.stderr));
+    let report = read_json(&out.join("report.json"));
+    let fills = report["fills"].as_array().expect("fills array");
+    let zdisk_fill = fills.iter().find(|f| f["target"] == "zdisk" && f["phase"] == "before 4K random write");
+    let zdisk_fill = zdisk_fill.expect("zdisk's fill before the workload");
+    let stat = &zdisk_fill["cost"]["zdisk_stat"];
+    let native = stat["native_capacity"].as_u64().expect("native_capacity");
+    let range = zdisk_fill["range_bytes"].as_u64().expect("range_bytes");
+    assert_eq!(range, native >> 20 << 20, "zdisk's range is not its native capacity");
+    assert_eq!(stat["provisioned_cap"].as_u64(), Some(range), "zdisk's store is not provisioned at the range");
+    let raw_fill = fills.iter().find(|f| f["target"] == "raw" && f["phase"] == "before 4K random write");
+    assert_eq!(raw_fill.expect("raw's fill")["range_bytes"].as_u64(), Some(range), "raw exposes another range");
+    let notes = report["notes"].as_array().expect("notes");
+    assert!(notes.iter().any(|n| n.as_str().is_some_and(|n| n.contains("native capacity"))), "no note says so");
+}

@@ -60,7 +60,7 @@ fn command_line() -> String {
     v.join(" ")
 }
 
-fn notes(cfg: &Config) -> Vec<String> {
+fn notes(cfg: &Config, native_bytes: u64) -> Vec<String> {
     let mut n = vec![
         if cfg.targets.contains(&TargetKind::NbdkitFile) {
             "nbdkit 1.32's `file cache=none` is not O_DIRECT: it writes through the page cache and drops pages afterwards, so reads of recently written data can still hit RAM. The honest raw baseline is qemu-nbd --cache=none --aio=native (O_DIRECT); the nbdkit-file row is shown for reference only.".to_string()
@@ -91,8 +91,10 @@ fn notes(cfg: &Config) -> Vec<String> {
     }
     if cfg.data.contains(&DataMode::Incompressible) {
         n.push(format!(
-            "Incompressible data: every target exposes {}% of the size (zdisk: a logical size of that much on a physical store of the full size; raw targets: fio's range). With nothing to compress zdisk cannot hold a full logical = physical store (headers, checkpoints and the GC reserve need room), just as a drive hides over-provisioning; giving the raw targets the same range keeps the comparison like for like.",
-            DataMode::Incompressible.usable_pct()
+            "Incompressible data: every target exposes zdisk's native capacity, {} ({:.1}% of the {} physical; zdisk: a store formatted at that logical size — 1x, what `zdisk format` prints as native capacity; raw targets: fio's range). Native capacity is what incompressible data can always fill and overwrite: the rest of the physical size is zdisk's over-provisioning, record headers, checkpoints and GC reserve, hidden as a drive hides its spare area; giving the raw targets the same range keeps the comparison like for like.",
+            fmt_size(native_bytes),
+            native_bytes as f64 * 100.0 / cfg.zdisk_physical_bytes as f64,
+            fmt_size(cfg.zdisk_physical_bytes)
         ));
     }
     if cfg.data.contains(&DataMode::Real) {
@@ -122,6 +124,8 @@ pub fn run(cfg: &Config) -> Result<()> {
         cfg.targets.iter().filter(|t| matches!(t, TargetKind::Raw | TargetKind::NbdkitFile)).count() as u64;
     let zdisk_bytes = if cfg.targets.contains(&TargetKind::Zdisk) { cfg.zdisk_physical_bytes } else { 0 };
     check_space(work.path(), disk_targets * cfg.size_bytes + zdisk_bytes)?;
+    let native_bytes =
+        if cfg.data.contains(&DataMode::Incompressible) { native_capacity(cfg, work.path())? } else { cfg.size_bytes };
 
     fs::create_dir_all(&cfg.out).with_context(|| format!("creating report directory {}", cfg.out.display()))?;
     let fio_dir = cfg.out.join("fio");
@@ -139,7 +143,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         fio,
         fio_dir,
         targets: new_targets(cfg, work.path(), sock_dir.path()),
-        report: new_report(cfg, work.path()),
+        report: new_report(cfg, work.path(), native_bytes),
         pb: ProgressBar::hidden(),
         log,
         stop: stop.clone(),
@@ -147,6 +151,7 @@ pub fn run(cfg: &Config) -> Result<()> {
         corpus: None,
         stat_failures: 0,
         job_seq: 0,
+        native_bytes,
     };
     let estimate_ms = bench.estimate_ms();
     bench.pb = progress_bar(estimate_ms);
@@ -198,7 +203,29 @@ fn new_targets(cfg: &Config, work: &Path, sock_dir: &Path) -> Vec<Target> {
 }
 
 /// The report before any measurement: the configuration, host and targets.
-fn new_report(cfg: &Config, work: &Path) -> Report {
+/// The native capacity of a zdisk store of `cfg.zdisk_physical_bytes` with the default
+/// over-provisioning (a probe store formatted in `work`, read back with `zdisk stat`, removed).
+fn native_capacity(cfg: &Config, work: &Path) -> Result<u64> {
+    let probe = work.join("native-capacity-probe.zdisk");
+    let out = Command::new(&cfg.zdisk_bin)
+        .arg("format")
+        .arg(&probe)
+        .arg("--physical-size")
+        .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+        .arg("--force")
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
+    if !out.status.success() {
+        bail!("zdisk format of the capacity probe failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let stat = super::zdisk_stat(&cfg.zdisk_bin, &probe);
+    let _ = fs::remove_file(&probe);
+    let native = stat?["native_capacity"].as_u64().context("zdisk stat --json has no native_capacity")?;
+    Ok(native.min(cfg.size_bytes))
+}
+
+fn new_report(cfg: &Config, work: &Path, native_bytes: u64) -> Report {
     Report {
         schema: "zdisk-bench/1",
         command: command_line(),
@@ -226,7 +253,7 @@ fn new_report(cfg: &Config, work: &Path) -> Report {
         results: Vec::new(),
         consistency: Vec::new(),
         zdisk_timeline: Vec::new(),
-        notes: notes(cfg),
+        notes: notes(cfg, native_bytes),
         errors: Vec::new(),
     }
 }
