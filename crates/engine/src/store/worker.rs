@@ -31,6 +31,8 @@ enum Thread {
 
 /// Segments background GC cleans in one round before it frees what it can.
 const GC_ROUND_SEGMENTS: u64 = 4;
+/// The widest pacing band (256 MiB of 4 MiB segments; docs/space.md, "Pacing's band").
+const PACING_BAND_SEGMENTS_MAX: u64 = 64;
 
 impl Inner {
     /// Waits until kicked (or the timeout passes) and clears the kick; false when the
@@ -189,9 +191,34 @@ impl Inner {
     /// paced once the free space falls below it (`pacing.rs`).
     pub(crate) fn cushion_segments(&self) -> u64 {
         match self.options.pacing {
-            // Pacing needs a band wider than the segment GC frees at a time to act in.
-            true => (self.geometry.segment_count / 32).max(4),
+            true => pacing_band_segments(self.geometry.segment_count),
             false => (self.geometry.segment_count / 256).max(2),
+        }
+    }
+}
+
+/// The pacing band of a store of `segment_count` segments. It absorbs what host writes take
+/// while GC gives space back (a step of up to `GC_ROUND_SEGMENTS` victims, then the
+/// checkpoint that frees them), which does not grow with the store; every segment in it is
+/// held free and raises the utilisation GC works at (docs/space.md, "Pacing's band").
+fn pacing_band_segments(segment_count: u64) -> u64 {
+    (segment_count / 64).clamp(4, PACING_BAND_SEGMENTS_MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pacing_band_is_wider_than_a_gc_step_and_does_not_grow_with_the_store() {
+        // 1 GiB and 2 GiB of 4 MiB segments, the full space bench's 511 of 1 MiB.
+        assert_eq!(pacing_band_segments(255), 4);
+        assert_eq!(pacing_band_segments(511), 7);
+        // 4 TiB and 64 TiB of 4 MiB segments: 256 MiB either way, not 3% of the store.
+        assert_eq!(pacing_band_segments(1 << 20), PACING_BAND_SEGMENTS_MAX);
+        assert_eq!(pacing_band_segments(1 << 24), PACING_BAND_SEGMENTS_MAX);
+        for segment_count in [2, 255, 511, 4096, 1 << 20] {
+            assert!(pacing_band_segments(segment_count) >= GC_ROUND_SEGMENTS);
         }
     }
 }
