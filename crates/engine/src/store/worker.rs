@@ -211,7 +211,7 @@ mod tests {
 
     #[test]
     fn the_pacing_band_is_wider_than_a_gc_step_and_does_not_grow_with_the_store() {
-        // 1 GiB and 2 GiB of 4 MiB segments, the full space bench's 511 of 1 MiB.
+        // A 1 GiB store of 4 MiB segments (255), the full space bench's 511 of 1 MiB.
         assert_eq!(pacing_band_segments(255), 4);
         assert_eq!(pacing_band_segments(511), 7);
         // 4 TiB and 64 TiB of 4 MiB segments: 256 MiB either way, not 3% of the store.
