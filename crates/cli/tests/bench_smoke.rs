@@ -36,6 +36,24 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_str(&text[start..]).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
 }
 
+/// Runs `zdisk bench --smoke` on zdisk and raw with `extra` arguments, its work directory
+/// in `scratch` and its report in `out`; returns report.json.
+fn run_smoke_bench(scratch: &Scratch, out: &Path, extra: &[&str]) -> Value {
+    let output = scratch
+        .zdisk()
+        .args(["bench", "--smoke", "--targets", "zdisk,raw"])
+        .args(extra)
+        .arg("--dir")
+        .arg(scratch.path("backing"))
+        .arg("--out")
+        .arg(out)
+        .output()
+        .expect("running zdisk bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "zdisk bench --smoke {extra:?} failed ({}):\n{stderr}", output.status);
+    read_json(&out.join("report.json"))
+}
+
 fn positive(v: &Value, what: &str) -> f64 {
     let x = v.as_f64().unwrap_or_else(|| panic!("{what} is not a number: {v}"));
     assert!(x > 0.0 && x.is_finite(), "{what} must be > 0, got {x}");
@@ -48,23 +66,11 @@ fn bench_smoke_writes_a_complete_report() {
         return;
     }
     let scratch = Scratch::new("bench-smoke");
-    let backing = scratch.path("backing");
     let out = scratch.path("report");
     let started = Instant::now();
-    let output = scratch
-        .zdisk()
-        .args(["bench", "--smoke", "--targets", "zdisk,raw"])
-        .arg("--dir")
-        .arg(&backing)
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("running zdisk bench");
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "zdisk bench --smoke failed ({}):\n{stderr}", output.status);
+    let report = run_smoke_bench(&scratch, &out, &[]);
     eprintln!("zdisk bench --smoke took {:.1} s", started.elapsed().as_secs_f64());
 
-    let report = read_json(&out.join("report.json"));
     assert_eq!(report["schema"], "zdisk-bench/1");
     assert_eq!(report["errors"].as_array().map(Vec::len), Some(0), "errors: {}", report["errors"]);
     // The two keys the TCO tool reads.
@@ -154,17 +160,7 @@ fn bench_runs_incompressible_data_on_the_native_capacity() {
     }
     let scratch = Scratch::new("bench-native");
     let out = scratch.path("report");
-    let output = scratch
-        .zdisk()
-        .args(["bench", "--smoke", "--targets", "zdisk,raw", "--data", "incompressible", "--workloads", "4k-randwrite"])
-        .arg("--dir")
-        .arg(scratch.path("backing"))
-        .arg("--out")
-        .arg(&out)
-        .output()
-        .expect("running zdisk bench");
-    assert!(output.status.success(), "zdisk bench failed:\n{}", String::from_utf8_lossy(&output.stderr));
-    let report = read_json(&out.join("report.json"));
+    let report = run_smoke_bench(&scratch, &out, &["--data", "incompressible", "--workloads", "4k-randwrite"]);
     let fills = report["fills"].as_array().expect("fills array");
     let zdisk_fill = fills.iter().find(|f| f["target"] == "zdisk" && f["phase"] == "before 4K random write");
     let zdisk_fill = zdisk_fill.expect("zdisk's fill before the workload");
