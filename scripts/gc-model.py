@@ -13,6 +13,7 @@ written in the second half of the run; WA for 2:1 data is about 0.512 x (1 + tha
 
     python3 scripts/gc-model.py                # every pattern, policy and separation
     python3 scripts/gc-model.py 80/20 --lag 25000
+    python3 scripts/gc-model.py zipf:1.2 --segments 511 --reserve 13   # the full bench (minutes)
     python3 scripts/gc-model.py uniform --passes-of-permutations --waves   # fio's random map
 
 `--passes-of-permutations` writes the uniform pattern as fio does by default (a random map:
@@ -155,18 +156,23 @@ def main():
     parser.add_argument("--streams", default="1,2", help="stream counts to model (1: one, 2: host + cold, N: N-1 cold streams by moves)")
     parser.add_argument("--policies", default="greedy,cost-benefit")
     parser.add_argument("--util", type=float, default=0.8)
+    parser.add_argument("--segments", type=int, default=127, help="segments in the store (the quick bench: 127, the full one: 511)")
+    parser.add_argument("--reserve", type=int, default=4,
+                        help="segments GC keeps free (the engine holds its host reserve and pacing band: ~13 of the full bench's 511)")
     parser.add_argument("--data-age", action="store_true", help="cost-benefit ages a segment by its live data's host writes")
     parser.add_argument("--passes-of-permutations", action="store_true", help="uniform writes as fio's random map makes them")
     parser.add_argument("--waves", action="store_true", help="print GC's work per host write window by window")
     args = parser.parse_args()
+    if args.reserve < 4 and "0" in args.streams.split(","):
+        parser.error("the oracle keeps four streams open: --reserve must be at least 4")
     print("| pattern | policy | streams | moved per written | WA, 2:1 data (model) |")
     print("|---|---|---|---|---|")
     for pattern in args.patterns.split(","):
         for policy in args.policies.split(","):
             for streams in map(int, args.streams.split(",")):
                 windows = [] if args.waves else None
-                ratio = run(pattern, policy, streams, util=args.util, lag=args.lag, data_age=args.data_age,
-                            permutations=args.passes_of_permutations, windows=windows)
+                ratio = run(pattern, policy, streams, nseg=args.segments, util=args.util, reserve=args.reserve, lag=args.lag,
+                            data_age=args.data_age, permutations=args.passes_of_permutations, windows=windows)
                 if windows:
                     print_waves(windows)
                 name = {0: "oracle: hot and cold apart", 1: "one", 2: "host + cold"}.get(streams, f"host + {streams - 1} cold by moves")

@@ -142,11 +142,12 @@ fn overwrite_span(
     let backing = after.backing_write_bytes - before.backing_write_bytes;
     let per_host = |a: u64, b: u64| (a - b) as f64 / host.max(1) as f64;
     eprintln!(
-        "    per host byte: data {:.3} gc {:.3} metadata {:.3} padding {:.3}; checkpoints {}; \
+        "    per host byte: data {:.3} gc {:.3} metadata {:.3} (map pages {:.3}) padding {:.3}; checkpoints {}; \
          mean live of cleaned segments {:.1}%; {} of {} segments free",
         per_host(after.data_bytes, before.data_bytes),
         per_host(after.gc_bytes_moved, before.gc_bytes_moved),
         per_host(after.metadata_bytes, before.metadata_bytes),
+        per_host(after.map_write_bytes, before.map_write_bytes),
         per_host(after.padding_bytes, before.padding_bytes),
         after.checkpoints - before.checkpoints,
         100.0 * (after.gc_bytes_moved - before.gc_bytes_moved) as f64
