@@ -61,6 +61,46 @@ fn format_refuses_bad_sizes() {
     let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "1000001"]);
     assert_eq!(code, 1);
     assert!(stderr.contains("zdisk: error"), "{stderr}");
+    // Above what a 48-bit LBA names (the message said "up to 64 TiB", the limit before the
+    // paged map).
+    let (code, stderr) =
+        fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "2305843009213693952"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("up to 1 EiB"), "{stderr}");
+    // The message names the size given (it said "physical size 0": the size rounded down to
+    // whole sectors).
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "1K"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("physical size 1024 is too small"), "{stderr}");
+    // A segment size format refuses: said so (it overflowed computing what 1x resolves to).
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--segment-size", "3K"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("segment size 3072"), "{stderr}");
+    // The engine created the file before it refused: it must not be left behind (a 64 MiB
+    // leftover, or one that made the next format of the path refuse it as someone's data).
+    assert!(!store.exists(), "a refused format left {} behind", store.display());
+    s.format("s.zdisk", "32M", "2x", &[]);
+}
+
+/// A file shorter than a sector that holds data is refused like any other (it made format
+/// panic: the first-sector check read it with O_DIRECT past its end) and left as it was.
+#[test]
+fn format_refuses_a_short_file_holding_data() {
+    let s = Scratch::new("short");
+    let short = s.path("notes.txt");
+    std::fs::write(&short, b"hello").unwrap();
+    let path = short.to_str().unwrap();
+    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "32M"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("holds data; use --force"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(std::fs::read(&short).unwrap(), b"hello");
+    // Zeros are not data, and --force overwrites data.
+    let zeros = s.path("zeros.img");
+    std::fs::write(&zeros, [0u8; 1000]).unwrap();
+    s.zdisk_ok(&["format", zeros.to_str().unwrap(), "--physical-size", "32M"]);
+    s.zdisk_ok(&["format", path, "--physical-size", "32M", "--force"]);
+    assert_eq!(s.stat_json(&short)["backing_size_bytes"].as_u64(), Some(32 << 20));
 }
 
 #[test]
@@ -71,6 +111,8 @@ fn commands_refuse_a_missing_store() {
         let (code, stderr) = fails(&s, &[command, missing.to_str().unwrap()]);
         assert_eq!(code, 1, "{command}");
         assert!(stderr.contains("nope.zdisk"), "{command}: {stderr}");
+        // Said once (the engine's error printed its I/O error, and again as its source).
+        assert_eq!(stderr.matches("No such file or directory").count(), 1, "{command}: {stderr}");
     }
     let (code, _) = fails(&s, &["serve", missing.to_str().unwrap(), "--unix", s.path("x.sock").to_str().unwrap()]);
     assert_eq!(code, 1);

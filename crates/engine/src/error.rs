@@ -96,8 +96,7 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_ref().map(|e| e as _)
-    }
-}
+/// No `source()`: `Display` already ends with the I/O error's text, and a chain printer
+/// (anyhow's `{:#}`) would print it twice ("No such file or directory (os error 2): No such
+/// file or directory (os error 2)").
+impl std::error::Error for Error {}

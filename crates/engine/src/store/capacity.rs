@@ -12,7 +12,7 @@
 //! Native capacity is a function of the geometry and the OP alone (not of the logical
 //! size), so `Nx` means the same bytes before and after a resize.
 
-use super::create::default_segment_size;
+use super::create::{default_segment_size, segment_size_is_valid};
 use super::op::RECORD_BLOCKS_MAX;
 use super::space::{checkpoint_room_for, host_reserve_for};
 use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
@@ -108,7 +108,8 @@ pub fn native_capacity_for(
 }
 
 /// Native capacity from what a format is given (`None`: the default segment size), with the
-/// data area laid out as `format` lays it out: what `--logical-size 1x` resolves to.
+/// data area laid out as `format` lays it out: what `--logical-size 1x` resolves to. 0 for a
+/// segment size `format` refuses (it says why).
 pub fn native_capacity_of_physical(
     physical_size_bytes: u64,
     segment_size_bytes: Option<u64>,
@@ -117,7 +118,7 @@ pub fn native_capacity_of_physical(
 ) -> u64 {
     let physical_size_bytes = physical_size_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
     let segment_size_bytes = segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
-    if segment_size_bytes == 0 {
+    if !segment_size_is_valid(segment_size_bytes) {
         return 0;
     }
     let segment_count = physical_size_bytes.saturating_sub(DATA_START_BYTES) / segment_size_bytes;

@@ -5,6 +5,7 @@
 //! superblock slots (generation 0, no checkpoint) only after discarding the data area, and
 //! syncs before it returns.
 
+use std::io::Read;
 use std::path::Path;
 
 use super::capacity::{native_capacity_for, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
@@ -65,6 +66,12 @@ pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
     }
 }
 
+/// Whether a store can be formatted with segments of this size.
+pub(crate) fn segment_size_is_valid(segment_size_bytes: u64) -> bool {
+    (SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&segment_size_bytes)
+        && segment_size_bytes.is_multiple_of(SEGMENT_BYTES_MIN)
+}
+
 /// Default segment size: 4 MiB, smaller on small stores so there are at least 64 segments.
 pub(crate) fn default_segment_size(physical_size_bytes: u64) -> u64 {
     let mut size = SEGMENT_BYTES_DEFAULT;
@@ -82,7 +89,7 @@ pub(crate) fn validate_logical_size(logical_size_bytes: u64) -> Result<()> {
     {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
-            format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 64 TiB"),
+            format!("logical size {logical_size_bytes} must be a non-zero multiple of 4096 up to 1 EiB (2^60 bytes)"),
         ));
     }
     Ok(())
@@ -114,10 +121,30 @@ pub(crate) fn format(path: &Path, options: &FormatOptions, progress: &mut dyn Fn
             .create_new(true)
             .open(path)
             .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
-        file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+        let formatted = file
+            .set_len(options.physical_size_bytes)
+            .map_err(|e| Error::io(format!("size {}", path.display()), e))
+            .and_then(|()| format_existing(path, false, options, progress));
+        // A refused format leaves nothing behind: the file is ours, and a leftover would
+        // make the next attempt at that path look like formatting over someone's data.
+        if formatted.is_err() {
+            let _ = std::fs::remove_file(path);
+        }
+        return formatted;
     }
+    format_existing(path, true, options, progress)
+}
+
+/// Formats a file or block device that exists (`held_before`: it did before this format
+/// began, so it may hold someone's data).
+fn format_existing(
+    path: &Path,
+    held_before: bool,
+    options: &FormatOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<StoreInfo> {
     let backing = backing::open(path, &FORMAT_OPEN)?;
-    if exists && !options.force {
+    if held_before && !options.force {
         refuse_to_overwrite(path, &backing)?;
     }
     let is_file = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(false);
@@ -147,15 +174,17 @@ fn refuse_to_overwrite(path: &Path, backing: &dyn Backing) -> Result<()> {
             ),
         ));
     }
-    if backing.size_bytes() > 0 {
-        let mut head = vec![0u8; SECTOR_SIZE];
-        backing.read_at(0, &mut head).map_err(|e| Error::io("read", e))?;
-        if head.iter().any(|&b| b != 0) {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("{} holds data; use --force to overwrite it", path.display()),
-            ));
-        }
+    // Through std::fs, not the backing: the backing reads whole sectors and refuses to read
+    // past its end, and the file may be shorter than a sector.
+    let mut head = Vec::with_capacity(SECTOR_SIZE);
+    std::fs::File::open(path)
+        .and_then(|file| file.take(SECTOR_SIZE as u64).read_to_end(&mut head))
+        .map_err(|e| Error::io(format!("read {}", path.display()), e))?;
+    if head.iter().any(|&b| b != 0) {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("{} holds data; use --force to overwrite it", path.display()),
+        ));
     }
     Ok(())
 }
@@ -168,9 +197,7 @@ pub(crate) fn format_backing(
 ) -> Result<StoreInfo> {
     let physical_size_bytes = backing.size_bytes() / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
     let segment_size_bytes = options.segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
-    if !(SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&segment_size_bytes)
-        || !segment_size_bytes.is_multiple_of(SEGMENT_BYTES_MIN)
-    {
+    if !segment_size_is_valid(segment_size_bytes) {
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!("segment size {segment_size_bytes} must be a multiple of 64 KiB between 64 KiB and 256 MiB"),
@@ -181,7 +208,8 @@ pub(crate) fn format_backing(
         return Err(Error::new(
             ErrorKind::InvalidArgument,
             format!(
-                "physical size {physical_size_bytes} is too small: it must hold 1 MiB of superblocks and at least {SEGMENTS_MIN} segments of {segment_size_bytes} bytes"
+                "physical size {} is too small: it must hold 1 MiB of superblocks and at least {SEGMENTS_MIN} segments of {segment_size_bytes} bytes",
+                backing.size_bytes()
             ),
         ));
     }
