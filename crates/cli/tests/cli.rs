@@ -147,6 +147,15 @@ fn serve_needs_a_listen_address() {
     let (code, stderr) = fails(&s, &["serve", store.to_str().unwrap()]);
     assert_eq!(code, 2);
     assert!(stderr.contains("--unix") && stderr.contains("--tcp"), "{stderr}");
+    // A thread count nbdkit cannot use is refused up front (100000 made nbdkit fail to
+    // create its threads after it had started serving).
+    let socket = s.path("x.sock");
+    for threads in ["0", "100000"] {
+        let (code, stderr) =
+            fails(&s, &["serve", store.to_str().unwrap(), "--unix", socket.to_str().unwrap(), "-t", threads]);
+        assert_eq!(code, 2, "-t {threads}");
+        assert!(stderr.contains("1..=1024"), "-t {threads}: {stderr}");
+    }
 }
 
 #[test]

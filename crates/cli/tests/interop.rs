@@ -719,6 +719,55 @@ fn serve_stops_cleanly_on_sigint_and_checkpoints() {
     server.stop();
 }
 
+/// A terminal's Ctrl-C signals the whole process group: nbdkit gets SIGINT as well and, with
+/// no client connected, closes the store itself and exits before `zdisk serve`'s drain
+/// reaches it. The stop is clean, says so, and does not claim a failure (it printed "drain
+/// failed" on such a Ctrl-C); an acknowledged write the client never flushed survives. (With
+/// a client still connected nbdkit waits for it: the drain then works, and after the grace
+/// period nbdkit is killed without loss, as `serve --help` says.)
+#[test]
+fn serve_stops_cleanly_when_ctrl_c_reaches_its_whole_process_group() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let s = Scratch::new("ctrl-c");
+    let store = s.format("s.zdisk", "64M", "2x", &[]);
+    let socket = s.path("s.sock");
+    let mut child = s
+        .zdisk()
+        .env("ZDISK_PLUGIN", common::plugin())
+        .arg("serve")
+        .arg(&store)
+        .arg("--unix")
+        .arg(&socket)
+        .process_group(0)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting zdisk serve");
+    let mut uri = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut uri).unwrap();
+    assert!(uri.starts_with("nbd+unix://"), "zdisk serve printed {uri:?}");
+    let mut c = NbdClient::connect(&socket).unwrap();
+    c.write_ok(0, &pattern(7, 7, 0, 1 << 20));
+    c.disconnect();
+    common::signal_group(child.id(), libc::SIGINT);
+    let status = common::wait_timeout(&mut child, Duration::from_secs(60));
+    let mut stderr = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(status.success(), "zdisk serve exited {status}:\n{stderr}");
+    assert!(stderr.contains("stopped cleanly"), "{stderr}");
+    assert!(!stderr.contains("failed"), "a clean stop reported a failure:\n{stderr}");
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    assert!(c.read_ok(0, 1 << 20) == pattern(7, 7, 0, 1 << 20), "the unflushed write was lost");
+    c.disconnect();
+    server.stop();
+}
+
 #[test]
 fn demo_runs_end_to_end() {
     if !require(&["nbdkit", "nbdcopy", "fio", "tar"]) {

@@ -270,6 +270,14 @@ pub fn signal(pid: u32, signal: i32) {
     }
 }
 
+/// Signals every process of the group `pgid` leads, as a terminal's Ctrl-C does.
+pub fn signal_group(pgid: u32, signal: i32) {
+    // SAFETY: signalling a process group this test started; no memory is involved.
+    unsafe {
+        libc::kill(-(pgid as libc::pid_t), signal);
+    }
+}
+
 pub fn wait_timeout(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + timeout;
     loop {
