@@ -161,9 +161,9 @@ impl KeyChangeArgs {
 
 pub fn run(args: &KeyCmdArgs) -> Result<()> {
     let (store, slots) = match &args.action {
-        KeyAction::List { store } => (store, Store::key_slots(store)?),
+        KeyAction::List { store } => (store, key_slots(store)?),
         KeyAction::Add(change) | KeyAction::Change(change) => {
-            refuse_if_served(&change.store)?;
+            ready_for_key_change(&change.store)?;
             let current = change.key.read(&format!("Passphrase for {}: ", change.store.display()), false)?;
             let new = change.new_secret()?;
             let kdf = change.kdf.params();
@@ -174,7 +174,7 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
             (&change.store, changed(&change.store, &current, what)?)
         }
         KeyAction::Remove { store, slot, key } => {
-            refuse_if_served(store)?;
+            ready_for_key_change(store)?;
             let current = key.read(&format!("Passphrase for {}: ", store.display()), false)?;
             (store, changed(store, &current, KeyChange::Remove { slot: *slot })?)
         }
@@ -198,9 +198,13 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
     Ok(())
 }
 
-/// Key slots change only while the store is closed: a server holds its own copy of the key
-/// header (its nonce lease rewrites it). Said before any passphrase is asked for.
-fn refuse_if_served(store: &Path) -> Result<()> {
+/// Key slots change only in an encrypted store (a plain one was answered "the store is
+/// encrypted: give --key-file …"), and only while it is closed: a server holds its own copy
+/// of the key header (its nonce lease rewrites it). Said before any passphrase is asked for.
+fn ready_for_key_change(store: &Path) -> Result<()> {
+    if key_slots(store)?.is_empty() {
+        bail!("{} is not encrypted: it has no key slots", store.display());
+    }
     if crate::runtime::store_is_locked(store, zdisk_engine::Lock::Shared)? {
         bail!(
             "{} is being served (or open in another process): stop the server (or `zdisk detach`) before changing its key slots",
@@ -208,6 +212,10 @@ fn refuse_if_served(store: &Path) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn key_slots(store: &Path) -> Result<Vec<zdisk_engine::SlotInfo>> {
+    Store::key_slots(store).with_context(|| format!("reading {}", store.display()))
 }
 
 fn changed(store: &Path, current: &Secret, change: KeyChange<'_>) -> Result<Vec<zdisk_engine::SlotInfo>> {

@@ -140,6 +140,30 @@ fn commands_refuse_a_foreign_file() {
     assert_eq!(std::fs::read(&foreign).unwrap(), vec![0x5a; 4 << 20]);
 }
 
+/// Key slots exist only in an encrypted store: changing them in a plain one is refused as
+/// such before any passphrase is asked for (it said "the store is encrypted: give
+/// --key-file FILE or --passphrase-stdin"), and a file that is no store is named.
+#[test]
+fn key_commands_refuse_a_plain_store_before_asking_for_a_key() {
+    let s = Scratch::new("keys-plain");
+    let store = s.format("plain.zdisk", "32M", "1x", &[]);
+    let path = store.to_str().unwrap();
+    for args in [
+        vec!["key", "list", path],
+        vec!["key", "add", path],
+        vec!["key", "change", path],
+        vec!["key", "remove", path, "--slot", "0"],
+    ] {
+        let (code, stderr) = fails(&s, &args);
+        assert_eq!(code, 1, "{args:?}");
+        assert!(stderr.contains("plain.zdisk is not encrypted"), "{args:?}: {stderr}");
+    }
+    let foreign = s.path("foreign.img");
+    std::fs::write(&foreign, vec![0x5a; 1 << 20]).unwrap();
+    let (_, stderr) = fails(&s, &["key", "add", foreign.to_str().unwrap()]);
+    assert!(stderr.contains("foreign.img") && stderr.contains("not a zdisk store"), "{stderr}");
+}
+
 #[test]
 fn serve_needs_a_listen_address() {
     let s = Scratch::new("listen");
