@@ -768,6 +768,43 @@ fn serve_stops_cleanly_when_ctrl_c_reaches_its_whole_process_group() {
     server.stop();
 }
 
+/// The plugin loaded by nbdkit directly (no `zdisk serve`) refuses wrong parameters with a
+/// message naming them, before it serves.
+#[test]
+fn the_plugin_refuses_bad_parameters_by_name() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("plugin-params");
+    let store = s.format("s.zdisk", "32M", "1x", &[]);
+    let foreign = s.path("foreign.img");
+    std::fs::write(&foreign, vec![0x5a; 1 << 20]).unwrap();
+    let store_param = format!("store={}", store.display());
+    let foreign_param = format!("store={}", foreign.display());
+    let cases: [(Vec<&str>, &str); 7] = [
+        (vec![], "store=PATH is required"),
+        (vec!["store="], "store= is empty"),
+        (vec![&store_param, "bogus=1"], "unknown parameter \"bogus\""),
+        (vec![&store_param, "low_space=7"], "low_space=7: must be in [0, 1)"),
+        (vec![&store_param, "idle_after=-5"], "idle_after=-5"),
+        (vec![&store_param, "cache=abc"], "could not parse size"),
+        (vec![&foreign_param], "not a zdisk store"),
+    ];
+    for (params, expected) in cases {
+        let output = Command::new("nbdkit")
+            .args(["-f", "-U"])
+            .arg(s.path("p.sock"))
+            .arg(common::plugin())
+            .args(&params)
+            .args(["--run", "true"])
+            .output()
+            .expect("running nbdkit");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "nbdkit with {params:?} should fail:\n{stderr}");
+        assert!(stderr.contains(expected), "nbdkit with {params:?}: expected {expected:?} in:\n{stderr}");
+    }
+}
+
 #[test]
 fn demo_runs_end_to_end() {
     if !require(&["nbdkit", "nbdcopy", "fio", "tar"]) {

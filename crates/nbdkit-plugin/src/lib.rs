@@ -181,6 +181,7 @@ impl Server for Handle {
         let mut guard = CONFIG.lock();
         let config = guard.get_or_insert_with(Config::default);
         match key {
+            "store" if value.is_empty() => return Err(einval("store= is empty: give the store's path")),
             "store" => config.store = Some(PathBuf::from(value)),
             "readonly" => config.read_only = nbdkit::parse_bool(value)?,
             "metrics" => {
