@@ -224,12 +224,21 @@ impl Source {
 const LIVE_STALE_AFTER: Duration = Duration::from_secs(10);
 
 fn live_stats(uuid: &str) -> Result<(Stats, Source)> {
+    // A snapshot the server takes now: the file it rewrites every second lagged a write the
+    // client had just finished by up to that second. The file is the fallback (a server
+    // that does not answer).
+    let asked = runtime::control_request(&runtime::control_socket(uuid), "stats")
+        .ok()
+        .and_then(|reply| serde_json::from_str::<Value>(&reply).ok());
     let path = runtime::live_file(uuid);
-    let value: Value = runtime::read_json(&path).with_context(|| {
-        format!("the store is being served but its live statistics ({}) cannot be read", path.display())
-    })?;
+    let value = match asked {
+        Some(value) => value,
+        None => runtime::read_json(&path).with_context(|| {
+            format!("the store is being served but its live statistics ({}) cannot be read", path.display())
+        })?,
+    };
     let stats: Stats = serde_json::from_value(value.get("stats").cloned().unwrap_or(Value::Null))
-        .with_context(|| format!("parsing the statistics in {}", path.display()))?;
+        .with_context(|| format!("parsing the live statistics of store {uuid}"))?;
     let pid = value.get("pid").and_then(Value::as_u64).unwrap_or(0);
     let updated = value.get("updated_unix_ms").and_then(Value::as_u64).unwrap_or(0);
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
