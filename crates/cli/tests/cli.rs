@@ -83,7 +83,7 @@ fn format_refuses_bad_sizes() {
 }
 
 /// A file shorter than a sector that holds data is refused like any other (it made format
-/// panic: the first-sector check read it with O_DIRECT past its end) and left as it was.
+/// panic: the first-sector check read a whole sector, past the file's end) and left as it was.
 #[test]
 fn format_refuses_a_short_file_holding_data() {
     let s = Scratch::new("short");
