@@ -173,7 +173,7 @@ fn read_full(reader: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
 fn scratch_dir(args: &DemoArgs) -> Result<(Option<tempfile::TempDir>, std::path::PathBuf)> {
     Ok(match &args.dir {
         Some(dir) => {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir).with_context(|| format!("creating --dir {}", dir.display()))?;
             (None, dir.clone())
         }
         None => {
@@ -230,6 +230,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     let fio = runtime::tool("fio", "ZDISK_FIO")?;
     let tar = runtime::tool("tar", "ZDISK_TAR")?;
     let tree = match &args.tree {
+        Some(tree) if !tree.is_dir() => bail!("--tree {}: not a directory", tree.display()),
         Some(tree) => tree.clone(),
         None => default_tree()?,
     };
@@ -278,7 +279,21 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     );
 
     let fio_offset = (archive_bytes + (64 << 20)) / (1 << 20) * (1 << 20);
-    let fio_size = args.fio_size.0.min(info.logical_size_bytes.saturating_sub(fio_offset)) / (1 << 20) * (1 << 20);
+    // What fits: the logical room past the archive, and the physical room at 2:1 less a tenth
+    // for metadata and GC (a small --physical-size under the default 512M failed with ENOSPC).
+    let (_, now, _) = commands::collect_stats(&store, &Default::default())?;
+    let fits_bytes = info.logical_size_bytes.saturating_sub(fio_offset).min(now.free_space * 2 * 9 / 10);
+    let fio_size = args.fio_size.0.min(fits_bytes) / (1 << 20) * (1 << 20);
+    if fio_size == 0 {
+        bail!("no room for the fio step in the demo store after the tree; pass a larger --physical-size");
+    }
+    if fio_size < args.fio_size.0 {
+        eprintln!(
+            "    (--fio-size {} does not fit the store: {} instead)",
+            human_bytes(args.fio_size.0),
+            human_bytes(fio_size)
+        );
+    }
     step(&format!(
         "fio (nbd engine): {} of 2:1 compressible data, 128 KiB writes at QD16, verified with crc32c",
         human_bytes(fio_size)
@@ -292,7 +307,6 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     );
 
     step("zdisk stat (live, from the running server)");
-    std::thread::sleep(Duration::from_millis(1500));
     let (info_now, stats, source) = commands::collect_stats(&store, &Default::default())?;
     commands::print_stats(&store, &info_now, &stats, &source)?;
 

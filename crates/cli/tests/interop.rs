@@ -827,6 +827,26 @@ fn demo_runs_end_to_end() {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("demo done"), "{stderr}");
     assert!(stdout.contains("source  live") && stdout.contains("source  offline"), "{stdout}");
+
+    // Wrong use: a --fio-size the store cannot hold is cut to what fits (it ran into ENOSPC),
+    // and a --tree that is not a directory is refused before anything starts.
+    let small_tree = s.path("small-tree");
+    std::fs::create_dir_all(&small_tree).unwrap();
+    std::fs::write(small_tree.join("notes.txt"), "a small tree\n".repeat(1000)).unwrap();
+    let output = s
+        .zdisk()
+        .env("ZDISK_PLUGIN", common::plugin())
+        .args(["demo", "--physical-size", "64M", "--logical-size", "4x", "--fio-size", "10G", "--tree"])
+        .arg(&small_tree)
+        .output()
+        .unwrap();
+    common::assert_success(&output, "zdisk demo with a --fio-size larger than the store");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("does not fit the store") && stderr.contains("demo done"), "{stderr}");
+    let output = s.zdisk().args(["demo", "--tree"]).arg(s.path("no-such-tree")).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("not a directory"), "{stderr}");
+    assert!(!stderr.contains("==> formatting"), "the demo started before checking --tree:\n{stderr}");
 }
 
 /// `zdisk serve` gives nbdkit 4 threads per core (8 to 64) unless `--threads` says
