@@ -226,6 +226,11 @@ impl Config {
         }
         let consistency_ms = secs_to_ms("consistency", a.consistency.unwrap_or(pick(1800.0, 10.0, 0.6)))?;
         let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", results::unix_now())));
+        // Checked here, not by the run's formats: a store too small to format ran every step
+        // into the same error and wrote a report of failures.
+        if a.zdisk_physical_size.is_some_and(|bytes| bytes < 16 << 20) {
+            bail!("--zdisk-physical-size must be at least 16 MiB");
+        }
         let zdisk_bin = match &a.zdisk_bin {
             Some(p) => p.clone(),
             None => std::env::current_exe()?,

@@ -164,6 +164,21 @@ fn key_commands_refuse_a_plain_store_before_asking_for_a_key() {
     assert!(stderr.contains("foreign.img") && stderr.contains("not a zdisk store"), "{stderr}");
 }
 
+/// A zdisk store too small to format is refused before the bench starts (every step failed
+/// on it, and the report listed 31 failures).
+#[test]
+fn bench_refuses_a_zdisk_store_too_small_to_format() {
+    let s = Scratch::new("bench-size");
+    let out = s.path("report");
+    let (code, stderr) = fails(
+        &s,
+        &["bench", "--smoke", "--targets", "zdisk", "--zdisk-physical-size", "1K", "--out", out.to_str().unwrap()],
+    );
+    assert_eq!(code, 1);
+    assert!(stderr.contains("--zdisk-physical-size must be at least 16 MiB"), "{stderr}");
+    assert!(!out.exists(), "a refused bench wrote a report");
+}
+
 #[test]
 fn serve_needs_a_listen_address() {
     let s = Scratch::new("listen");
