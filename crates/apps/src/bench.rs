@@ -369,9 +369,9 @@ pub fn run(a: &BenchArgs) -> Result<()> {
     let work = base.join(format!("zdisk-db-{}-{}", s.db.name(), sys::unix_time()));
     let out_dir =
         a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-db-{}-{}", s.db.name(), sys::unix_time())));
-    std::fs::create_dir_all(work.join("out"))?;
-    std::fs::create_dir_all(work.join("run"))?;
-    std::fs::create_dir_all(&out_dir)?;
+    for dir in [work.join("out"), work.join("run"), out_dir.clone()] {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     sys::set_log_file(&out_dir.join("bench.log"))?;
     let zdisk_bin = match &a.zdisk_bin {
         Some(p) => p.clone(),

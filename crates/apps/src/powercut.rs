@@ -92,8 +92,9 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
     progress(&format!("powercut {}: {} cycles, seed {seed}", a.db.name(), setup.cycles));
     let base = a.dir.clone().unwrap_or_else(std::env::temp_dir);
     let work = base.join(format!("zdisk-powercut-{}-{}", a.db.name(), sys::unix_time()));
-    std::fs::create_dir_all(work.join("run"))?;
-    std::fs::create_dir_all(work.join("out"))?;
+    for dir in [work.join("run"), work.join("out")] {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let zdisk_bin = match &a.zdisk_bin {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,

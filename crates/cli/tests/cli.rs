@@ -179,6 +179,22 @@ fn bench_refuses_a_zdisk_store_too_small_to_format() {
     assert!(!out.exists(), "a refused bench wrote a report");
 }
 
+/// Scratch directories that cannot be created are named (it said only "No such file or
+/// directory").
+#[test]
+fn scratch_directories_that_cannot_be_created_are_named() {
+    let s = Scratch::new("dirs");
+    for args in [
+        vec!["db", "bench", "mysql", "--quick", "--dir", "/proc/zdisk-no-such-dir"],
+        vec!["db", "powercut", "mysql", "--dir", "/proc/zdisk-no-such-dir"],
+        vec!["demo", "--dir", "/proc/zdisk-no-such-dir"],
+    ] {
+        let (code, stderr) = fails(&s, &args);
+        assert_eq!(code, 1, "{args:?}");
+        assert!(stderr.contains("/proc/zdisk-no-such-dir"), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn serve_needs_a_listen_address() {
     let s = Scratch::new("listen");
