@@ -163,6 +163,27 @@ fn secs_to_ms(what: &str, s: f64) -> Result<u64> {
     Ok((s * 1000.0).round() as u64)
 }
 
+/// The raw targets' size and the zdisk store's physical size.
+fn sizes(a: &BenchArgs, mode: Mode) -> Result<(u64, u64)> {
+    let size_bytes = a.size.unwrap_or(match mode {
+        Mode::Full => 4 << 30,
+        Mode::Quick => 1 << 30,
+        Mode::Smoke => 64 << 20,
+    });
+    // Align to 1 MiB so every block size, bssplit entry and 25% spare range divides evenly.
+    let size_bytes = size_bytes / (1 << 20) * (1 << 20);
+    if size_bytes < 16 << 20 {
+        bail!("--size must be at least 16 MiB");
+    }
+    // Checked here, not by the run's formats: a store too small to format ran every step
+    // into the same error and wrote a report of failures.
+    let zdisk_physical_bytes = a.zdisk_physical_size.unwrap_or(size_bytes);
+    if zdisk_physical_bytes < 16 << 20 {
+        bail!("--zdisk-physical-size must be at least 16 MiB");
+    }
+    Ok((size_bytes, zdisk_physical_bytes))
+}
+
 impl Config {
     pub fn resolve(a: &BenchArgs) -> Result<Config> {
         let mode = if a.smoke {
@@ -177,16 +198,7 @@ impl Config {
             Mode::Quick => quick,
             Mode::Smoke => smoke,
         };
-        let size_bytes = a.size.unwrap_or(match mode {
-            Mode::Full => 4 << 30,
-            Mode::Quick => 1 << 30,
-            Mode::Smoke => 64 << 20,
-        });
-        // Align to 1 MiB so every block size, bssplit entry and 25% spare range divides evenly.
-        let size_bytes = size_bytes / (1 << 20) * (1 << 20);
-        if size_bytes < 16 << 20 {
-            bail!("--size must be at least 16 MiB");
-        }
+        let (size_bytes, zdisk_physical_bytes) = sizes(a, mode)?;
         let targets = a.targets.clone().unwrap_or_else(|| match mode {
             Mode::Full => TargetKind::ALL.to_vec(),
             Mode::Quick => vec![TargetKind::Zdisk, TargetKind::Raw, TargetKind::Memory],
@@ -226,11 +238,6 @@ impl Config {
         }
         let consistency_ms = secs_to_ms("consistency", a.consistency.unwrap_or(pick(1800.0, 10.0, 0.6)))?;
         let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", results::unix_now())));
-        // Checked here, not by the run's formats: a store too small to format ran every step
-        // into the same error and wrote a report of failures.
-        if a.zdisk_physical_size.is_some_and(|bytes| bytes < 16 << 20) {
-            bail!("--zdisk-physical-size must be at least 16 MiB");
-        }
         let zdisk_bin = match &a.zdisk_bin {
             Some(p) => p.clone(),
             None => std::env::current_exe()?,
@@ -238,7 +245,7 @@ impl Config {
         Ok(Config {
             mode,
             size_bytes,
-            zdisk_physical_bytes: a.zdisk_physical_size.unwrap_or(size_bytes),
+            zdisk_physical_bytes,
             targets,
             workloads,
             data,

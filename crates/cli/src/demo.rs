@@ -225,6 +225,26 @@ fn fio_write_verified(fio: &Path, scratch: &Path, uri: &str, offset: u64, size: 
     Ok(report["jobs"][0]["write"]["bw_bytes"].as_u64().unwrap_or(0))
 }
 
+/// The fio step's bytes: what was asked, cut to the logical room past `fio_offset` and the
+/// physical room at 2:1 less a tenth for metadata and GC (a small --physical-size under the
+/// default 512M ran into ENOSPC).
+fn fio_size_that_fits(asked_bytes: u64, store: &Path, logical_bytes: u64, fio_offset: u64) -> Result<u64> {
+    let (_, now, _) = commands::collect_stats(store, &Default::default())?;
+    let fits_bytes = logical_bytes.saturating_sub(fio_offset).min(now.free_space * 2 * 9 / 10);
+    let fio_size = asked_bytes.min(fits_bytes) / (1 << 20) * (1 << 20);
+    if fio_size == 0 {
+        bail!("no room for the fio step in the demo store after the tree; pass a larger --physical-size");
+    }
+    if fio_size < asked_bytes {
+        eprintln!(
+            "    (--fio-size {} does not fit the store: {} instead)",
+            human_bytes(asked_bytes),
+            human_bytes(fio_size)
+        );
+    }
+    Ok(fio_size)
+}
+
 pub fn run(args: &DemoArgs) -> Result<()> {
     let nbdcopy = runtime::tool("nbdcopy", "ZDISK_NBDCOPY")?;
     let fio = runtime::tool("fio", "ZDISK_FIO")?;
@@ -279,21 +299,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     );
 
     let fio_offset = (archive_bytes + (64 << 20)) / (1 << 20) * (1 << 20);
-    // What fits: the logical room past the archive, and the physical room at 2:1 less a tenth
-    // for metadata and GC (a small --physical-size under the default 512M failed with ENOSPC).
-    let (_, now, _) = commands::collect_stats(&store, &Default::default())?;
-    let fits_bytes = info.logical_size_bytes.saturating_sub(fio_offset).min(now.free_space * 2 * 9 / 10);
-    let fio_size = args.fio_size.0.min(fits_bytes) / (1 << 20) * (1 << 20);
-    if fio_size == 0 {
-        bail!("no room for the fio step in the demo store after the tree; pass a larger --physical-size");
-    }
-    if fio_size < args.fio_size.0 {
-        eprintln!(
-            "    (--fio-size {} does not fit the store: {} instead)",
-            human_bytes(args.fio_size.0),
-            human_bytes(fio_size)
-        );
-    }
+    let fio_size = fio_size_that_fits(args.fio_size.0, &store, info.logical_size_bytes, fio_offset)?;
     step(&format!(
         "fio (nbd engine): {} of 2:1 compressible data, 128 KiB writes at QD16, verified with crc32c",
         human_bytes(fio_size)
