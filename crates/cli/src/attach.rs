@@ -36,7 +36,7 @@ pub struct AttachArgs {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DetachArgs {
-    /// The device `zdisk attach` printed (e.g. /dev/loop3 or /dev/nbd0).
+    /// The device `zdisk attach` printed (e.g. /dev/loop3 or /dev/nbd0), or the attached store.
     pub device: PathBuf,
 }
 
@@ -149,9 +149,35 @@ fn nbd_client_device() -> Option<PathBuf> {
     })
 }
 
+/// The attachment of the store `uuid` that is still in place, if any: its state file names
+/// a device that is still bound to it (a state file left by a reboot names none).
+fn attachment_of(uuid: &str) -> Option<AttachState> {
+    let entries = std::fs::read_dir(attach_dir()).ok()?;
+    entries
+        .filter_map(|entry| runtime::read_json::<AttachState>(&entry.ok()?.path()).ok())
+        .find(|state| state.uuid == uuid && still_bound(state))
+}
+
+fn still_bound(state: &AttachState) -> bool {
+    let Some(name) = state.device.file_name().map(|n| n.to_string_lossy().into_owned()) else { return false };
+    match (state.kind.as_str(), &state.fuse_dir) {
+        ("nbd", _) => Path::new(&format!("/sys/block/{name}/pid")).exists(),
+        (_, Some(fuse_dir)) => std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"))
+            .is_ok_and(|backing| Path::new(backing.trim()) == fuse_dir.join("nbd")),
+        _ => false,
+    }
+}
+
 pub fn attach(args: &AttachArgs) -> Result<()> {
     let info = Store::info(&args.store).with_context(|| format!("reading {}", args.store.display()))?;
     let store = std::path::absolute(&args.store)?;
+    // A second attach of the same store prints the first one's device: another would mount a
+    // second nbdfuse over the first one's directory, and detaching either then hung.
+    if let Some(attached) = attachment_of(&info.uuid) {
+        eprintln!("zdisk: {} is already attached", store.display());
+        println!("{}", attached.device.display());
+        return Ok(());
+    }
     let mut state = AttachState { store: store.clone(), uuid: info.uuid.clone(), ..AttachState::default() };
 
     let serve = match runtime::read_json::<ServeState>(&runtime::serve_file(&info.uuid)) {
@@ -283,7 +309,16 @@ fn unmount_fuse(dir: &Path, nbdfuse_pid: u32) {
 }
 
 pub fn detach(args: &DetachArgs) -> Result<()> {
-    let device = std::fs::canonicalize(&args.device).unwrap_or_else(|_| args.device.clone());
+    let mut device = std::fs::canonicalize(&args.device).unwrap_or_else(|_| args.device.clone());
+    // The store's path works too: its attachment's device.
+    if !state_path(&device).exists() {
+        if let Ok(info) = Store::info(&args.device) {
+            match attachment_of(&info.uuid) {
+                Some(attached) => device = attached.device,
+                None => bail!("{} is not attached", args.device.display()),
+            }
+        }
+    }
     let path = state_path(&device);
     let state: AttachState =
         runtime::read_json(&path).with_context(|| format!("{} was not attached by zdisk attach", device.display()))?;
@@ -303,6 +338,8 @@ pub fn detach(args: &DetachArgs) -> Result<()> {
     }
     if let Some(pid) = state.started_serve_pid {
         stop_background_server(pid);
+        // nbdkit leaves its socket file behind; the log stays for whoever wants to read it.
+        let _ = std::fs::remove_file(runtime::run_dir().join(format!("{}.sock", state.uuid)));
     }
     let _ = std::fs::remove_file(&path);
     eprintln!("zdisk: detached {} ({})", device.display(), state.store.display());

@@ -216,6 +216,11 @@ impl Attached<'_> {
         let device = self.1.take().unwrap();
         self.0.zdisk_ok(&["detach", &device]);
     }
+    /// Detach naming the store instead of the device.
+    fn detach_store(mut self, store: &Path) {
+        self.1.take().unwrap();
+        self.0.zdisk_ok(&["detach", store.to_str().unwrap()]);
+    }
 }
 impl Drop for Attached<'_> {
     fn drop(&mut self) {
@@ -248,6 +253,10 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let tree = if tree.is_dir() { tree } else { common::real_tree() };
 
     let attached = attach(&s, &store);
+    // A second attach of the same store prints the same device (it made a second one, with a
+    // second nbdfuse mounted over the first one's directory; detaching either then hung).
+    let again = s.zdisk_ok(&["attach", store.to_str().unwrap()]);
+    assert_eq!(again.trim(), attached.device(), "a second attach made another device");
     run_ok(Command::new("mkfs.ext4").args(["-q", "-F"]).arg(attached.device()));
     run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
     let mounted = Mount(mnt.clone());
@@ -268,7 +277,13 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let mounted = Mount(mnt.clone());
     assert_eq!(files_with_hashes(&mnt), hashes, "files changed across the restart");
     drop(mounted);
-    attached.detach();
+    attached.detach_store(&store);
+    let (code, stderr) = {
+        let output = s.zdisk().args(["detach", store.to_str().unwrap()]).output().unwrap();
+        (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+    };
+    assert_eq!(code, Some(1), "detaching a detached store: {stderr}");
+    assert!(stderr.contains("is not attached"), "{stderr}");
     let stat = s.stat_json(&store);
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.2, "{stat}");
 }
