@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::io::Read;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -57,34 +56,14 @@ fn serve_stops_cleanly_when_ctrl_c_reaches_its_whole_process_group() {
     if !require(BASIC_TOOLS) {
         return;
     }
-    use std::io::BufRead;
-    use std::os::unix::process::CommandExt;
     let s = Scratch::new("ctrl-c");
     let store = s.format("s.zdisk", "64M", "2x", &[]);
-    let socket = s.path("s.sock");
-    let mut child = s
-        .zdisk()
-        .env("ZDISK_PLUGIN", common::plugin())
-        .arg("serve")
-        .arg(&store)
-        .arg("--unix")
-        .arg(&socket)
-        .process_group(0)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting zdisk serve");
-    let mut uri = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut uri).unwrap();
-    assert!(uri.starts_with("nbd+unix://"), "zdisk serve printed {uri:?}");
-    let mut c = NbdClient::connect(&socket).unwrap();
+    let server = Server::start_as_job(&s, &store, &[]);
+    assert!(server.uri.starts_with("nbd+unix://"), "zdisk serve printed {:?}", server.uri);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
     c.write_ok(0, &pattern(7, 7, 0, 1 << 20));
     c.disconnect();
-    common::signal_group(child.id(), libc::SIGINT);
-    let status = common::wait_timeout(&mut child, Duration::from_secs(60));
-    let mut stderr = String::new();
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    let (status, stderr) = server.stop_group_with(libc::SIGINT);
     assert!(status.success(), "zdisk serve exited {status}:\n{stderr}");
     assert!(stderr.contains("stopped cleanly"), "{stderr}");
     assert!(!stderr.contains("failed"), "a clean stop reported a failure:\n{stderr}");

@@ -197,6 +197,17 @@ pub struct Server {
 
 impl Server {
     pub fn start(scratch: &Scratch, store: &Path, extra: &[&str]) -> Server {
+        Server::spawn(scratch, store, extra, false)
+    }
+
+    /// As a shell starts a foreground job: in a process group of its own, which
+    /// `stop_group_with` signals as a terminal does. Its stderr is kept for that call (the
+    /// server writes a few lines; a pipe holds far more).
+    pub fn start_as_job(scratch: &Scratch, store: &Path, extra: &[&str]) -> Server {
+        Server::spawn(scratch, store, extra, true)
+    }
+
+    fn spawn(scratch: &Scratch, store: &Path, extra: &[&str], as_job: bool) -> Server {
         let socket = scratch.path(&format!("{}.sock", store.file_name().unwrap().to_string_lossy()));
         let pid_file = scratch.path(&format!("{}.nbdkit.pid", store.file_name().unwrap().to_string_lossy()));
         let mut command = scratch.zdisk();
@@ -214,6 +225,10 @@ impl Server {
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
+        if as_job {
+            use std::os::unix::process::CommandExt;
+            command.process_group(0).stderr(Stdio::piped());
+        }
         let mut child = command.spawn().expect("starting zdisk serve");
         let stdout = child.stdout.take().unwrap();
         let mut line = String::new();
@@ -244,6 +259,23 @@ impl Server {
         assert!(status.success(), "zdisk serve did not stop cleanly: {status}");
     }
 
+    /// Signals the whole process group of a server started with `start_as_job` (nbdkit
+    /// included), as a terminal's Ctrl-C does; returns how `zdisk serve` exited and its stderr.
+    pub fn stop_group_with(mut self, sig: i32) -> (std::process::ExitStatus, String) {
+        let mut child = self.child.take().unwrap();
+        // SAFETY: signalling a process group this test started; no memory is involved.
+        unsafe {
+            libc::kill(-(child.id() as libc::pid_t), sig);
+        }
+        let status = wait_timeout(&mut child, Duration::from_secs(60));
+        let mut stderr = String::new();
+        if let Some(mut pipe) = child.stderr.take() {
+            use std::io::Read;
+            pipe.read_to_string(&mut stderr).unwrap();
+        }
+        (status, stderr)
+    }
+
     /// SIGKILL nbdkit itself (a crash: no flush, no checkpoint), then reap `zdisk serve`.
     pub fn crash(mut self) {
         let nbdkit = self.nbdkit_pid();
@@ -267,14 +299,6 @@ pub fn signal(pid: u32, signal: i32) {
     // SAFETY: signalling a process this test started; no memory is involved.
     unsafe {
         libc::kill(pid as libc::pid_t, signal);
-    }
-}
-
-/// Signals every process of the group `pgid` leads, as a terminal's Ctrl-C does.
-pub fn signal_group(pgid: u32, signal: i32) {
-    // SAFETY: signalling a process group this test started; no memory is involved.
-    unsafe {
-        libc::kill(-(pgid as libc::pid_t), signal);
     }
 }
 
