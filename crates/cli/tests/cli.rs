@@ -12,6 +12,13 @@ fn fails(scratch: &Scratch, args: &[&str]) -> (i32, String) {
     (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
 }
 
+/// `zdisk ARGS` fails with exit code `code` and a message containing `says`.
+fn refused(scratch: &Scratch, args: &[&str], code: i32, says: &str) {
+    let (got, stderr) = fails(scratch, args);
+    assert_eq!(got, code, "zdisk {args:?}: {stderr}");
+    assert!(stderr.contains(says), "zdisk {args:?}: expected {says:?} in:\n{stderr}");
+}
+
 #[test]
 fn help_explains_every_command() {
     let s = Scratch::new("help");
@@ -48,34 +55,20 @@ fn format_refuses_bad_sizes() {
     let s = Scratch::new("sizes");
     let store = s.path("s.zdisk");
     let path = store.to_str().unwrap();
-    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64Q", "--logical-size", "2x"]);
-    assert_eq!(code, 2);
-    assert!(stderr.contains("bad size"), "{stderr}");
-    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "zx"]);
-    assert_eq!(code, 2);
-    assert!(stderr.contains("multiplier"), "{stderr}");
-    let (code, stderr) = fails(&s, &["format", path, "--logical-size", "2x"]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("--physical-size"), "{stderr}");
+    refused(&s, &["format", path, "--physical-size", "64Q", "--logical-size", "2x"], 2, "bad size");
+    refused(&s, &["format", path, "--physical-size", "64M", "--logical-size", "zx"], 2, "multiplier");
+    refused(&s, &["format", path, "--logical-size", "2x"], 1, "--physical-size");
     // Not a multiple of 4 KiB: the engine refuses, the CLI says so.
-    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "1000001"]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("zdisk: error"), "{stderr}");
+    refused(&s, &["format", path, "--physical-size", "64M", "--logical-size", "1000001"], 1, "zdisk: error");
     // Above what a 48-bit LBA names (the message said "up to 64 TiB", the limit before the
     // paged map).
-    let (code, stderr) =
-        fails(&s, &["format", path, "--physical-size", "64M", "--logical-size", "2305843009213693952"]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("up to 1 EiB"), "{stderr}");
+    let too_large = ["format", path, "--physical-size", "64M", "--logical-size", "2305843009213693952"];
+    refused(&s, &too_large, 1, "up to 1 EiB");
     // The message names the size given (it said "physical size 0": the size rounded down to
     // whole sectors).
-    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "1K"]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("physical size 1024 is too small"), "{stderr}");
+    refused(&s, &["format", path, "--physical-size", "1K"], 1, "physical size 1024 is too small");
     // A segment size format refuses: said so (it overflowed computing what 1x resolves to).
-    let (code, stderr) = fails(&s, &["format", path, "--physical-size", "64M", "--segment-size", "3K"]);
-    assert_eq!(code, 1);
-    assert!(stderr.contains("segment size 3072"), "{stderr}");
+    refused(&s, &["format", path, "--physical-size", "64M", "--segment-size", "3K"], 1, "segment size 3072");
     // The engine created the file before it refused: it must not be left behind (a 64 MiB
     // leftover, or one that made the next format of the path refuse it as someone's data).
     assert!(!store.exists(), "a refused format left {} behind", store.display());
