@@ -32,6 +32,13 @@ pub trait Backing: Send + Sync {
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Makes every completed write durable (fdatasync).
     fn sync(&self) -> io::Result<()>;
+    /// Writes `data` and makes it durable before returning (the flush proof): a write and a
+    /// sync, or where the backing can, one write-through write (RWF_DSYNC: a FUA write on a
+    /// device that has FUA, instead of a flush of its whole cache).
+    fn write_durable_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.write_at(offset, data)?;
+        self.sync()
+    }
     /// Tells the device the range holds nothing worth keeping (hole punch / BLKDISCARD).
     /// Contents read back afterwards are unspecified; the engine never reads them.
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
@@ -327,6 +334,24 @@ impl Backing for FileBacking {
 
     fn sync(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn write_durable_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        assert_aligned(offset, data.len(), self.size_bytes);
+        if self.needs_bounce(data.as_ptr()) {
+            self.write_at(offset, data)?;
+            return self.sync();
+        }
+        let slices = [io::IoSlice::new(data)];
+        match rustix::io::pwritev2(&self.file, &slices, offset, rustix::io::ReadWriteFlags::DSYNC) {
+            Ok(n) if n == data.len() => Ok(()),
+            // Short, or refused (a kernel or file system without RWF_DSYNC): the slow way.
+            Ok(_) | Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => {
+                self.write_at(offset, data)?;
+                self.sync()
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {

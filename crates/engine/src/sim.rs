@@ -268,6 +268,19 @@ pub mod inspect {
         slots.into_iter().flatten().max_by_key(|sb| sb.generation).expect("a valid superblock")
     }
 
+    /// The flush proof sector's bytes in an image (`format/proof.rs`).
+    pub const FLUSH_PROOF: Range<usize> = crate::format::FLUSH_PROOF_OFFSET_BYTES as usize
+        ..crate::format::FLUSH_PROOF_OFFSET_BYTES as usize + crate::format::FLUSH_PROOF_BYTES;
+
+    /// The sequence number the newest flush proof in an image says was durable (None:
+    /// no proof, or both copies damaged).
+    pub fn proven_seq(image: &[u8]) -> Option<u64> {
+        match crate::format::ProofSector::decode(&image[FLUSH_PROOF], crc32c::crc32c(&superblock(image).uuid)) {
+            crate::format::ProofSector::Proof(p) => Some(p.proven_seq),
+            _ => None,
+        }
+    }
+
     /// How many of the two superblock slots decode.
     pub fn valid_superblock_slots(image: &[u8]) -> usize {
         (0..2)

@@ -43,7 +43,15 @@ fn data(len: usize, tag: u8) -> Vec<u8> {
 /// Runs `sequence` on a store over `disk`; returns the requests issued (the last one possibly
 /// in flight at the crash) and the model after the last completed flush.
 fn run_sequence(disk: &Arc<SimDisk>, sequence: &[Op], model: &mut Model) {
-    let store = Store::open_backing(disk.clone(), &test_options()).expect("open");
+    // Open writes too (its flush proof): the power may go there, before any request.
+    let store = match Store::open_backing(disk.clone(), &test_options()) {
+        Ok(store) => store,
+        Err(e) => {
+            assert!(disk.crashed(), "open failed without a crash: {e}");
+            disk.power_off();
+            return;
+        }
+    };
     for (i, op) in sequence.iter().enumerate() {
         let tag = 0x40 + i as u8;
         let (request, fua) = match op {

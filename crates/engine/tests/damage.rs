@@ -150,7 +150,7 @@ fn a_flipped_bit_in_a_batch_tail_loses_nothing() {
 /// Data records of the window some of whose blocks no later record writes again: losing
 /// one would leave those blocks at their older value if nothing stopped it. (Not the last
 /// flushed request's: later records are what prove a record durable; the last one is
-/// covered by the marker test below.)
+/// covered by the flush proof test below.)
 fn not_overwritten_later(window: &[RecordLayout]) -> Vec<RecordLayout> {
     let data: Vec<&RecordLayout> = window.iter().filter(|r| r.kind == 1 || r.kind == 6).collect();
     let data = &data[..data.len() - 2];
@@ -236,9 +236,13 @@ fn damage_to_the_first_record_of_a_segment_loses_nothing() {
 }
 
 #[test]
-fn the_last_record_with_one_flipped_bit_is_applied_and_with_more_needs_a_marker() {
+fn the_last_record_with_one_flipped_bit_is_applied_and_with_more_fails_its_block() {
     let (image, expected) = flushed_history(7);
     let last = window(&image).into_iter().rev().find(|r| !r.fragments.is_empty()).unwrap();
+    // Nothing follows it in the log: only the flush proof (written after the sync that made
+    // it durable) tells its decay from a torn write.
+    assert!(window(&image).iter().all(|r| r.seq <= last.seq || r.fragments.is_empty()));
+    assert!(inspect::proven_seq(&image).is_some_and(|s| s >= last.seq));
     // One bit: corrected by trial (its payload CRC confirms it), so the record was whole.
     let mut damaged = image.clone();
     flip(&mut damaged, last.fragments[0].1.start + 40, 6);
@@ -246,30 +250,74 @@ fn the_last_record_with_one_flipped_bit_is_applied_and_with_more_needs_a_marker(
     assert!(failed <= 1);
     check_names_damage(&store, "one bit in the last record");
     drop(store);
-    // Three bits, with a marker after it (what the writer thread appends once the store is
-    // idle after a flush): the marker proves it durable, so it is applied, the damaged block
-    // failing its reads.
-    let disk = Arc::new(SimDisk::from_image(image, 2));
-    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.mark_durable().unwrap();
-    let image = disk.crash_image();
-    store.abandon();
-    let mut damaged = image;
+    // Three bits: no trial corrects them, but the flush proof says the record was durable,
+    // so it is applied and the damaged block fails its reads (before flush proofs it was
+    // taken for a torn write, and the block read its previous contents).
+    let mut damaged = image.clone();
     for bit in 0..3 {
         flip(&mut damaged, last.fragments[0].1.start + 40 + bit, bit as u8);
     }
-    let (failed, store) =
-        reads_are_latest_or_errors(damaged.clone(), &expected, "three bits in the last record, marked");
+    let (failed, store) = reads_are_latest_or_errors(damaged.clone(), &expected, "three bits in the last record");
     assert_eq!(failed, 1);
-    check_names_damage(&store, "three bits in the last record, marked");
+    check_names_damage(&store, "three bits in the last record");
     drop(store);
-    // Both copies of its description lost too: the marker still proves it was durable, so
+    // Both copies of its description lost too: the proof still says it was durable, so
     // the store opens degraded rather than taking it for a torn tail.
     flip(&mut damaged, last.head.start + 9, 0);
     flip(&mut damaged, last.tail.end - 10, 1);
-    let (failed, store) = reads_are_latest_or_errors(damaged, &expected, "the last record lost, marked");
+    let (failed, store) = reads_are_latest_or_errors(damaged.clone(), &expected, "the last record lost");
     assert!(failed > 0);
     assert!(store.stats().damaged);
+    drop(store);
+    // The proof itself damaged (both copies): what it said is unknown, so the damaged last
+    // record may have been acknowledged — degraded, not its blocks' previous contents.
+    let mut damaged = image.clone();
+    for bit in 0..3 {
+        flip(&mut damaged, last.fragments[0].1.start + 40 + bit, bit as u8);
+    }
+    flip(&mut damaged, inspect::FLUSH_PROOF.start as u64 + 9, 0);
+    flip(&mut damaged, inspect::FLUSH_PROOF.start as u64 + 2048 + 17, 3);
+    let (failed, store) =
+        reads_are_latest_or_errors(damaged.clone(), &expected, "the proof and the last record damaged");
+    assert!(failed > 0);
+    assert!(store.stats().damaged);
+    drop(store);
+    // Accepting the loss opens it for writing and writes a new proof: the next open is whole.
+    let disk = Arc::new(SimDisk::from_image(damaged, 5));
+    let accepting = OpenOptions { accept_data_loss: true, ..test_options() };
+    Store::open_backing(disk.clone(), &accepting).unwrap().close().unwrap();
+    assert!(inspect::proven_seq(&disk.image()).is_some());
+    let store = Store::open_backing(disk, &test_options()).unwrap();
+    assert!(!store.stats().damaged);
+    store.write(0, &[3u8; 4096], true).unwrap();
+}
+
+/// A write torn by a crash is still a torn write: the proof covers only what a flush made
+/// durable, so an unflushed last record that does not verify ends the log and its blocks
+/// read what the last flush left, and the store opens writable with nothing to report.
+#[test]
+fn an_unflushed_torn_record_past_the_proof_is_a_torn_write() {
+    let (image, expected) = flushed_history(12);
+    let disk = Arc::new(SimDisk::from_image(image, 4));
+    let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
+    let mut rng = rng(12);
+    store.write(5 * BLOCK, &block_data(&mut rng, 4 * BLOCK as usize, 30), false).unwrap();
+    // (A later write, so the first record lies in whole sectors.)
+    store.write(40 * BLOCK, &block_data(&mut rng, 16 * BLOCK as usize, 30), false).unwrap();
+    // Written out (whole sectors), never flushed: the disk holds it, as a crash may leave it.
+    store.write_out_unflushed().unwrap();
+    let mut image = disk.image();
+    store.abandon();
+    let proven = inspect::proven_seq(&image).unwrap();
+    let torn = window(&image).into_iter().find(|r| r.fragments.first().is_some_and(|f| f.0 == 5)).unwrap();
+    assert!(torn.seq > proven, "the unflushed record {} is past the proof ({proven})", torn.seq);
+    for bit in 0..3 {
+        flip(&mut image, torn.fragments[0].1.start + 40 + bit, bit as u8);
+    }
+    let (failed, store) = reads_are_latest_or_errors(image, &expected, "an unflushed torn record");
+    assert_eq!(failed, 0);
+    assert!(!store.stats().damaged);
+    store.write(0, &[1u8; 4096], true).unwrap();
 }
 
 #[test]
@@ -320,7 +368,9 @@ fn records_past_a_never_durable_gap_are_not_replayed_after_a_loss() {
     }
     model.flushed();
     // What a later run appends; erasing its first record below makes the rest a crashed
-    // run's leftovers past a gap.
+    // run's leftovers past a gap. That run never flushed past the gap, so its flush proof
+    // is the one written now (put back below).
+    let proof_before_gap = disk.crash_image()[inspect::FLUSH_PROOF].to_vec();
     for lba in [300, 400] {
         Request::Write { offset: lba * BLOCK, data: block_data(&mut rng, 16 * 4096, 30) }.run(&store, false).unwrap();
     }
@@ -334,6 +384,8 @@ fn records_past_a_never_durable_gap_are_not_replayed_after_a_loss() {
     let last = records.iter().rfind(|r| r.seq < gap.seq && !r.fragments.is_empty()).unwrap().clone();
     assert!(records.iter().any(|r| r.seq > gap.seq && r.fragments.iter().any(|f| f.0 == 400)));
     image[gap.head.start as usize..gap.tail.end as usize].fill(0);
+    image[inspect::FLUSH_PROOF].copy_from_slice(&proof_before_gap);
+    assert!(inspect::proven_seq(&image).is_some_and(|s| s < gap.seq));
     let expected = model.durable;
     let (failed, store) = reads_are_latest_or_errors(image.clone(), &expected, "a gap after the last record");
     assert_eq!(failed, 0, "the log ends at the gap");

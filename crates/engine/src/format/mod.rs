@@ -8,6 +8,7 @@
 
 mod checkpoint;
 mod fragment;
+mod proof;
 mod record;
 mod superblock;
 pub mod v2 {
@@ -20,6 +21,7 @@ pub use checkpoint::{
     dictionary_table_bytes_max, Checkpoint, DictionaryEntry, MapRoot, SegmentState, SegmentUsage, COUNTER_ORDER,
 };
 pub use fragment::{FragmentEntry, FragmentFormat, Protection, PI_BYTES, V2_PREFIX_BYTES};
+pub use proof::{FlushProof, ProofSector, FLUSH_PROOF_BYTES, FLUSH_PROOF_OFFSET_BYTES};
 pub use record::{
     decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, EncodedRecord, Head, RecordBody,
     RecordHeader, RecordKind, RecordVersion, RelocateEntry, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST,

@@ -663,22 +663,6 @@ impl Inner {
         fragment[..PI_BYTES].copy_from_slice(&Protection { guard, ..pi }.encode());
     }
 
-    /// Appends a marker record: only a head and tail, whose durable sequence number proves
-    /// to a later recovery that the records before it were durable (written when the store
-    /// goes idle after a flush; `worker.rs`). Returns its sequence number.
-    pub(crate) fn append_marker(&self) -> Result<u64> {
-        let mut log = self.log.lock();
-        self.check_writable()?;
-        self.close_batch(&mut log);
-        if self.available_bytes(&log) < RECORD_MIN_BYTES as u64 {
-            return Err(Error::new(ErrorKind::NoSpace, "no room for a marker"));
-        }
-        self.switch_stream(&mut log, Stream::Host)?;
-        self.ensure_room(&mut log, RECORD_MIN_BYTES)?;
-        self.put_record(&mut log, FLAG_FIRST | FLAG_LAST, RecordBody::Marker, &[], &[]);
-        Ok(log.appender.next_seq - 1)
-    }
-
     /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
     pub(super) fn ensure_room(&self, log: &mut Log, bytes: usize) -> Result<()> {
         if log.appender.open.is_none() || self.room(log) < bytes {

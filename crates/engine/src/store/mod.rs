@@ -48,6 +48,7 @@ mod options;
 mod pacing;
 mod pages;
 mod permits;
+mod proof;
 pub(crate) mod read;
 mod recovery;
 mod replay;
@@ -186,12 +187,13 @@ impl Store {
         let chosen = recovery::choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
         let sb = chosen.superblock.clone();
         let inner = Inner::from_checkpoint(backing, options, cipher, &chosen)?;
+        let flush_proof = inner.read_flush_proof();
         let broken_link;
         let unlinked;
         let torn_applied;
         {
             let mut log = inner.log.lock();
-            let findings = inner.replay(&mut log, &sb)?;
+            let findings = inner.replay(&mut log, &sb, &flush_proof)?;
             let continue_in = findings.continue_in;
             torn_applied = findings.damaged.iter().any(|d| d.torn_tail);
             inner.recovery.set(findings).expect("recovery runs once");
@@ -204,6 +206,9 @@ impl Store {
             unlinked = continue_in.is_none() && log.appender.next_seq > sb.checkpoint_seq + 1;
         }
         let writable = !options.read_only && inner.degraded().is_none();
+        if writable {
+            inner.prove_at_open(&flush_proof)?;
+        }
         if writable && unlinked {
             // The log ended in a segment that names none to go on in (a cold segment, or
             // none was free when it opened): a later recovery from the retained checkpoints
@@ -422,22 +427,19 @@ impl Store {
         self.inner.background_step().map(|_| ())
     }
 
+    /// Writes the log's whole sectors out without a flush (what the writer thread does
+    /// between flushes): for tests that need unflushed records on the disk.
+    #[doc(hidden)]
+    pub fn write_out_unflushed(&self) -> Result<()> {
+        self.inner.write_out(writeout::WriteOut::WholeSectors).map(|_| ())
+    }
+
     /// One step of idle work (`idle.rs`) now, however recently the host was here: for tests
     /// without the background threads (the crash model). Returns whether it did any.
     #[doc(hidden)]
     pub fn idle_work_once(&self) -> Result<bool> {
         self.inner.check_writable()?;
         self.inner.idle_work(&mut self.idle.lock())
-    }
-
-    /// Appends and flushes a marker record, as the writer thread does once the store is
-    /// idle after a flush: it proves to a later recovery that everything before it was
-    /// durable. For tests without the background threads.
-    #[doc(hidden)]
-    pub fn mark_durable(&self) -> Result<()> {
-        self.inner.flush()?;
-        self.inner.append_marker()?;
-        self.inner.flush()
     }
 
     /// Writes a checkpoint now (and frees segments it makes reusable).
@@ -554,7 +556,7 @@ impl Inner {
             options: options.clone(),
             map: RwLock::new(Rank::Map, map),
             log: Mutex::new(Rank::Log, log),
-            io: Mutex::new(Rank::Io, ()),
+            io: Mutex::new(Rank::Io, proof::ProofState::default()),
             checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             counters,

@@ -15,6 +15,10 @@
 //!   every block not provably written after the loss reads as EIO, because it might be
 //!   older than what the lost record wrote.
 //!
+//! The last records before a crash have no later record; the flush proof (`proof.rs`),
+//! written after each flush's sync, says how far the last flush got. A damaged record it
+//! covers is applied; a log that ends before what it proved is a loss.
+//!
 //! Without such proof the damage is a torn tail and the log ends there, as it always did.
 //!
 //! Invariants: replay follows one history (sequence numbers and the chain of head CRCs; a
@@ -27,6 +31,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
+use super::proof::Proven;
 use super::read::Sealed;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
 use super::state::{Geometry, Inner};
@@ -196,7 +201,7 @@ struct Index {
 impl Inner {
     /// Replays every complete record group after the checkpoint, in order. Fails only if
     /// a map page cannot be read.
-    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock) -> Result<RecoveryFindings> {
+    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock, flush_proof: &Proven) -> Result<RecoveryFindings> {
         let legacy = sb.format_version < FORMAT_VERSION;
         let mut starts = Starts { index: None, links: HashMap::new(), checkpoint_seq: sb.checkpoint_seq };
         if legacy {
@@ -214,18 +219,25 @@ impl Inner {
         let mut group: Vec<FoundRecord> = Vec::new();
         let mut recovered = RecoveredRecords::default();
         loop {
-            let record = match self.choose_record(&mut cache, &mut starts, cursor) {
+            let record = match self.choose_record(&mut cache, &mut starts, cursor, flush_proof) {
                 Choice::Intact(record) => record,
                 Choice::Recovered(record, why) => {
                     findings.damaged.push(damage_report(&record, why));
                     recovered.note(findings.damaged.len() - 1, record.header.seq, why == COMPLETE);
                     record
                 }
-                Choice::Torn => break,
-                Choice::Missing => {
+                // A torn write: the end of the log, unless the flush proof says the record
+                // there was durable (and the damaged one is not its run's: a loss).
+                Choice::Torn if flush_proof.lost_from(cursor.seq).is_none() => break,
+                Choice::Torn | Choice::Missing => {
                     let past = self.look_past(&mut cache, &mut starts, cursor);
                     let what = match &past {
-                        PastLoss::End => break, // the end of the log
+                        // Nothing later proves a loss: the end of the log, unless the flush
+                        // proof does.
+                        PastLoss::End => match flush_proof.lost_from(cursor.seq) {
+                            Some(what) => what,
+                            None => break,
+                        },
                         PastLoss::Successor(next) => format!(
                             "records {}..{} lost (no copy of their description survives); later records prove they were durable",
                             cursor.seq,
@@ -452,9 +464,15 @@ impl Inner {
 
     /// What replay takes at the cursor: an intact record; else a damaged one that is
     /// complete (one copy of its description and its whole payload survive), proven durable
-    /// by a later record, or off by one flipped bit per fragment; else, if there was a
+    /// by a later record or by the flush proof, or off by one flipped bit per fragment; else, if there was a
     /// damaged candidate, the log ends in a torn write; else nothing is there.
-    fn choose_record(&self, cache: &mut SegmentCache, starts: &mut Starts, cursor: Cursor) -> Choice {
+    fn choose_record(
+        &self,
+        cache: &mut SegmentCache,
+        starts: &mut Starts,
+        cursor: Cursor,
+        flush_proof: &Proven,
+    ) -> Choice {
         let found = self.candidates(cache, starts, cursor);
         if found.is_empty() {
             return Choice::Missing;
@@ -475,6 +493,9 @@ impl Inner {
                 PayloadState::Intact | PayloadState::FragmentsVerify => COMPLETE,
                 _ if self.proof_from(cache, starts, &record, record.header.seq) => {
                     "a later record proves it was durable"
+                }
+                _ if flush_proof.covers(record.header.seq, record.header.session) => {
+                    "the flush proof says it was durable"
                 }
                 PayloadState::OneFlippedBit => "one flipped bit: it was written whole",
                 PayloadState::Damaged => continue,

@@ -115,8 +115,8 @@ pub(crate) struct Inner {
     /// Rank 5.
     pub log: Mutex<Log>,
     /// Rank 4: serialises backing writes of log data, so a flush knows every earlier write
-    /// is done.
-    pub io: Mutex<()>,
+    /// is done; holds what the last flush proof said (`proof.rs`).
+    pub io: Mutex<super::proof::ProofState>,
     /// Rank 2: serialises checkpoints and holds the superblock of the newest durable one.
     pub checkpoint: Mutex<Superblock>,
     /// Rank 8: the segment buffers readers may find data in (the open segment and sealed

@@ -15,14 +15,6 @@ use super::writeout::WriteOut;
 use crate::error::{ErrorKind, Result};
 use crate::SECTOR_SIZE;
 
-/// What the writer saw of the log at its last wake-up.
-#[derive(Debug, Default)]
-struct IdleWatch {
-    last_seq: u64,
-    /// The newest marker written.
-    marked_seq: u64,
-}
-
 #[derive(Debug, Clone, Copy)]
 enum Thread {
     Writer,
@@ -58,13 +50,9 @@ impl Inner {
     }
 
     pub(crate) fn writer_loop(&self) {
-        let mut idle = IdleWatch::default();
         while self.wait_for_work(Thread::Writer) {
             if self.check_writable().is_err() {
                 continue;
-            }
-            if let Err(e) = self.mark_when_idle(&mut idle) {
-                tracing::warn!("durability marker: {e}");
             }
             let pending = {
                 let log = self.log.lock();
@@ -80,24 +68,6 @@ impl Inner {
                 }
             }
         }
-    }
-
-    /// When the log has been idle since a flush made everything durable, appends a marker
-    /// and flushes it: its durable sequence number proves to a later recovery that the
-    /// last records before it were durable, so damage to them is not mistaken for a torn
-    /// tail (`replay.rs`). Under steady traffic the next records prove it and no marker is
-    /// written.
-    fn mark_when_idle(&self, idle: &mut IdleWatch) -> Result<()> {
-        let last_seq = self.log.lock().appender.next_seq - 1;
-        let durable = self.durable_seq.load(Ordering::Acquire);
-        let quiet = last_seq == idle.last_seq && last_seq == durable;
-        idle.last_seq = last_seq;
-        if quiet && durable > idle.marked_seq {
-            idle.marked_seq = self.append_marker()?;
-            self.write_out(WriteOut::Flush)?;
-            idle.last_seq = idle.marked_seq;
-        }
-        Ok(())
     }
 
     pub(crate) fn worker_loop(&self) {

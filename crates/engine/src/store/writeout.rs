@@ -5,7 +5,8 @@
 //!   writes whole sectors only; a flush pads the open segments (both streams') to the next
 //!   sector and appends continue after the padding.
 //! - Backing writes of log data are serialised (the `io` lock), so a sync covers every
-//!   write before it, and `durable_seq` advances only after the sync.
+//!   write before it, and `durable_seq` advances only after the sync and the flush proof
+//!   written after it (`proof.rs`).
 //! - A sealed segment leaves the buffered list (readers go to disk) only after its bytes
 //!   are written.
 
@@ -41,8 +42,18 @@ impl Inner {
     /// Writes buffered log bytes to the backing; with `WriteOut::Flush` also syncs. Returns
     /// the sequence number covered (made durable, with a flush).
     pub(crate) fn write_out(&self, mode: WriteOut) -> Result<u64> {
-        let _io = self.io.lock();
+        self.write_out_unless_durable(mode, None)
+    }
+
+    /// `write_out`, or nothing if — once this thread holds the `io` lock — a flush that
+    /// finished meanwhile already made everything up to `covered` durable (group commit:
+    /// flushes that queued behind one share its sync and proof).
+    fn write_out_unless_durable(&self, mode: WriteOut, covered: Option<u64>) -> Result<u64> {
+        let mut io = self.io.lock();
         self.check_writable()?;
+        if let Some(seq) = covered.filter(|&seq| self.durable_seq.load(Ordering::Acquire) >= seq) {
+            return Ok(seq);
+        }
         let (jobs, target_seq) = self.take_write_jobs(mode);
         let mut scratch: Option<AlignedBuf> = None;
         for job in &jobs {
@@ -67,6 +78,11 @@ impl Inner {
         self.retire_written(jobs);
         if mode == WriteOut::Flush {
             self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
+            // Only a write after the sync can show a later recovery that the sync completed
+            // (`proof.rs`); the flush is acknowledged after it.
+            if target_seq > io.proven_seq {
+                self.write_flush_proof(&mut io, target_seq)?;
+            }
             self.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
         }
         Ok(target_seq)
@@ -128,9 +144,13 @@ impl Inner {
         }
     }
 
+    /// Makes every record appended so far durable. (A request is acknowledged after its
+    /// append, so this covers every write acknowledged before the call; an open batch
+    /// already holds its sequence number, and any flush that covers it closes it first.)
     pub(crate) fn flush(&self) -> Result<()> {
         self.check_writable()?;
-        self.write_out(WriteOut::Flush).map(|_| ())
+        let appended = self.log.lock().appender.next_seq - 1;
+        self.flush_upto(appended)
     }
 
     /// Makes everything up to `seq` durable, joining a flush that already covered it.
@@ -138,6 +158,6 @@ impl Inner {
         if self.durable_seq.load(Ordering::Acquire) >= seq {
             return Ok(());
         }
-        self.write_out(WriteOut::Flush).map(|_| ())
+        self.write_out_unless_durable(WriteOut::Flush, Some(seq)).map(|_| ())
     }
 }
