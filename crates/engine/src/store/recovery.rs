@@ -8,6 +8,8 @@
 //! link, or a damaged record, one sector per segment and the segments that could hold what
 //! follows). Map pages are read when they are first needed, not at open.
 
+use std::collections::BTreeMap;
+
 use super::log::Log;
 use super::segments::BlockCounts;
 use super::state::Inner;
@@ -17,9 +19,77 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Checkpoint, Superblock, SUPERBLOCK_SLOT_BYTES};
 use crate::map::page;
 use crate::map::{Entry, PackedEntry, PagedMap};
+use crate::types::{Lba, SegmentId};
 use crate::BLOCK_SIZE;
 
 use super::checkpoint::{chunk_segments, load_checkpoint};
+
+/// A record recovery found damaged.
+#[derive(Debug, Clone)]
+pub(crate) struct DamagedRecord {
+    /// Where it starts (or where the damage starts, for a lost record).
+    pub offset_bytes: u64,
+    /// What was damaged and what recovery did.
+    pub what: String,
+    /// The LBA ranges (start, blocks) it wrote, where known.
+    pub lbas: Vec<(Lba, u64)>,
+    /// Complete, and no later record proves it durable: what a crash during its write
+    /// leaves (a torn head or tail sector), not decay. Nothing was lost.
+    pub torn_tail: bool,
+    /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
+    /// damaged chunk is reported on its own).
+    pub maps_nothing: bool,
+}
+
+/// A store that lost records: which blocks are provably newer than the loss.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Degraded {
+    pub first_lost_seq: u64,
+    /// Ranges (start → end, exclusive) of LBAs written, trimmed or zeroed after the loss.
+    newer: BTreeMap<u64, u64>,
+}
+
+impl Degraded {
+    pub(super) fn from(first_lost_seq: u64) -> Degraded {
+        Degraded { first_lost_seq, newer: BTreeMap::new() }
+    }
+
+    pub(super) fn note(&mut self, start: Lba, blocks: u64) {
+        let (mut start, mut end) = (start.0, start.0.saturating_add(blocks));
+        // Merge with overlapping or adjacent ranges.
+        if let Some((&s, &e)) = self.newer.range(..=start).next_back() {
+            if e >= start {
+                start = s;
+                end = end.max(e);
+            }
+        }
+        while let Some((&s, &e)) = self.newer.range(start..).next() {
+            if s > end {
+                break;
+            }
+            end = end.max(e);
+            self.newer.remove(&s);
+        }
+        self.newer.insert(start, end);
+    }
+
+    /// Whether block `lba` was written after the loss (so no lost record can be newer).
+    pub fn is_newer(&self, lba: Lba) -> bool {
+        self.newer.range(..=lba.0).next_back().is_some_and(|(_, &end)| lba.0 < end)
+    }
+}
+
+/// What recovery found, for `check` and the statistics.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RecoveryFindings {
+    pub damaged: Vec<DamagedRecord>,
+    pub degraded: Option<Degraded>,
+    /// The segment the last replayed segment's link names: where the log goes on.
+    pub continue_in: Option<SegmentId>,
+    /// Whether replay had to read every segment's start (an older format, an unreadable
+    /// link, or damage).
+    pub indexed: bool,
+}
 
 /// The checkpoint recovery starts from, with the superblock that points at it.
 pub(crate) struct Chosen {

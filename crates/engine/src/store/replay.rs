@@ -27,12 +27,13 @@
 //! applied only when its LAST record is found, except that a loss inside a durable-proven
 //! group applies what survives of it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use super::apply::{apply_record, lbas_set, Live};
 use super::log::Log;
 use super::proof::Proven;
 use super::read::Sealed;
+use super::recovery::{DamagedRecord, Degraded, RecoveryFindings};
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
 use super::state::{Geometry, Inner};
 use crate::codec::DictionarySet;
@@ -48,69 +49,6 @@ const LOOKAHEAD_RECORDS: u64 = 1024;
 const SETTLE_BATCH_LEAVES: usize = 256;
 /// How many records after a damaged one replay follows to find proof it was durable.
 const PROOF_RECORDS_MAX: usize = 1 << 20;
-
-/// A record recovery found damaged.
-#[derive(Debug, Clone)]
-pub(crate) struct DamagedRecord {
-    /// Where it starts (or where the damage starts, for a lost record).
-    pub offset_bytes: u64,
-    /// What was damaged and what recovery did.
-    pub what: String,
-    /// The LBA ranges (start, blocks) it wrote, where known.
-    pub lbas: Vec<(Lba, u64)>,
-    /// Complete, and no later record proves it durable: what a crash during its write
-    /// leaves (a torn head or tail sector), not decay. Nothing was lost.
-    pub torn_tail: bool,
-    /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
-    /// damaged chunk is reported on its own).
-    pub maps_nothing: bool,
-}
-
-/// A store that lost records: which blocks are provably newer than the loss.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Degraded {
-    pub first_lost_seq: u64,
-    /// Ranges (start → end, exclusive) of LBAs written, trimmed or zeroed after the loss.
-    newer: BTreeMap<u64, u64>,
-}
-
-impl Degraded {
-    fn note(&mut self, start: Lba, blocks: u64) {
-        let (mut start, mut end) = (start.0, start.0.saturating_add(blocks));
-        // Merge with overlapping or adjacent ranges.
-        if let Some((&s, &e)) = self.newer.range(..=start).next_back() {
-            if e >= start {
-                start = s;
-                end = end.max(e);
-            }
-        }
-        while let Some((&s, &e)) = self.newer.range(start..).next() {
-            if s > end {
-                break;
-            }
-            end = end.max(e);
-            self.newer.remove(&s);
-        }
-        self.newer.insert(start, end);
-    }
-
-    /// Whether block `lba` was written after the loss (so no lost record can be newer).
-    pub fn is_newer(&self, lba: Lba) -> bool {
-        self.newer.range(..=lba.0).next_back().is_some_and(|(_, &end)| lba.0 < end)
-    }
-}
-
-/// What recovery found, for `check` and the statistics.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct RecoveryFindings {
-    pub damaged: Vec<DamagedRecord>,
-    pub degraded: Option<Degraded>,
-    /// The segment the last replayed segment's link names: where the log goes on.
-    pub continue_in: Option<SegmentId>,
-    /// Whether replay had to read every segment's start (an older format, an unreadable
-    /// link, or damage).
-    pub indexed: bool,
-}
 
 /// What replay found where it expected the next record.
 enum Choice {
@@ -734,7 +672,7 @@ fn note_loss(findings: &mut RecoveryFindings, cursor: Cursor, what: String) {
         DamagedRecord { torn_tail: false, maps_nothing: false, offset_bytes: cursor.offset, what, lbas: Vec::new() };
     tracing::error!("replay: {} at byte {}", lost.what, lost.offset_bytes);
     findings.damaged.push(lost);
-    findings.degraded.get_or_insert_with(|| Degraded { first_lost_seq: cursor.seq, ..Degraded::default() });
+    findings.degraded.get_or_insert_with(|| Degraded::from(cursor.seq));
 }
 
 /// What a damaged-but-recovered record's report says; `why` says why it was applied.

@@ -16,7 +16,7 @@ use std::sync::Condvar;
 use super::lock::{Mutex, RwLock};
 use super::log::Log;
 use super::options::OpenOptions;
-use super::replay::{Degraded, RecoveryFindings};
+use super::recovery::{Degraded, RecoveryFindings};
 use crate::backing::Backing;
 use crate::cache::FragmentCache;
 use crate::codec::Codec;
