@@ -462,7 +462,7 @@ fn decay_of_the_last_flushed_write_never_yields_its_previous_contents() {
         last.fragments.iter().all(|(lba, _)| *lba < (length / 4096) as u64),
         "the last data record is the new write"
     );
-    let mut damaged = crashed.clone();
+    let mut damaged = crashed;
     // Three flipped bits in one fragment: no single-bit trial repairs them.
     let at = last.fragments[0].1.start + 40;
     for bit in 0..3u64 {
@@ -486,6 +486,32 @@ fn decay_of_the_last_flushed_write_never_yields_its_previous_contents() {
         }
     }
     assert!(errors >= 1, "the damaged block must fail its read (seed {seed})");
+    client.disconnect();
+    server.stop();
+    // The proof decayed too (both copies): what it said is unknown, so the store serves
+    // degraded — every read fails, none returns the previous contents — until the loss is
+    // accepted, which opens it for writing again.
+    let proof = zdisk_engine::sim::inspect::FLUSH_PROOF;
+    damaged[proof.start + 9] ^= 1;
+    damaged[proof.start + 2048 + 21] ^= 4;
+    let unknown = s.path("unknown.zdisk");
+    std::fs::write(&unknown, &damaged).unwrap();
+    let output = s.zdisk().args(["check"]).arg(&unknown).output().unwrap();
+    assert_eq!(output.status.code(), Some(3), "check should report the possible loss: {output:?}");
+    let server = Server::start(&s, &unknown, &[]);
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    for block in 0..length / 4096 {
+        let mut data = vec![0u8; 4096];
+        let status = client.read((block * 4096) as u64, &mut data).unwrap();
+        assert_ne!(status, 0, "block {block} read while the proof is unknown (seed {seed})");
+    }
+    assert_ne!(client.write(0, &new[..4096], 0).unwrap(), 0, "a degraded store takes no writes");
+    client.disconnect();
+    server.stop();
+    let server = Server::start(&s, &unknown, &["--accept-data-loss"]);
+    let mut client = NbdClient::connect(&server.socket).unwrap();
+    client.write_ok(0, &new[..4096]);
+    assert_eq!(client.flush().unwrap(), 0);
     client.disconnect();
     server.stop();
 }
