@@ -47,7 +47,7 @@ impl Proven {
     pub fn lost_from(&self, seq: u64) -> Option<String> {
         match self.0 {
             ProofSector::Proof(p) if p.proven_seq >= seq => Some(format!(
-                "records {seq}..{} lost: the flush proof says they were durable, and no copy of their description survives",
+                "records {seq}..{} lost: the flush proof says they were durable, and none of them can be read",
                 p.proven_seq
             )),
             ProofSector::Damaged => Some(format!(
