@@ -18,17 +18,12 @@ use std::time::Duration;
 use common::crash_model::{pattern, Model, BLOCK};
 use common::nbd::{self, NbdClient};
 use common::{
-    assert_success, fio, require, require_libnbd_python, run_ok, sha256, tar_of, Scratch, Server, LIBNBD_PYTHON,
+    assert_success, fio, nbdinfo_json, require, require_libnbd_python, run_ok, sha256, tar_of, Scratch, Server,
+    LIBNBD_PYTHON,
 };
 use serde_json::Value;
 
 const BASIC_TOOLS: &[&str] = &["nbdkit"];
-
-fn nbdinfo_json(uri: &str) -> Value {
-    let out = run_ok(Command::new("nbdinfo").arg("--json").arg(uri));
-    let info: Value = serde_json::from_str(&out).expect("nbdinfo --json");
-    info["exports"][0].clone()
-}
 
 #[test]
 fn nbdinfo_shows_size_allocation_and_capabilities() {

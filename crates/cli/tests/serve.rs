@@ -12,16 +12,9 @@ use std::time::{Duration, Instant};
 
 use common::crash_model::pattern;
 use common::nbd::NbdClient;
-use common::{require, run_ok, Scratch, Server};
-use serde_json::Value;
+use common::{nbdinfo_json, require, Scratch, Server};
 
 const BASIC_TOOLS: &[&str] = &["nbdkit"];
-
-fn nbdinfo_json(uri: &str) -> Value {
-    let out = run_ok(Command::new("nbdinfo").arg("--json").arg(uri));
-    let info: Value = serde_json::from_str(&out).expect("nbdinfo --json");
-    info["exports"][0].clone()
-}
 
 #[test]
 fn serve_stops_cleanly_on_sigint_and_checkpoints() {

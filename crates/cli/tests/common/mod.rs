@@ -157,6 +157,13 @@ pub fn run_ok(command: &mut Command) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// The first export `nbdinfo --json` describes at `uri`.
+pub fn nbdinfo_json(uri: &str) -> serde_json::Value {
+    let out = run_ok(Command::new("nbdinfo").arg("--json").arg(uri));
+    let info: serde_json::Value = serde_json::from_str(&out).expect("nbdinfo --json");
+    info["exports"][0].clone()
+}
+
 /// The pid in `pid_file` (`-P` of nbdkit, nbdfuse), waiting for it to be written: a daemonising
 /// nbdkit returns to its caller before its child has written the file, and a foreground tool
 /// writes it only once it serves. Panics after `timeout` naming `what` and the file.

@@ -27,6 +27,8 @@ use crate::stats::Counters;
 pub(crate) struct ProofState {
     pub generation: u64,
     pub proven_seq: u64,
+    /// This run's session nonce (set at open, before the first proof; never 0).
+    pub session: u32,
 }
 
 /// What recovery knows from the proof sector.
@@ -74,12 +76,9 @@ impl Inner {
     /// Writes and syncs a proof that every record up to `proven_seq` is durable. The caller
     /// holds the `io` lock and has synced those records.
     pub(crate) fn write_flush_proof(&self, state: &mut ProofState, proven_seq: u64) -> Result<()> {
-        let (session, next_seq) = {
-            let log = self.log.lock();
-            (log.appender.session, log.appender.next_seq)
-        };
-        debug_assert!(proven_seq < next_seq, "a proof of records not appended yet");
-        let proof = FlushProof { generation: state.generation + 1, proven_seq, session };
+        debug_assert!(state.session != 0, "a proof before open set the session");
+        debug_assert!(proven_seq < self.log.lock().appender.next_seq, "a proof of records not appended yet");
+        let proof = FlushProof { generation: state.generation + 1, proven_seq, session: state.session };
         let mut aligned = new_buffer(FLUSH_PROOF_BYTES);
         aligned.copy_from_slice(&proof.encode_sector(self.geometry.store_tag));
         self.backing
@@ -96,6 +95,7 @@ impl Inner {
     /// numbers this run writes again, in another session).
     pub(crate) fn prove_at_open(&self, found: &Proven) -> Result<()> {
         let mut state = self.io.lock();
+        state.session = self.log.lock().appender.session;
         state.generation = match found.0 {
             ProofSector::Proof(p) => p.generation,
             ProofSector::Empty | ProofSector::Damaged => 0,
