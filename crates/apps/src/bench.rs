@@ -13,6 +13,7 @@ use crate::corpus;
 use crate::db::{self, Db, Load, LoadResult, Server, ServerConfig};
 use crate::stack::{self, Ctx, Device, Mount};
 use crate::sys::{self, progress, CpuTimes, DiskStat};
+use crate::throttle::DiskThrottle;
 use crate::{BenchArgs, Preset};
 
 mod plan;
@@ -436,6 +437,7 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
 
     // One stack per storage kind, all attached for the whole run; one database at a time.
     let mut stacks = make_stacks(ctx, s, report, seed_plain.as_ref(), seed_zlib.as_ref())?;
+    let throttle = s.disk_mbps.map(|mbps| cap_servers(ctx, mbps, &stacks)).transpose()?;
 
     let mut order = s.configs.clone();
     let mut turn = 0usize;
@@ -488,6 +490,17 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
         }
     }
 
+    if let Some(t) = throttle {
+        let (read, written) = t.io_bytes();
+        report.notes.push(format!(
+            "--disk-mbps: the storage servers' reads and writes to disk {} were capped at {} MB/s each way \
+             (cgroup blkio) during the points; under the cap they read {:.0} MiB and wrote {:.0} MiB",
+            t.device,
+            t.bytes_per_s / 1_000_000,
+            read as f64 / 1048576.0,
+            written as f64 / 1048576.0
+        ));
+    }
     for st in &stacks {
         report.capacity.push(capacity(st, s.db, "end"));
     }
@@ -501,6 +514,23 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
         device.detach()?;
     }
     Ok(())
+}
+
+/// Caps every stack's storage server at `mbps` on the work directory's disk (after the data
+/// set is copied in: loading is not what is measured).
+fn cap_servers(ctx: &Ctx, mbps: u32, stacks: &[Stack]) -> Result<DiskThrottle> {
+    let throttle = DiskThrottle::new(&ctx.work, mbps)?;
+    for st in stacks {
+        let pids = st.device.server_pids();
+        if pids.is_empty() {
+            bail!("stack {} has no storage server to cap", st.kind.name());
+        }
+        for pid in pids {
+            throttle.add(pid)?;
+        }
+    }
+    progress(&format!("storage servers capped at {mbps} MB/s each way on disk {}", throttle.device));
+    Ok(throttle)
 }
 
 /// One stack per storage kind the configurations need, each holding a copy of its loaded

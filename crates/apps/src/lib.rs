@@ -17,6 +17,7 @@ mod powercut;
 mod report;
 mod stack;
 mod sys;
+mod throttle;
 
 use std::path::PathBuf;
 
@@ -42,7 +43,7 @@ pub enum DbCommand {
 default (hours: ~2.5 GB vs 256 MB, threads 1,4,16,64, 60 s points, 2 rounds). \
 Targets (--configs): zdisk-nodw, zdisk-dw, raw-dw, raw-nodw (UNSAFE, reference), raw-zlib (MySQL), loop-dw. \
 For PostgreSQL 'dw' means full_page_writes. Needs root. See docs/apps.md.")]
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Power-cut test: kill zdisk's server and the database together under load, recover, check
     /// every page.
     Powercut(PowercutArgs),
@@ -152,6 +153,13 @@ pub struct BenchArgs {
     /// ext4 mount options.
     #[arg(long, default_value = "noatime", value_name = "OPTS")]
     pub mount_options: String,
+
+    /// Cap the storage servers' reads and writes to the work directory's disk at this many
+    /// MB/s each way (cgroup v1 blkio throttle), for a bandwidth-bound comparison like the
+    /// whitepaper's drives: zdisk serve and qemu-nbd get the same cap, applied after the
+    /// data set is copied in. Not with loop-dw (its I/O has no server process to cap).
+    #[arg(long, value_name = "MBPS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub disk_mbps: Option<u32>,
 
     /// Keep the work directory (stores, images, logs, sysbench output) afterwards.
     #[arg(long)]

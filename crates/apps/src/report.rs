@@ -515,7 +515,7 @@ Host: {} CPUs ({}), kernel {}; load average at start {}, at end {}. Wall time {:
 Targets: zdisk = `zdisk attach --fuse` (zdisk serve + nbdfuse + loop, direct I/O); raw = the same disk as a sparse raw \
 file behind qemu-nbd --cache=none + nbdfuse + loop (the same transport); loop = the raw file on a loop device, no NBD. \
 `{guard}` off on raw is UNSAFE (no atomic page writes) and shown for reference only. \
-Ratios come from one run on a noisy 2-core VM: compare columns, not absolute numbers.\n",
+Ratios come from one run on a noisy 2-core VM: compare columns, not absolute numbers.{}\n",
         db.name(),
         r.settings.preset,
         r.settings.tables,
@@ -536,7 +536,15 @@ Ratios come from one run on a noisy 2-core VM: compare columns, not absolute num
         r.host["kernel"].as_str().unwrap_or(""),
         r.host["loadavg_start"].as_str().unwrap_or(""),
         r.host["loadavg_end"].as_str().unwrap_or(""),
-        r.wall_s
+        r.wall_s,
+        match r.settings.disk_mbps {
+            Some(mbps) => format!(
+                "\n\n**Bandwidth-bound run**: the storage servers (zdisk serve, qemu-nbd) were capped at {mbps} MB/s \
+each way to the disk (`--disk-mbps`, cgroup blkio), the same cap for both: the comparison where bytes, not the \
+latency of each request, are the limit."
+            ),
+            None => String::new(),
+        }
     );
 
     let mut md = format!("# zdisk db bench: {}\n\n{intro}\n", db.name());

@@ -186,6 +186,11 @@ impl Device {
         self.serve_pid.or(self.qemu.as_ref().map(|c| c.id()))
     }
 
+    /// Every process of the storage server: zdisk serve and its nbdkit, or qemu-nbd.
+    pub fn server_pids(&self) -> Vec<u32> {
+        [self.serve_pid, self.nbdkit_pid, self.qemu.as_ref().map(|c| c.id())].into_iter().flatten().collect()
+    }
+
     pub fn nbdfuse_pid(&self) -> Option<u32> {
         self.nbdfuse_pid
     }

@@ -189,6 +189,15 @@ fn scratch_directories_that_cannot_be_created_are_named() {
 }
 
 #[test]
+fn a_disk_bandwidth_cap_is_refused_where_it_cannot_apply() {
+    let s = Scratch::new("disk-mbps");
+    refused(&s, &["db", "bench", "mysql", "--disk-mbps", "0"], 2, "--disk-mbps");
+    // loop-dw's I/O is issued by the kernel's loop workers, not by a server the cap could hold.
+    let args = ["db", "bench", "mysql", "--quick", "--disk-mbps", "20", "--configs", "raw-dw,loop-dw"];
+    refused(&s, &args, 1, "loop-dw has none");
+}
+
+#[test]
 fn serve_needs_a_listen_address() {
     let s = Scratch::new("listen");
     let store = s.format("s.zdisk", "32M", "2x", &[]);

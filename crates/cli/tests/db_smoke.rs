@@ -47,7 +47,9 @@ fn db_bench_smoke_writes_a_complete_report() {
     let started = Instant::now();
     let output = s
         .zdisk()
-        .args(["db", "bench", "mysql", "--smoke"])
+        // Capped well above what the smoke's tiny points need, so the cap's path is exercised
+        // without making the smoke slower.
+        .args(["db", "bench", "mysql", "--smoke", "--disk-mbps", "200"])
         .arg("--dir")
         .arg(s.dir.path())
         .arg("--out")
@@ -82,6 +84,11 @@ fn db_bench_smoke_writes_a_complete_report() {
     }
     assert!(report["codec_ratios"][0]["data_comp_ratio"].as_f64().unwrap() > 1.0);
     assert!(report["offline"]["zstd1"].as_f64().unwrap() > 1.0);
+    assert_eq!(report["settings"]["disk_mbps"], 200);
+    let cap_note =
+        report["notes"].as_array().unwrap().iter().filter_map(|n| n.as_str()).find(|n| n.contains("--disk-mbps"));
+    let cap_note = cap_note.unwrap_or_else(|| panic!("no note of the disk cap in {}", report["notes"]));
+    assert!(cap_note.contains("capped at 200 MB/s") && !cap_note.contains("wrote 0 MiB"), "{cap_note}");
     assert!(report["loop_dio"].as_array().unwrap().iter().all(|x| x[1] == true), "{}", report["loop_dio"]);
     let md = std::fs::read_to_string(out.join("summary.md")).unwrap();
     let html = std::fs::read_to_string(out.join("report.html")).unwrap();

@@ -139,6 +139,8 @@ pub struct Settings {
     pub ratio_codecs: Vec<String>,
     pub rand_type: String,
     pub mount_options: String,
+    /// The storage servers' disk bandwidth cap, MB/s each way (`--disk-mbps`).
+    pub disk_mbps: Option<u32>,
 }
 
 fn pick<T>(p: Preset, full: T, quick: T, smoke: T) -> T {
@@ -196,12 +198,16 @@ pub fn settings(a: &BenchArgs) -> Result<Settings> {
         }),
         rand_type: a.rand_type.clone(),
         mount_options: a.mount_options.clone(),
+        disk_mbps: a.disk_mbps,
     };
     if s.threads.is_empty() || s.threads.contains(&0) || s.time_s == 0 || s.rounds == 0 {
         bail!("--threads must list counts >= 1, --time and --rounds must be >= 1");
     }
     if s.configs.is_empty() || s.workloads.is_empty() {
         bail!("nothing to run: --configs and --workloads must not be empty");
+    }
+    if s.disk_mbps.is_some() && s.configs.contains(&ConfigKey::LoopDw) {
+        bail!("--disk-mbps caps the storage servers, and loop-dw has none: leave loop-dw out of --configs");
     }
     Ok(s)
 }
