@@ -424,6 +424,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
 }
 
 fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
+    // Made first, so a machine that cannot cap fails before minutes of loading.
+    let throttle = s.disk_mbps.map(|mbps| DiskThrottle::new(&ctx.work, mbps)).transpose()?;
     let text = ctx.work.join("text.txt");
     report.text_lines = corpus::write_text_lines(&text)?;
     let lua = ctx.work.join("zdisk_oltp.lua");
@@ -437,7 +439,9 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
 
     // One stack per storage kind, all attached for the whole run; one database at a time.
     let mut stacks = make_stacks(ctx, s, report, seed_plain.as_ref(), seed_zlib.as_ref())?;
-    let throttle = s.disk_mbps.map(|mbps| cap_servers(ctx, mbps, &stacks)).transpose()?;
+    if let Some(t) = &throttle {
+        cap_servers(t, &stacks)?;
+    }
 
     let mut order = s.configs.clone();
     let mut turn = 0usize;
@@ -516,10 +520,9 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
     Ok(())
 }
 
-/// Caps every stack's storage server at `mbps` on the work directory's disk (after the data
-/// set is copied in: loading is not what is measured).
-fn cap_servers(ctx: &Ctx, mbps: u32, stacks: &[Stack]) -> Result<DiskThrottle> {
-    let throttle = DiskThrottle::new(&ctx.work, mbps)?;
+/// Puts every stack's storage server under the cap (after the data set is copied in:
+/// loading is not what is measured).
+fn cap_servers(throttle: &DiskThrottle, stacks: &[Stack]) -> Result<()> {
     for st in stacks {
         let pids = st.device.server_pids();
         if pids.is_empty() {
@@ -529,8 +532,12 @@ fn cap_servers(ctx: &Ctx, mbps: u32, stacks: &[Stack]) -> Result<DiskThrottle> {
             throttle.add(pid)?;
         }
     }
-    progress(&format!("storage servers capped at {mbps} MB/s each way on disk {}", throttle.device));
-    Ok(throttle)
+    progress(&format!(
+        "storage servers capped at {} MB/s each way on disk {}",
+        throttle.bytes_per_s / 1_000_000,
+        throttle.device
+    ));
+    Ok(())
 }
 
 /// One stack per storage kind the configurations need, each holding a copy of its loaded
