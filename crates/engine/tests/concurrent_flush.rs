@@ -51,8 +51,9 @@ fn writer(store: &Store, thread: u64, flushed: &AtomicU64) {
     }
 }
 
-/// What block `slot` of `thread` must hold after the cut: its last write covered by a
-/// returned flush (`flushed`), or a later one (`issued` bounds them); 0: never written.
+/// Whether block `slot` of `thread` holds, after the cut, its last write a returned flush
+/// covered (`flushed` is the thread's last such write number) or a later write of its
+/// thread to it; all zero where no flush covered a write to it.
 fn check_block(thread: u64, slot: u64, data: &[u8], flushed: u64) -> Result<(), String> {
     let must_have = (1..=flushed).rev().find(|n| n % BLOCKS_PER_THREAD == slot).unwrap_or(0);
     let held = match tag_of(data) {
