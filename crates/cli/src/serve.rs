@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// Bound of the engine's buffer memory (e.g. 256M; default 256M).
     #[arg(long, value_name = "SIZE")]
     pub cache: Option<Size>,
+    /// Write-behind bound (default 2M; 0: only --cache bounds it). Writes are acknowledged
+    /// from memory and written out behind; past this many bytes not yet written, a write
+    /// writes them out itself, so a flush never waits for more. Beside a streaming writer a
+    /// committer's p99 flush was 440-570 ms unbounded, 27-42 ms at 2M, 19-25 ms at 1M; the
+    /// stream pays some of its speed on incompressible data (docs/nbd.md, "Write-behind").
+    #[arg(long, value_name = "SIZE")]
+    pub write_behind: Option<Size>,
     /// Memory for a read cache of compressed fragments (e.g. 512M; default 0: off). It holds
     /// comp_ratio times more data than a block cache of that size; it helps reads with
     /// locality, not uniform random reads over data much larger than it.
@@ -210,6 +217,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if let Some(cache) = args.cache {
         command.arg(format!("cache={}", cache.0));
+    }
+    if let Some(write_behind) = args.write_behind {
+        command.arg(format!("write_behind={}", write_behind.0));
     }
     if let Some(map_cache) = args.map_cache {
         command.arg(format!("map_cache={}", map_cache.0));

@@ -44,6 +44,7 @@ struct Config {
     metrics: Option<String>,
     direct: bool,
     cache_bytes: u64,
+    write_behind_bytes: u64,
     read_cache_bytes: u64,
     map_cache_bytes: u64,
     low_space_fraction: f64,
@@ -65,6 +66,7 @@ impl Default for Config {
             metrics: None,
             direct: defaults.direct_io,
             cache_bytes: defaults.cache_bytes_max,
+            write_behind_bytes: defaults.write_behind_bytes_max,
             read_cache_bytes: defaults.read_cache_bytes,
             map_cache_bytes: defaults.map_cache_bytes,
             low_space_fraction: defaults.low_space_fraction,
@@ -195,6 +197,11 @@ impl Server for Handle {
                 let bytes = nbdkit::parse_size(value)?;
                 config.cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("cache={value}")))?;
             }
+            "write_behind" => {
+                let bytes = nbdkit::parse_size(value)?;
+                config.write_behind_bytes =
+                    u64::try_from(bytes).map_err(|_| einval(format!("write_behind={value}")))?;
+            }
             "read_cache" => {
                 let bytes = nbdkit::parse_size(value)?;
                 config.read_cache_bytes = u64::try_from(bytes).map_err(|_| einval(format!("read_cache={value}")))?;
@@ -273,6 +280,7 @@ impl Server for Handle {
             read_only: config.read_only,
             direct_io: config.direct,
             cache_bytes_max: config.cache_bytes,
+            write_behind_bytes_max: config.write_behind_bytes,
             read_cache_bytes: config.read_cache_bytes,
             map_cache_bytes: config.map_cache_bytes,
             low_space_fraction: config.low_space_fraction,

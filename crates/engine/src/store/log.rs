@@ -202,9 +202,12 @@ impl Inner {
         }
         let unwritten = log.appender.unwritten_bytes();
         let sealed = log.appender.sealed_unwritten.len();
+        let backlog_bytes = unwritten + log.appender.sealed_unwritten_bytes();
         drop(log);
         let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
-        if sealed >= sealed_max || !self.options.background && sealed > 0 {
+        let behind_max = self.options.write_behind_bytes_max;
+        let too_far_behind = behind_max > 0 && backlog_bytes as u64 > behind_max;
+        if sealed >= sealed_max || !self.options.background && sealed > 0 || too_far_behind {
             self.write_out(WriteOut::WholeSectors)?;
         } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.kick_writer();

@@ -62,6 +62,11 @@ impl Appender {
     pub fn unwritten_bytes(&self) -> usize {
         self.open_segments().map(|o| o.append_offset_bytes - o.written_offset_bytes).sum()
     }
+
+    /// Bytes of sealed segments not written out yet.
+    pub fn sealed_unwritten_bytes(&self) -> usize {
+        self.sealed_unwritten.iter().map(|s| s.end_offset_bytes.saturating_sub(s.written_offset_bytes)).sum()
+    }
 }
 
 impl Inner {

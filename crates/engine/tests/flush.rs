@@ -1,12 +1,12 @@
-//! Flushes from several threads at once, with a power cut at a random moment.
+//! Flushes: from several threads at once, with a power cut at a random moment; and the
+//! write-behind bound that caps what a flush has to write first.
 //!
 //! Flushes that queue behind one another share a sync and a flush proof (group commit,
 //! `store/writeout.rs`, `store/proof.rs`). Whatever the interleaving, a flush that returned
 //! must survive: after the cut, each block reads the write its thread's last returned flush
 //! covered, or a later write of that thread to it — never an earlier one.
 //!
-//! Rerun one failing seed with `ZDISK_TEST_SEED=<seed> cargo test -p zdisk-engine --test
-//! concurrent_flush`.
+//! Rerun one failing seed with `ZDISK_TEST_SEED=<seed> cargo test -p zdisk-engine --test flush`.
 
 mod common;
 
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, Store, BLOCK_SIZE};
+use zdisk_engine::{Codec, OpenOptions, Store, BLOCK_SIZE};
 
 const THREADS: u64 = 4;
 /// Blocks each thread owns (its writes cycle through them).
@@ -113,5 +113,25 @@ fn concurrent_flushes_keep_every_acknowledged_write_across_a_power_cut() {
             "seed {seed}: no flush returned before the cut after {cut_after:?}: the test tested nothing"
         );
         eprintln!("seed {seed}: {total} flushes returned before the cut after {cut_after:?}, all kept");
+    }
+}
+
+/// Writes are acknowledged from memory and written out behind; past the write-behind bound
+/// a write writes the backlog out itself, so a flush never has more than that to write first.
+#[test]
+fn a_write_past_the_write_behind_bound_writes_the_backlog_out() {
+    // 96 KiB of incompressible data: under the test segment and checkpoint interval, over
+    // a 32 KiB bound. Without a bound (and without background threads) nothing is written.
+    let data = block_data(&mut rng(7), 96 << 10, 100);
+    for (bound_bytes, written_out) in [(0, false), (32 << 10, true)] {
+        let disk = new_disk(16, 1 << 20, 4 << 20, Codec::Lz4, 1);
+        let options = OpenOptions { write_behind_bytes_max: bound_bytes, ..test_options() };
+        let store = Store::open_backing(disk.clone(), &options).unwrap();
+        let before = disk.writes();
+        store.write(0, &data, false).unwrap();
+        assert_eq!(disk.writes() > before, written_out, "write-behind bound {bound_bytes}");
+        let mut back = vec![0u8; data.len()];
+        store.read(0, &mut back).unwrap();
+        assert!(back == data, "write-behind bound {bound_bytes}: read back differs");
     }
 }
