@@ -157,6 +157,7 @@ impl Server for Handle {
              metrics=HOST:PORT     serve Prometheus text at /metrics and JSON at /stats\n\
              direct=true|false     O_DIRECT on the backing store (default true)\n\
              cache=SIZE            engine buffer memory bound (default 256M)\n\
+             write_behind=SIZE     bytes appended but not yet written before a write writes them (default 2M; 0: none)\n\
              read_cache=SIZE       read cache of compressed fragments (default 0: off)\n\
              map_cache=SIZE        block map pages and changes in memory (default 256M)\n\
              accept_data_loss=BOOL serve for writing a store whose recovery lost records\n\

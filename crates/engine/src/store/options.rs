@@ -46,12 +46,12 @@ pub struct Encryption {
 /// pages per GiB), and a checkpoint's worth of changes fits beside it.
 pub const DEFAULT_MAP_CACHE_BYTES: u64 = 256 << 20;
 
-/// Options for [`super::Store::open`].
 /// The write-behind bound's default: beside a 128 KiB streaming writer, a committer's p99
 /// flush fell from 440-570 ms (unbounded) to 27-42 ms, for about 2% of 4 KiB random write
 /// IOPS (docs/nbd.md, "Write-behind").
 pub const WRITE_BEHIND_DEFAULT_BYTES: u64 = 2 << 20;
 
+/// Options for [`super::Store::open`].
 #[derive(Debug, Clone)]
 pub struct OpenOptions {
     pub read_only: bool,
