@@ -378,7 +378,8 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
     };
-    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()? };
+    let ctx =
+        Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()?, serve_options: s.serve_options.clone() };
     progress(&format!(
         "zdisk db bench {} ({:?}): work dir {}, report {}",
         s.db.name(),

@@ -161,6 +161,12 @@ pub struct BenchArgs {
     #[arg(long, value_name = "MBPS", value_parser = clap::value_parser!(u32).range(1..))]
     pub disk_mbps: Option<u32>,
 
+    /// Options for the zdisk server of each zdisk target, as one string (e.g.
+    /// "--write-behind 1M --cache 512M"; see `zdisk serve --help`): the store is attached
+    /// with `zdisk attach --fuse STORE -- OPTIONS`. Default: the server's defaults.
+    #[arg(long, value_name = "OPTIONS", allow_hyphen_values = true)]
+    pub serve_options: Option<String>,
+
     /// Keep the work directory (stores, images, logs, sysbench output) afterwards.
     #[arg(long)]
     pub keep: bool,
@@ -229,6 +235,12 @@ pub struct PowercutArgs {
     #[arg(long, value_name = "CODEC")]
     pub zdisk_codec: Option<String>,
 
+    /// Options for the zdisk server of each zdisk target, as one string (e.g.
+    /// "--write-behind 1M --cache 512M"; see `zdisk serve --help`): the store is attached
+    /// with `zdisk attach --fuse STORE -- OPTIONS`. Default: the server's defaults.
+    #[arg(long, value_name = "OPTIONS", allow_hyphen_values = true)]
+    pub serve_options: Option<String>,
+
     /// Keep the work directory afterwards.
     #[arg(long)]
     pub keep: bool,
@@ -236,6 +248,11 @@ pub struct PowercutArgs {
     /// The zdisk binary (default: this executable).
     #[arg(long, hide = true, value_name = "PATH")]
     pub zdisk_bin: Option<PathBuf>,
+}
+
+/// `--serve-options`' string as the arguments it holds.
+pub fn serve_options(text: &Option<String>) -> Vec<String> {
+    text.as_deref().unwrap_or_default().split_whitespace().map(String::from).collect()
 }
 
 pub fn parse_size(text: &str) -> Result<u64, String> {

@@ -99,7 +99,12 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
         Some(p) => p.clone(),
         None => std::env::current_exe()?,
     };
-    let ctx = Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()? };
+    let ctx = Ctx {
+        work: work.clone(),
+        zdisk_bin,
+        run_dir: sys::short_run_dir()?,
+        serve_options: crate::serve_options(&a.serve_options),
+    };
     let mut result = Result_ {
         schema: "zdisk-db-powercut/1",
         db: a.db,

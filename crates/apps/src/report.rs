@@ -544,6 +544,10 @@ each way to the disk (`--disk-mbps`, cgroup blkio), the same cap for both: the c
 latency of each request, are the limit."
             ),
             None => String::new(),
+        } + &if r.settings.serve_options.is_empty() {
+            String::new()
+        } else {
+            format!("\n\nzdisk's servers ran with `{}` (`--serve-options`).", r.settings.serve_options.join(" "))
         }
     );
 

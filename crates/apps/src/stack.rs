@@ -18,6 +18,8 @@ pub struct Ctx {
     pub work: PathBuf,
     pub zdisk_bin: PathBuf,
     pub run_dir: PathBuf,
+    /// Passed to the `zdisk serve` that `zdisk attach` starts (after `--`).
+    pub serve_options: Vec<String>,
 }
 
 impl Ctx {
@@ -90,7 +92,12 @@ impl Device {
 
     /// `zdisk attach --fuse STORE` (starts the server, recovering the store after a crash).
     pub fn zdisk_attach(ctx: &Ctx, store: &Path) -> Result<Device> {
-        let out = run(ctx.zdisk().arg("attach").arg("--fuse").arg(store)).context("zdisk attach")?;
+        let mut attach = ctx.zdisk();
+        attach.arg("attach").arg("--fuse").arg(store);
+        if !ctx.serve_options.is_empty() {
+            attach.arg("--").args(&ctx.serve_options);
+        }
+        let out = run(&mut attach).context("zdisk attach")?;
         let path = PathBuf::from(out.trim());
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let state: AttachState = read_json(&ctx.run_dir.join("attach").join(format!("{name}.json")))?;

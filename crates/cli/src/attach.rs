@@ -6,7 +6,8 @@
 //!    it (direct I/O when FUSE allows it, so the page cache is not doubled).
 //!
 //! If the store is not being served, attach starts `zdisk serve` in the background on a Unix
-//! socket in the run directory and records that, so detach stops exactly what attach started.
+//! socket in the run directory (with the options given after `--`) and records that, so
+//! detach stops exactly what attach started.
 //!
 //! Invariants: every step attach takes is recorded in `attach/<device>.json` before the next
 //! one, and a failing attach undoes what it did so far; detach undoes in reverse order and
@@ -25,6 +26,7 @@ use crate::runtime::{self, ServeState};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct AttachArgs {
+    /// The zdisk store (file or block device) to attach.
     pub store: PathBuf,
     /// Use nbdfuse + loop even where the kernel NBD client is available.
     #[arg(long)]
@@ -32,6 +34,11 @@ pub struct AttachArgs {
     /// An encrypted store's key, for the server attach starts.
     #[command(flatten)]
     pub key: crate::keys::KeyArgs,
+    /// Options for the `zdisk serve` attach starts, after `--` (e.g. `-- --cache 512M
+    /// --write-behind 1M`; see `zdisk serve --help`). Refused when the store is already
+    /// being served: a running server's options do not change.
+    #[arg(last = true, value_name = "SERVE_OPTIONS")]
+    pub serve_options: Vec<String>,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -82,7 +89,8 @@ fn wait_for_serve(uuid: &str, server: &mut Child, log: &Path) -> Result<ServeSta
 
 /// Starts `zdisk serve STORE --unix RUN_DIR/<uuid>.sock` detached from our session.
 /// An encrypted store's key reaches it as `--key-file`, or a passphrase on its stdin.
-fn start_background_server(store: &Path, uuid: &str, key: &crate::keys::KeyArgs) -> Result<ServeState> {
+fn start_background_server(store: &Path, uuid: &str, args: &AttachArgs) -> Result<ServeState> {
+    let key = &args.key;
     let secret = key.secret_for(store)?;
     let run_dir = runtime::run_dir();
     std::fs::create_dir_all(&run_dir)?;
@@ -96,6 +104,7 @@ fn start_background_server(store: &Path, uuid: &str, key: &crate::keys::KeyArgs)
         .arg(store)
         .arg("--unix")
         .arg(&socket)
+        .args(&args.serve_options)
         .stdin(if secret.is_some() && key.key_file.is_none() { Stdio::piped() } else { Stdio::null() })
         .stdout(log.try_clone()?)
         .stderr(log);
@@ -174,6 +183,14 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
     // A second attach of the same store prints the first one's device: another would mount a
     // second nbdfuse over the first one's directory, and detaching either then hung.
     if let Some(attached) = attachment_of(&info.uuid) {
+        if !args.serve_options.is_empty() {
+            bail!(
+                "{} is already attached as {}; the options after -- apply only to a server attach starts: \
+                 detach it first",
+                store.display(),
+                attached.device.display()
+            );
+        }
         eprintln!("zdisk: {} is already attached", store.display());
         println!("{}", attached.device.display());
         return Ok(());
@@ -185,6 +202,14 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
             if runtime::process_alive(serve.pid)
                 && runtime::store_is_locked(&store, zdisk_engine::Lock::Exclusive)? =>
         {
+            if !args.serve_options.is_empty() {
+                bail!(
+                    "{} is already being served (zdisk serve pid {}); the options after -- apply only to a \
+                     server attach starts: stop that server, or attach without them",
+                    store.display(),
+                    serve.pid
+                );
+            }
             serve
         }
         _ => {
@@ -192,7 +217,7 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
                 bail!("{} is open in another process that is not a `zdisk serve`; cannot attach", store.display());
             }
             eprintln!("zdisk: {} is not being served; starting a server", store.display());
-            let serve = start_background_server(&store, &info.uuid, &args.key)?;
+            let serve = start_background_server(&store, &info.uuid, args)?;
             state.started_serve_pid = Some(serve.pid);
             serve
         }

@@ -411,3 +411,14 @@ fn attach_fails_promptly_when_the_server_dies_before_serving() {
     assert!(stderr.contains("exited") && stderr.contains("before serving"), "{stderr}");
     assert!(stderr.contains("no-such-plugin.so"), "the server's own error is shown: {stderr}");
 }
+
+/// Options after `--` go to the server attach starts: a bad one fails attach with the
+/// server's own error, before any device is made.
+#[test]
+fn attach_passes_the_options_after_the_double_dash_to_its_server() {
+    let s = Scratch::new("attach-options");
+    let store = s.format("s.zdisk", "32M", "1x", &[]);
+    let (code, stderr) = fails(&s, &["attach", store.to_str().unwrap(), "--", "--write-behind", "lots"]);
+    assert_eq!(code, 1);
+    assert!(stderr.contains("before serving") && stderr.contains("--write-behind"), "{stderr}");
+}

@@ -267,7 +267,21 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
     assert!(out.contains("clean"), "{out}");
 
-    let attached = attach(&s, &store);
+    // Restarted with options for the server attach starts (after `--`).
+    let options = ["--write-behind", "1M", "--cache", "64M"];
+    let out = s.zdisk_ok(&[&["attach", store.to_str().unwrap(), "--"][..], &options].concat());
+    let attached = Attached(&s, Some(out.trim().to_string()));
+    let state_path = s.run_dir().join("attach").join(format!("{}.json", attached.device().trim_start_matches("/dev/")));
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+    let pid = state["started_serve_pid"].as_u64().expect("attach started the server");
+    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap().replace('\0', " ");
+    assert!(cmdline.ends_with(&format!(" {} ", options.join(" "))), "the server's command line: {cmdline}");
+    let (code, stderr) = {
+        let output = s.zdisk().args(["attach", store.to_str().unwrap(), "--", "--cache", "1G"]).output().unwrap();
+        (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+    };
+    assert_eq!(code, Some(1), "options for an attached store's server: {stderr}");
+    assert!(stderr.contains("already attached"), "{stderr}");
     run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
     let mounted = Mount(mnt.clone());
     assert_eq!(files_with_hashes(&mnt), hashes, "files changed across the restart");
@@ -281,6 +295,22 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     assert!(stderr.contains("is not attached"), "{stderr}");
     let stat = s.stat_json(&store);
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.2, "{stat}");
+}
+
+/// A running server's options do not change: attach refuses options for a store that is
+/// already served rather than attach with the running server's and drop them.
+#[test]
+fn attach_refuses_server_options_for_a_store_already_served() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("attach-served");
+    let store = s.format("s.zdisk", "32M", "1x", &[]);
+    let _server = Server::start(&s, &store, &[]);
+    let output = s.zdisk().args(["attach", store.to_str().unwrap(), "--", "--cache", "64M"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("already being served"), "{stderr}");
 }
 
 #[test]

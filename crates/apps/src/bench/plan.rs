@@ -141,6 +141,8 @@ pub struct Settings {
     pub mount_options: String,
     /// The storage servers' disk bandwidth cap, MB/s each way (`--disk-mbps`).
     pub disk_mbps: Option<u32>,
+    /// Options of the zdisk targets' servers (`--serve-options`).
+    pub serve_options: Vec<String>,
 }
 
 fn pick<T>(p: Preset, full: T, quick: T, smoke: T) -> T {
@@ -199,6 +201,7 @@ pub fn settings(a: &BenchArgs) -> Result<Settings> {
         rand_type: a.rand_type.clone(),
         mount_options: a.mount_options.clone(),
         disk_mbps: a.disk_mbps,
+        serve_options: crate::serve_options(&a.serve_options),
     };
     if s.threads.is_empty() || s.threads.contains(&0) || s.time_s == 0 || s.rounds == 0 {
         bail!("--threads must list counts >= 1, --time and --rounds must be >= 1");
