@@ -4,8 +4,9 @@
 //!
 //! - write and batch records map each LBA to its fragment (an all-zero block to ZERO);
 //! - trim and zero records map their range to UNMAPPED or ZERO;
-//! - relocate records move an LBA to the copy only if the map still holds the old place
-//!   (a later overwrite wins);
+//! - relocate records (GC's copies in stores written before 2026-11-27; GC now writes batch
+//!   records, checked when appended) move an LBA to the copy only if the map still holds
+//!   the old place (a later overwrite wins);
 //! - checkpoint chunks do nothing.
 //!
 //! Every change is accounted in the segment table (live bytes, block counts). LBAs past the
@@ -20,8 +21,10 @@ use crate::format::{FragmentFormat, RecordBody, SegmentUsage};
 use crate::map::{Accounting, Delta, PackedEntry, PageSource, PagedMap};
 use crate::types::Lba;
 
-/// The LBAs whose map entry a record sets (not relocations: a copy does not make a block
-/// newer). Replay after a lost record uses them to know which blocks are provably newer.
+/// The LBAs whose map entry a record sets (not relocations: a relocate entry may have lost
+/// its compare-and-swap. GC's batch records do count: they hold only copies that won it, so
+/// each is its block's latest contents as of the record). Replay after a lost record uses
+/// them to know which blocks are provably newer.
 pub(crate) fn lbas_set(body: &RecordBody) -> Vec<(Lba, u64)> {
     match body {
         RecordBody::Write { .. } | RecordBody::Batch { .. } => {

@@ -36,7 +36,7 @@
 
 use super::apply::Live;
 use super::log::Attempt;
-use super::op::{group_bytes, recompressed_bytes, relocation_bytes, Block, LiveFragment, Op};
+use super::op::{gc_copy_bytes, group_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, RecordContext};
 use super::space::SpaceClass;
@@ -182,7 +182,7 @@ impl Inner {
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
         let extra = self.record_extra_bytes();
-        let relocated_bytes = relocation_bytes(&verbatim, extra) + recompressed_bytes(&recompressed, extra);
+        let relocated_bytes = gc_copy_bytes(&verbatim, extra) + gc_copy_bytes(&recompressed, extra);
         if relocated_bytes > self.geometry.segment_capacity() {
             return Ok(None);
         }
@@ -394,7 +394,7 @@ impl Inner {
 
     /// Reads a victim and returns the fragments in it the map still points at; marks the
     /// current map pages in it for rewriting.
-    fn collect_live(&self, segment: SegmentId) -> Result<Vec<LiveFragment>> {
+    pub(super) fn collect_live(&self, segment: SegmentId) -> Result<Vec<LiveFragment>> {
         let base = self.geometry.segment_base(segment);
         let usage = *self.log.lock().segments.get(segment);
         // An empty victim needs no read: nothing in it is live.

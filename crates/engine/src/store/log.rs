@@ -29,7 +29,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, Protection, RecordBody, RecordHeader, RecordVersion,
     BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MIN_BYTES,
-    RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
 use crate::map::PagedMap;
@@ -202,13 +202,14 @@ impl Inner {
         }
         let unwritten = log.appender.unwritten_bytes();
         let sealed = log.appender.sealed_unwritten.len();
-        let backlog_bytes = unwritten + log.appender.sealed_unwritten_bytes();
+        let backlog_bytes = log.appender.backlog_bytes() as u64;
         drop(log);
         let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
         let behind_max = self.options.write_behind_bytes_max;
-        let too_far_behind = behind_max > 0 && backlog_bytes as u64 > behind_max;
-        if sealed >= sealed_max || !self.options.background && sealed > 0 || too_far_behind {
+        if sealed >= sealed_max || !self.options.background && sealed > 0 {
             self.write_out(WriteOut::WholeSectors)?;
+        } else if behind_max > 0 && backlog_bytes > behind_max {
+            self.write_out_behind(behind_max)?;
         } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
             self.kick_writer();
         }
@@ -272,8 +273,8 @@ impl Inner {
                     let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[], &[]);
                     self.apply(log, &map, &body, payload_at)?;
                 }
-                Op::Relocate { fragments } => self.append_relocate_records(log, &map, fragments, &mut flags)?,
-                Op::Recompress { fragments } => self.append_recompressed_records(log, &map, fragments, &mut flags)?,
+                Op::Relocate { fragments } => self.append_gc_copies(log, &map, fragments, &mut flags, false)?,
+                Op::Recompress { fragments } => self.append_gc_copies(log, &map, fragments, &mut flags, true)?,
                 Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
                 Op::MapPages { pages } => page_offsets.extend(self.append_page_records(log, pages, &mut flags)?),
             }
@@ -326,50 +327,20 @@ impl Inner {
         Ok(())
     }
 
-    /// Relocate records for GC's copies; each record is a group of its own.
-    fn append_relocate_records(
+    /// Batch records for GC's copies (moved as they were, or `recompressed`), each a group
+    /// of its own. A fragment goes in only if the map still points at its old place —
+    /// checked here, under the log lock, so nothing changes the entry before the record is
+    /// applied: a concurrent overwrite wins. Replay applies batch records unconditionally, in
+    /// log order, which is the order these checks were made in; so a copy needs no old
+    /// address for a compare-and-swap, and its entry is a batch's 8 bytes, once — where the
+    /// relocate records written until 2026-11-27 held 14 bytes twice (docs/format.md).
+    fn append_gc_copies(
         &self,
         log: &mut Log,
         map: &PagedMap,
         fragments: &[LiveFragment],
         flags: &mut GroupFlags,
-    ) -> Result<()> {
-        for piece in fragments.chunks(RECORD_BLOCKS_MAX) {
-            let mut done = 0;
-            while done < piece.len() {
-                let sizes = piece[done..].iter().map(|f| f.block.bytes.len());
-                // Two copies of the entries, each with a CRC.
-                let room = self.room(log).saturating_sub(8);
-                let take = fragments_fitting(room, 2 * RELOCATE_ENTRY_BYTES, sizes);
-                if take == 0 {
-                    self.open_new_segment(log)?;
-                    continue;
-                }
-                let part = &piece[done..done + take];
-                let body = RecordBody::Relocate { entries: part.iter().map(LiveFragment::relocate_entry).collect() };
-                let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
-                // (A fragment whose guard did not vouch for its old place keeps it: EIO still.)
-                let placed: Vec<bool> = part.iter().map(|f| !f.keeps_guard).collect();
-                let (payload_at, body) = self.put_record(log, flags.alone(), body, &payload, &placed);
-                let relocated_bytes = self.apply(log, map, &body, payload_at)?;
-                self.count_gc_moved(log, relocated_bytes);
-                done += take;
-            }
-        }
-        Ok(())
-    }
-
-    /// Batch records for GC's recompressed fragments, each a group of its own. A fragment
-    /// goes in only if the map still points at its old place — checked here, under the log
-    /// lock, so nothing changes the entry before the record is applied: a concurrent
-    /// overwrite wins, as with relocate records. (Replay applies batch records
-    /// unconditionally, in log order, which is the order these checks were made in.)
-    fn append_recompressed_records(
-        &self,
-        log: &mut Log,
-        map: &PagedMap,
-        fragments: &[LiveFragment],
-        flags: &mut GroupFlags,
+        recompressed: bool,
     ) -> Result<()> {
         let mut current = Vec::with_capacity(fragments.len());
         for fragment in fragments {
@@ -388,19 +359,23 @@ impl Inner {
             let part = &current[done..done + take];
             let entries = part.iter().map(|f| BatchEntry { lba: f.lba, fragment: f.block.entry }).collect();
             let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
-            let placed = vec![true; payload.len()];
+            // (A copy whose guard did not vouch for its old place keeps it: EIO still.)
+            let placed: Vec<bool> = part.iter().map(|f| recompressed || !f.keeps_guard).collect();
             let (payload_at, body) =
                 self.put_record(log, flags.alone(), RecordBody::Batch { entries }, &payload, &placed);
             self.apply(log, map, &body, payload_at)?;
             let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
-            let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
             self.count_gc_moved(log, new_bytes);
+            done += take;
+            if !recompressed {
+                continue;
+            }
+            let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
             Counters::add(&self.codec_counters.recompressed_fragments, take as u64);
             let with_dictionary =
                 part.iter().filter(|f| f.block.entry.codec == crate::codec::CodecTag::ZstdDict).count();
             Counters::add(&self.codec_counters.recompressed_fragments_dictionary, with_dictionary as u64);
             Counters::add(&self.codec_counters.recompress_saved_bytes, old_bytes.saturating_sub(new_bytes));
-            done += take;
         }
         Ok(())
     }

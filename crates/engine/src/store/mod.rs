@@ -431,7 +431,7 @@ impl Store {
     /// between flushes): for tests that need unflushed records on the disk.
     #[doc(hidden)]
     pub fn write_out_unflushed(&self) -> Result<()> {
-        self.inner.write_out(writeout::WriteOut::WholeSectors).map(|_| ())
+        self.inner.write_out(writeout::WriteOut::WholeSectors)
     }
 
     /// One step of idle work (`idle.rs`) now, however recently the host was here: for tests

@@ -4,9 +4,7 @@
 //! the map).
 
 use crate::crypto::cipher::Domain;
-use crate::format::{
-    FragmentEntry, RelocateEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, WRITE_ENTRY_BYTES,
-};
+use crate::format::{FragmentEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, WRITE_ENTRY_BYTES};
 use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry};
 use crate::types::Lba;
@@ -50,19 +48,6 @@ impl LiveFragment {
             _ => 0,
         }
     }
-
-    /// The relocate entry for this fragment's copy.
-    pub fn relocate_entry(&self) -> RelocateEntry {
-        let Ok(Entry::Stored(old)) = self.old.unpack() else {
-            unreachable!("GC relocates stored fragments only");
-        };
-        RelocateEntry {
-            lba: self.lba,
-            old_offset_bytes: old.offset_bytes,
-            old_format: old.format,
-            fragment: self.block.entry,
-        }
-    }
 }
 
 /// Trim unmaps; zero maps to written zeroes.
@@ -91,7 +76,9 @@ pub(crate) enum Op {
     Write { start_lba: Lba, blocks: Vec<Block>, expected: Vec<(Lba, PackedEntry)> },
     /// Trim or zero a whole-block range.
     Range { kind: RangeKind, start_lba: Lba, block_count: u64 },
-    /// GC copies; each record of them is a group of its own.
+    /// GC's copies of fragments as they were: batch records (each a group of its own)
+    /// holding those whose map entry is still `old` when they are appended (`log.rs`,
+    /// `append_gc_copies`).
     Relocate { fragments: Vec<LiveFragment> },
     /// GC's recompressed copies: batch records (each a group of its own) holding those
     /// whose map entry is still `old` when they are appended (`gc.rs`).
@@ -158,8 +145,7 @@ impl Op {
                     + blocks.len() as u64 * entry_bytes as u64
                     + (blocks.len() / RECORD_BLOCKS_MAX + 1) as u64 * header
             }
-            Op::Relocate { fragments } => relocation_bytes(fragments, record_extra_bytes),
-            Op::Recompress { fragments } => recompressed_bytes(fragments, record_extra_bytes),
+            Op::Relocate { fragments } | Op::Recompress { fragments } => gc_copy_bytes(fragments, record_extra_bytes),
             Op::Range { .. } => header,
             Op::Checkpoint { bytes } => bytes.len() as u64 + (bytes.len() as u64 / segment_capacity_bytes + 1) * header,
             Op::MapPages { pages } => {
@@ -173,22 +159,9 @@ impl Op {
     }
 }
 
-/// Log bytes the records relocating `fragments` take: the fragments, an entry each, and a
-/// header per record.
-pub(crate) fn relocation_bytes(fragments: &[LiveFragment], record_extra_bytes: u64) -> u64 {
-    if fragments.is_empty() {
-        return 0;
-    }
-    let payload: u64 = fragments.iter().map(|f| f.block.bytes.len() as u64).sum();
-    // Entries twice (each copy with a CRC) per record: see `format::RELOCATE_ENTRY_BYTES`.
-    payload
-        + 2 * fragments.len() as u64 * RELOCATE_ENTRY_BYTES as u64
-        + (fragments.len() / RECORD_BLOCKS_MAX + 1) as u64 * ((RECORD_MIN_BYTES + 8) as u64 + record_extra_bytes)
-}
-
-/// Log bytes the batch records holding recompressed `fragments` take: the fragments, an
+/// Log bytes the batch records holding GC's copies `fragments` take: the fragments, an
 /// entry each, and a header per record.
-pub(crate) fn recompressed_bytes(fragments: &[LiveFragment], record_extra_bytes: u64) -> u64 {
+pub(crate) fn gc_copy_bytes(fragments: &[LiveFragment], record_extra_bytes: u64) -> u64 {
     if fragments.is_empty() {
         return 0;
     }

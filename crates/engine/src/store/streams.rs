@@ -67,6 +67,12 @@ impl Appender {
     pub fn sealed_unwritten_bytes(&self) -> usize {
         self.sealed_unwritten.iter().map(|s| s.end_offset_bytes.saturating_sub(s.written_offset_bytes)).sum()
     }
+
+    /// Bytes appended but not written out yet, open and sealed segments together: what a
+    /// flush would have to write first (the write-behind bound's measure).
+    pub fn backlog_bytes(&self) -> usize {
+        self.unwritten_bytes() + self.sealed_unwritten_bytes()
+    }
 }
 
 impl Inner {

@@ -11,6 +11,10 @@ use crate::error::ErrorKind;
 use crate::sim::SimDisk;
 
 fn small_store(seed: u64) -> Store {
+    small_store_on_disk(seed).1
+}
+
+fn small_store_on_disk(seed: u64) -> (Arc<SimDisk>, Store) {
     let segment_bytes = 64u64 << 10;
     let disk = Arc::new(SimDisk::new((1 << 20) + 32 * segment_bytes, seed));
     let format = FormatOptions {
@@ -24,7 +28,8 @@ fn small_store(seed: u64) -> Store {
         preallocate: false,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
-    Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()
+    let store = Store::open_backing(disk.clone(), &OpenOptions { background: false, ..OpenOptions::default() });
+    (disk, store.unwrap())
 }
 
 fn incompressible(rng: &mut crate::sim::SimRng, len: usize) -> Vec<u8> {
@@ -176,4 +181,78 @@ fn a_trim_on_a_full_store_may_go_below_the_metadata_reserve() {
     store.read(0, &mut back).unwrap();
     assert!(back[..(64 << 10) + 8192].iter().all(|&b| b == 0), "trimmed and zeroed blocks read as zeros");
     assert_eq!(back[(64 << 10) + 8192..], data[(64 << 10) + 8192..128 << 10]);
+}
+
+/// Host writes that cross the write-behind bound together queue on the `io` lock. The first
+/// writes the backlog out; one that gets the lock after it finds the backlog back under the
+/// bound and must leave the open batch alone, not write out the few sectors appended
+/// meanwhile (a convoy of write-outs, each closing the batch, at every crossing).
+#[test]
+fn a_write_out_queued_behind_one_that_cleared_the_backlog_does_nothing() {
+    let (disk, store) = small_store_on_disk(5);
+    let inner = &store.inner;
+    let mut rng = crate::sim::SimRng::new(5);
+    let bound_bytes = 16 << 10;
+    store.write(0, &incompressible(&mut rng, 32 << 10), false).unwrap();
+    let before = disk.writes();
+    inner.write_out_behind(bound_bytes).unwrap();
+    assert!(disk.writes() > before, "32 KiB behind a 16 KiB bound: written out");
+    // Appended while the first write-out ran: under the bound.
+    let appended = incompressible(&mut rng, 8 << 10);
+    store.write(64 << 10, &appended, false).unwrap();
+    let backlog_bytes = inner.log.lock().appender.backlog_bytes() as u64;
+    assert!(backlog_bytes > 4096 && backlog_bytes <= bound_bytes, "backlog {backlog_bytes}");
+    let before = disk.writes();
+    inner.write_out_behind(bound_bytes).unwrap();
+    assert_eq!(disk.writes(), before, "the queued write-out found the backlog under the bound");
+    inner.write_out_behind(4096).unwrap();
+    assert!(disk.writes() > before, "{backlog_bytes} bytes behind a 4 KiB bound: written out");
+    let mut back = vec![0u8; 8 << 10];
+    store.read(64 << 10, &mut back).unwrap();
+    assert!(back == appended, "read back differs");
+}
+
+/// GC's copies are batch records checked under the log lock as they are appended: a block
+/// overwritten between GC reading its victim and appending the copies keeps the overwrite,
+/// at once and after replay (which applies the batch without a compare-and-swap).
+#[test]
+fn gc_copies_lose_to_a_concurrent_overwrite() {
+    let (disk, store) = small_store_on_disk(9);
+    let inner = &store.inner;
+    let mut rng = crate::sim::SimRng::new(9);
+    write_half_garbage(&store, &mut rng);
+    store.flush().unwrap();
+    let segment = match inner.map.read().get(crate::types::Lba(1), inner.as_ref()).unwrap().unpack().unwrap() {
+        crate::map::Entry::Stored(stored) => inner.geometry.segment_of(stored.offset_bytes),
+        other => panic!("block 1 is not stored: {other:?}"),
+    };
+    let live = inner.collect_live(segment).unwrap();
+    assert!(live.len() > 4, "the victim holds {} live fragments", live.len());
+    let mut expected: Vec<(u64, Vec<u8>)> = Vec::new();
+    for fragment in &live {
+        let mut block = vec![0u8; 4096];
+        store.read(fragment.lba.0 * 4096, &mut block).unwrap();
+        expected.push((fragment.lba.0, block));
+    }
+    let overwritten = live[live.len() / 2].lba.0;
+    let newer = incompressible(&mut rng, 4096);
+    store.write(overwritten * 4096, &newer, false).unwrap();
+    expected.iter_mut().find(|(lba, _)| *lba == overwritten).unwrap().1 = newer;
+    inner.relocate(live, Vec::new(), SpaceClass::Gc).unwrap();
+    let check = |store: &Store, when: &str| {
+        for (lba, block) in &expected {
+            let mut back = vec![0u8; 4096];
+            store.read(lba * 4096, &mut back).unwrap();
+            assert!(back == *block, "block {lba} {when} (overwritten: {overwritten})");
+        }
+    };
+    check(&store, "after the copies");
+    store.flush().unwrap();
+    // Power cut: no checkpoint after the copies, so the reopened store replays them.
+    disk.power_off();
+    let image = disk.crash_image();
+    drop(store);
+    let disk = Arc::new(SimDisk::from_image(image, 9));
+    let store = Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap();
+    check(&store, "after replay");
 }

@@ -29,6 +29,18 @@ pub(crate) enum WriteOut {
     Flush,
 }
 
+/// What a queued write-out checks, once it holds the `io` lock, for whether the write-outs
+/// before it already did its work.
+#[derive(Debug, Clone, Copy)]
+enum Done {
+    Never,
+    /// A flush that finished meanwhile made everything up to this sequence number durable
+    /// (group commit: flushes that queued behind one share its sync and proof).
+    Durable(u64),
+    /// At most this many bytes are left unwritten (the write-behind bound).
+    BacklogAtMost(u64),
+}
+
 /// One range of a segment buffer to write.
 struct WriteJob {
     buffer: Arc<SegmentBuffer>,
@@ -39,20 +51,31 @@ struct WriteJob {
 }
 
 impl Inner {
-    /// Writes buffered log bytes to the backing; with `WriteOut::Flush` also syncs. Returns
-    /// the sequence number covered (made durable, with a flush).
-    pub(crate) fn write_out(&self, mode: WriteOut) -> Result<u64> {
-        self.write_out_unless_durable(mode, None)
+    /// Writes buffered log bytes to the backing; with `WriteOut::Flush` also syncs.
+    pub(crate) fn write_out(&self, mode: WriteOut) -> Result<()> {
+        self.write_out_unless(mode, Done::Never)
     }
 
-    /// `write_out`, or nothing if — once this thread holds the `io` lock — a flush that
-    /// finished meanwhile already made everything up to `covered` durable (group commit:
-    /// flushes that queued behind one share its sync and proof).
-    fn write_out_unless_durable(&self, mode: WriteOut, covered: Option<u64>) -> Result<u64> {
+    /// Whole sectors written out, unless — once this thread holds the `io` lock — write-outs
+    /// that finished meanwhile left at most `backlog_bytes_max` unwritten. Host writes that
+    /// crossed the write-behind bound together queue on the `io` lock; only the first has
+    /// work to do, and the others must not close the open batch and write its few new
+    /// sectors each in turn.
+    pub(crate) fn write_out_behind(&self, backlog_bytes_max: u64) -> Result<()> {
+        self.write_out_unless(WriteOut::WholeSectors, Done::BacklogAtMost(backlog_bytes_max))
+    }
+
+    /// `write_out`, or nothing if `done` holds once this thread has the `io` lock.
+    fn write_out_unless(&self, mode: WriteOut, done: Done) -> Result<()> {
         let mut io = self.io.lock();
         self.check_writable()?;
-        if let Some(seq) = covered.filter(|&seq| self.durable_seq.load(Ordering::Acquire) >= seq) {
-            return Ok(seq);
+        let already_done = match done {
+            Done::Never => false,
+            Done::Durable(seq) => self.durable_seq.load(Ordering::Acquire) >= seq,
+            Done::BacklogAtMost(bytes) => self.log.lock().appender.backlog_bytes() as u64 <= bytes,
+        };
+        if already_done {
+            return Ok(());
         }
         let (jobs, target_seq) = self.take_write_jobs(mode);
         let mut scratch: Option<AlignedBuf> = None;
@@ -85,7 +108,7 @@ impl Inner {
             }
             self.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
         }
-        Ok(target_seq)
+        Ok(())
     }
 
     /// What to write: every sealed segment's unwritten rest, and the open segments' whole
@@ -158,6 +181,6 @@ impl Inner {
         if self.durable_seq.load(Ordering::Acquire) >= seq {
             return Ok(());
         }
-        self.write_out_unless_durable(WriteOut::Flush, Some(seq)).map(|_| ())
+        self.write_out_unless(WriteOut::Flush, Done::Durable(seq))
     }
 }
