@@ -32,7 +32,9 @@ pub const OVER_PROVISION_MIN_PPM: u32 = 10_000;
 pub const OVER_PROVISION_MAX_PPM: u32 = 750_000;
 
 /// Bytes one relocated incompressible block takes: the raw block with its protection
-/// information, and its relocate entry (written twice).
+/// information, and its relocate entry (written twice). GC writes batch records since
+/// 2026-11-27 (an 8-byte entry, once): the older cost stays here as a margin, so what
+/// `zdisk format` promised a store does not change (docs/space.md).
 /// An encrypted store's raw fragment is larger by the nonce and tag it carries.
 const fn relocated_block_bytes(encrypted: bool) -> u64 {
     let seal = if encrypted { SEAL_OVERHEAD_BYTES } else { 0 };

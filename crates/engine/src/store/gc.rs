@@ -1,9 +1,14 @@
 //! Garbage collection: pick a victim segment, collect its live fragments, relocate them.
 //!
 //! Invariants:
-//! - A fragment is live only if the map still points at it; relocation replaces the map
-//!   entry only if it still holds the old place (compare-and-swap, `apply.rs`), so a
-//!   concurrent overwrite always wins.
+//! - A fragment is live only if the map still points at it; a copy replaces the map entry
+//!   only if it still holds the old place, so a concurrent overwrite always wins: GC's
+//!   copies go into batch records holding only the copies whose entry is still the old one,
+//!   checked under the log lock as the record is appended (`log.rs`, `append_gc_copies`).
+//!   Replay applies batch records unconditionally, in log order, which is the order those
+//!   checks were made in. (Relocate records, which older stores hold, carried the old place
+//!   and were compared and swapped when applied, twice over in their tail: 28 bytes a copy
+//!   against a batch entry's 8.)
 //! - Liveness is read through the map cache, a victim's leaves a batch at a time (one page
 //!   read per leaf not cached); the owed removals of those leaves' changes are settled then,
 //!   so the victim's live bytes are exact when GC is done.
@@ -19,12 +24,7 @@
 //!   the target (the store's, unless `recompress` names a stronger one) is decompressed,
 //!   its guard and protection information checked, and recompressed; the new fragment is
 //!   kept only if it is smaller. A fragment that fails its check is moved as it is (never
-//!   laundered into a fragment with a fresh, valid guard). Recompressed fragments go into
-//!   batch records, not relocate records — a relocate entry derives the old fragment's
-//!   length and codec from the new one, which recompression changes — and each goes in only
-//!   if the map still points at its old place, checked under the log lock as the record is
-//!   appended (`log.rs`), so a concurrent overwrite still wins. Replay applies batch records
-//!   unconditionally, in log order, which is the order those checks were made in. In `Auto`
+//!   laundered into a fragment with a fresh, valid guard). In `Auto`
 //!   fallback mode GC does not recompress while every core is compressing (the host's
 //!   writes come first; the fragments are recompressed the next time they move).
 //! - Dictionaries (`dictionaries.rs`): once the store has a newest dictionary, GC
