@@ -10,7 +10,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{require, run_ok, Scratch, Server};
+use common::{refused, require, run_ok, Scratch, Server};
 
 const BASIC_TOOLS: &[&str] = &["nbdkit"];
 
@@ -106,23 +106,13 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let pid = state["started_serve_pid"].as_u64().expect("attach started the server");
     let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap().replace('\0', " ");
     assert!(cmdline.ends_with(&format!(" {} ", options.join(" "))), "the server's command line: {cmdline}");
-    let (code, stderr) = {
-        let output = s.zdisk().args(["attach", store.to_str().unwrap(), "--", "--cache", "1G"]).output().unwrap();
-        (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
-    };
-    assert_eq!(code, Some(1), "options for an attached store's server: {stderr}");
-    assert!(stderr.contains("already attached"), "{stderr}");
+    refused(&s, &["attach", store.to_str().unwrap(), "--", "--cache", "1G"], 1, "already attached");
     run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
     let mounted = Mount(mnt.clone());
     assert_eq!(files_with_hashes(&mnt), hashes, "files changed across the restart");
     drop(mounted);
     attached.detach_store(&store);
-    let (code, stderr) = {
-        let output = s.zdisk().args(["detach", store.to_str().unwrap()]).output().unwrap();
-        (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
-    };
-    assert_eq!(code, Some(1), "detaching a detached store: {stderr}");
-    assert!(stderr.contains("is not attached"), "{stderr}");
+    refused(&s, &["detach", store.to_str().unwrap()], 1, "is not attached");
     let stat = s.stat_json(&store);
     assert!(stat["comp_ratio"].as_f64().unwrap() > 1.2, "{stat}");
 }
@@ -137,8 +127,5 @@ fn attach_refuses_server_options_for_a_store_already_served() {
     let s = Scratch::new("attach-served");
     let store = s.format("s.zdisk", "32M", "1x", &[]);
     let _server = Server::start(&s, &store, &[]);
-    let output = s.zdisk().args(["attach", store.to_str().unwrap(), "--", "--cache", "64M"]).output().unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("already being served"), "{stderr}");
+    refused(&s, &["attach", store.to_str().unwrap(), "--", "--cache", "64M"], 1, "already being served");
 }

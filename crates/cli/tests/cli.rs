@@ -3,21 +3,8 @@
 
 mod common;
 
-use common::Scratch;
+use common::{fails, refused, Scratch};
 use rand::SeedableRng;
-
-fn fails(scratch: &Scratch, args: &[&str]) -> (i32, String) {
-    let output = scratch.zdisk().args(args).output().expect("running zdisk");
-    assert!(!output.status.success(), "zdisk {args:?} should fail but succeeded");
-    (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
-}
-
-/// `zdisk ARGS` fails with exit code `code` and a message containing `says`.
-fn refused(scratch: &Scratch, args: &[&str], code: i32, says: &str) {
-    let (got, stderr) = fails(scratch, args);
-    assert_eq!(got, code, "zdisk {args:?}: {stderr}");
-    assert!(stderr.contains(says), "zdisk {args:?}: expected {says:?} in:\n{stderr}");
-}
 
 #[test]
 fn help_explains_every_command() {

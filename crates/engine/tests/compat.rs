@@ -80,6 +80,22 @@ fn text(first_lba: u64, blocks: u64, version: u8) -> Vec<u8> {
     (first_lba..first_lba + blocks).flat_map(|lba| text_block(lba, version)).collect()
 }
 
+/// Overwrites every third of the first `blocks` blocks (garbage in the segments holding
+/// them), lets two checkpoints move the reuse horizon past those segments, and has GC move
+/// what is left live in them.
+fn garbage_then_gc(store: &Store, expected: &mut [u8], blocks: u64, what: &str) {
+    for lba in (0..blocks).step_by(3) {
+        let data = text(lba, 1, 8);
+        store.write(lba * 4096, &data, false).unwrap();
+        expected[lba as usize * 4096..(lba as usize + 1) * 4096].copy_from_slice(&data);
+    }
+    store.checkpoint().unwrap();
+    store.checkpoint().unwrap();
+    let moved_before = store.stats().gc_bytes_moved;
+    assert!(store.collect_garbage(40).unwrap() > 0, "{what}: GC found no victim");
+    assert!(store.stats().gc_bytes_moved > moved_before, "{what}: GC moved nothing");
+}
+
 /// Writes the fixtures with the code of the commit it runs on. Only meaningful on a commit
 /// that writes format version 2; kept to document what the fixtures hold.
 #[test]
@@ -189,16 +205,7 @@ fn version_2_stores_open_read_replay_and_check_clean() {
         assert!(read_all(&store) == expected, "{name}: contents differ after a clean reopen");
         // GC moves version 2 fragments into version 3 records, converting each as it goes:
         // make garbage in the old segments, let the horizon pass them, and collect.
-        for lba in (0..300u64).step_by(3) {
-            let data = text(lba, 1, 8);
-            store.write(lba * 4096, &data, false).unwrap();
-            expected[lba as usize * 4096..(lba as usize + 1) * 4096].copy_from_slice(&data);
-        }
-        store.checkpoint().unwrap();
-        store.checkpoint().unwrap();
-        let moved_before = store.stats().gc_bytes_moved;
-        assert!(store.collect_garbage(40).unwrap() > 0, "{name}: GC found no victim");
-        assert!(store.stats().gc_bytes_moved > moved_before, "{name}: GC moved nothing");
+        garbage_then_gc(&store, &mut expected, 300, name);
         // Its native capacity counts one open segment: GC's output stays in the host stream.
         assert_eq!(store.stats().gc_cold_bytes_moved, 0, "{name}: an old store's GC used the cold stream");
         assert!(read_all(&store) == expected, "{name}: contents differ after GC converted fragments");
@@ -275,16 +282,7 @@ fn relocate_records_of_earlier_builds_replay_and_check_clean() {
     assert!(read_all(&store) == expected, "contents differ after replaying relocate records");
     let report = store.check(&mut |_, _| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
-    for lba in (0..RELOCATE_FIXTURE_BLOCKS).step_by(3) {
-        let data = text(lba, 1, 8);
-        store.write(lba * 4096, &data, false).unwrap();
-        expected[lba as usize * 4096..(lba as usize + 1) * 4096].copy_from_slice(&data);
-    }
-    store.checkpoint().unwrap();
-    store.checkpoint().unwrap();
-    let moved_before = store.stats().gc_bytes_moved;
-    assert!(store.collect_garbage(40).unwrap() > 0, "GC found no victim");
-    assert!(store.stats().gc_bytes_moved > moved_before, "GC moved nothing");
+    garbage_then_gc(&store, &mut expected, RELOCATE_FIXTURE_BLOCKS, "relocate fixture");
     store.flush().unwrap();
     let crashed = disk.crash_image();
     store.abandon();

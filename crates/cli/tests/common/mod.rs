@@ -158,6 +158,20 @@ pub fn run_ok(command: &mut Command) -> String {
 }
 
 /// The first export `nbdinfo --json` describes at `uri`.
+/// Runs `zdisk ARGS`, which must fail: its exit code and stderr.
+pub fn fails(scratch: &Scratch, args: &[&str]) -> (i32, String) {
+    let output = scratch.zdisk().args(args).output().expect("running zdisk");
+    assert!(!output.status.success(), "zdisk {args:?} should fail but succeeded");
+    (output.status.code().unwrap_or(-1), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// `zdisk ARGS` fails with exit code `code` and a message containing `says`.
+pub fn refused(scratch: &Scratch, args: &[&str], code: i32, says: &str) {
+    let (got, stderr) = fails(scratch, args);
+    assert_eq!(got, code, "zdisk {args:?}: {stderr}");
+    assert!(stderr.contains(says), "zdisk {args:?}: expected {says:?} in:\n{stderr}");
+}
+
 pub fn nbdinfo_json(uri: &str) -> serde_json::Value {
     let out = run_ok(Command::new("nbdinfo").arg("--json").arg(uri));
     let info: serde_json::Value = serde_json::from_str(&out).expect("nbdinfo --json");

@@ -202,7 +202,7 @@ impl Inner {
         }
         let unwritten = log.appender.unwritten_bytes();
         let sealed = log.appender.sealed_unwritten.len();
-        let backlog_bytes = log.appender.backlog_bytes() as u64;
+        let backlog_bytes = (unwritten + log.appender.sealed_unwritten_bytes()) as u64;
         drop(log);
         let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
         let behind_max = self.options.write_behind_bytes_max;
