@@ -117,6 +117,10 @@ pub struct Stats {
     /// the cold stream; docs/space.md, "Hot and cold").
     #[serde(default)]
     pub gc_cold_bytes_moved: u64,
+    /// Of `gc_cold_bytes_moved`, the bytes of data GC had moved before, into the colder
+    /// stream's segments since open (docs/space.md, "A second cold stream").
+    #[serde(default)]
+    pub gc_colder_bytes_moved: u64,
     /// Backing reads host reads needed since open (after coalescing: fragments whose
     /// sectors touch are one read), and their bytes. Per `read_ops`, how scattered the
     /// data a client reads lies on the backing; per `host_read_bytes`, what compression

@@ -64,8 +64,8 @@ pub(crate) struct Appender {
     pub next_segment: Option<SegmentId>,
     /// The stream `open` belongs to.
     pub stream: Stream,
-    /// The other stream's open segment, while records go to this one.
-    pub parked: Option<ParkedStream>,
+    /// The other streams' open segments, while records go to this one.
+    pub parked: Vec<ParkedStream>,
 }
 
 /// Checkpoint bookkeeping the appender and the space rules need.
@@ -190,6 +190,7 @@ impl Inner {
         }
         let resealed = self.hold_to_one_epoch(&mut log, ops)?;
         let ops = resealed.as_deref().unwrap_or(ops);
+        self.retire_colder_when_short(&mut log);
         let stream = self.stream_for(&log, ops, class);
         let shortfall_bytes = self.shortfall_bytes(&log, ops, class, stream);
         if shortfall_bytes > 0 {
@@ -380,11 +381,15 @@ impl Inner {
         Ok(())
     }
 
-    /// Counts bytes GC moved (and, into the cold stream, `gc_cold_bytes_moved`).
+    /// Counts bytes GC moved (and, into a GC stream, `gc_cold_bytes_moved`; into the
+    /// colder one, `gc_colder_bytes_moved` too).
     fn count_gc_moved(&self, log: &Log, bytes: u64) {
         Counters::add(&self.counters.gc_bytes_moved, bytes);
-        if log.appender.stream == Stream::Cold {
+        if log.appender.stream.is_gc() {
             Counters::add(&self.gc_cold_bytes_moved, bytes);
+        }
+        if log.appender.stream == Stream::Colder {
+            Counters::add(&self.gc_colder_bytes_moved, bytes);
         }
     }
 

@@ -535,7 +535,7 @@ impl Inner {
                 buffer_pool: Vec::new(),
                 next_segment: None,
                 stream: Stream::Host,
-                parked: None,
+                parked: Vec::new(),
             },
             segments,
             epochs: CheckpointEpochs {
@@ -569,6 +569,7 @@ impl Inner {
             segment_uses,
             map_write_bytes: AtomicU64::new(0),
             gc_cold_bytes_moved: AtomicU64::new(0),
+            gc_colder_bytes_moved: AtomicU64::new(0),
             host_backing_reads: AtomicU64::new(0),
             host_backing_read_bytes: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),

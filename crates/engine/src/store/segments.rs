@@ -90,6 +90,10 @@ pub(crate) struct SegmentTable {
     hints: Vec<RecompressHint>,
     /// Counts hint increments: idle work looks through the hints again only when it moved.
     hint_generation: u64,
+    /// Per segment, whether a GC stream opened it in this run (`streams.rs`): its data
+    /// outlived a cleaning, and GC moves it on to the colder stream. In memory only: a
+    /// segment written before the last restart counts as the host's (a hint, like `hints`).
+    gc_output: Vec<bool>,
     /// Each segment's `first_seq` (its use: an encrypted store's placement tags bind it) and
     /// `nonce_epoch`, readable without the log lock by reads (`Inner::segment_use`). A
     /// reader that holds a map entry pointing into a segment sees its current use: the
@@ -164,6 +168,7 @@ impl SegmentTable {
             awaiting_pages: BTreeSet::new(),
             hints: vec![RecompressHint::default(); usage_len],
             hint_generation: 0,
+            gc_output: vec![false; usage_len],
             uses,
             counts: BlockCounts::default(),
         }
@@ -198,6 +203,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.gc_output[id.index()] = false;
         self.uses[id.index()].set(0, 0);
         Some(id)
     }
@@ -215,6 +221,7 @@ impl SegmentTable {
         assert_eq!(usage.live_bytes, 0, "free segment {id} has live bytes");
         *usage = SegmentUsage { state: SegmentState::Open, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.gc_output[id.index()] = false;
         self.uses[id.index()].set(0, 0);
         Some(id)
     }
@@ -228,6 +235,17 @@ impl SegmentTable {
     /// named), which stays free.
     pub fn lowest_free_except(&self, reserved: Option<SegmentId>) -> Option<SegmentId> {
         self.free.iter().copied().find(|&id| Some(id) != reserved)
+    }
+
+    /// Marks an open segment as a GC stream's (see `gc_output`).
+    pub fn note_gc_output(&mut self, id: SegmentId) {
+        debug_assert_eq!(self.usage[id.index()].state, SegmentState::Open, "GC output goes to an open segment");
+        self.gc_output[id.index()] = true;
+    }
+
+    /// Whether a GC stream opened segment `id` in this run.
+    pub fn holds_gc_output(&self, id: SegmentId) -> bool {
+        self.gc_output[id.index()]
     }
 
     /// Whether segment `id` is free.
@@ -307,6 +325,7 @@ impl SegmentTable {
         assert_eq!(usage.page_bytes, 0, "freeing segment {id} with live map pages");
         *usage = SegmentUsage::FREE;
         self.hints[id.index()] = RecompressHint::default();
+        self.gc_output[id.index()] = false;
         self.uses[id.index()].set(0, 0);
         self.free.insert(id);
     }
@@ -319,6 +338,7 @@ impl SegmentTable {
         self.free.remove(&id);
         *usage = SegmentUsage { state: SegmentState::Sealed, ..SegmentUsage::FREE };
         self.hints[id.index()] = RecompressHint::default();
+        self.gc_output[id.index()] = false;
         self.uses[id.index()].set(0, 0);
     }
 
@@ -342,6 +362,7 @@ impl SegmentTable {
             if s.state == SegmentState::Free {
                 *s = SegmentUsage::FREE;
                 self.hints[i] = RecompressHint::default();
+                self.gc_output[i] = false;
                 self.uses[i].set(0, 0);
                 self.free.insert(id);
             }

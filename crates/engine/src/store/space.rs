@@ -114,7 +114,7 @@ impl Inner {
     /// segments' room.
     pub(crate) fn unused_bytes(&self, log: &Log) -> u64 {
         let empty = (log.segments.free_count() + log.segments.cleaned_count()) as u64;
-        let open_room = self.stream_room(log, Stream::Host) + self.stream_room(log, Stream::Cold);
+        let open_room: usize = Stream::ALL.iter().map(|&stream| self.stream_room(log, stream)).sum();
         empty * self.geometry.segment_size_bytes + open_room as u64
     }
 
@@ -127,10 +127,10 @@ impl Inner {
         // that); a trim or zero record is a fixed header and fits whenever its bytes do.
         let end_waste = if metadata_only(ops) { 0 } else { self.fragment_end_waste_bytes() };
         let mut available = self.available_bytes(log).saturating_sub(end_waste);
-        if stream == Stream::Cold {
+        if stream.is_gc() {
             // Its own room, which may leave a block's end unused too, and the jump into it
             // from the host stream.
-            available += (self.stream_room(log, Stream::Cold) as u64).saturating_sub(end_waste);
+            available += (self.stream_room(log, stream) as u64).saturating_sub(end_waste);
             bytes += JUMP_RESERVE_BYTES as u64;
         }
         (bytes + self.reserve_bytes(log, class)).saturating_sub(available)
@@ -233,6 +233,7 @@ impl Inner {
             map_page_bytes: page_bytes,
             map_write_bytes: Counters::get(&self.map_write_bytes),
             gc_cold_bytes_moved: Counters::get(&self.gc_cold_bytes_moved),
+            gc_colder_bytes_moved: Counters::get(&self.gc_colder_bytes_moved),
             host_backing_reads: Counters::get(&self.host_backing_reads),
             host_backing_read_bytes: Counters::get(&self.host_backing_read_bytes),
             paced_writes: self.pacer.paced_writes(),

@@ -132,8 +132,10 @@ pub(crate) struct Inner {
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
     pub map_write_bytes: AtomicU64,
-    /// Bytes GC moved into the cold stream since open (not persisted).
+    /// Bytes GC moved into the GC streams since open (not persisted).
     pub gc_cold_bytes_moved: AtomicU64,
+    /// Of those, bytes GC moved into the colder stream.
+    pub gc_colder_bytes_moved: AtomicU64,
     /// Backing reads (coalesced runs) for host reads, and their bytes, since open.
     pub host_backing_reads: AtomicU64,
     pub host_backing_read_bytes: AtomicU64,

@@ -1,17 +1,20 @@
-//! The log's two streams: host writes (and the log's own metadata) fill one open segment,
-//! GC's relocations another, and a jump record leads the log from one to the other
-//! (docs/format.md, "Records"; docs/space.md, "Hot and cold").
+//! The log's streams: host writes (and the log's own metadata) fill one open segment,
+//! GC's relocations two more — data moved for the first time, and data GC had moved before
+//! — and a jump record leads the log from one to another (docs/format.md, "Records";
+//! docs/space.md, "Hot and cold", "A second cold stream").
 //!
 //! Invariants:
 //! - One chain: the log leaves a stream only through a jump record naming the byte address
 //!   of the next record (the other stream's append offset, or the start of the segment it
-//!   opens next), so replay follows one history record by record.
-//! - A cold segment always keeps room for its last jump (`JUMP_RESERVE_BYTES`): leaving it
-//!   never takes a new segment.
+//!   opens next), so replay follows one history record by record, however many streams.
+//! - A GC stream's segment always keeps room for its last jump (`JUMP_RESERVE_BYTES`):
+//!   leaving it never takes a new segment.
 //! - Only the host stream holds a segment back from the free set (the one its link names);
-//!   a full cold segment ends in a jump to the next one, whose link names none.
-//! - A cold segment's room is no host write's: `available_bytes` leaves it out, so a new
-//!   one is taken only with segments to spare (`stream_for`).
+//!   a full GC segment ends in a jump to the next one, whose link names none.
+//! - A GC stream's room is no host write's: `available_bytes` leaves it out, so a new GC
+//!   segment is taken only with segments to spare (`stream_for`), and the colder stream's,
+//!   which the native capacity does not count, is sealed when they run short
+//!   (`retire_colder_when_short`): near full at most two segments are open, as counted.
 
 use std::sync::Arc;
 
@@ -22,6 +25,7 @@ use super::space::SpaceClass;
 use super::state::{new_buffer, Inner, SegmentBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{RecordBody, FLAG_FIRST, FLAG_LAST, RECORD_MAC_BYTES, RECORD_MIN_BYTES};
+use crate::map::Entry;
 use crate::types::SegmentId;
 use crate::SECTOR_SIZE;
 
@@ -29,14 +33,28 @@ use crate::SECTOR_SIZE;
 /// that outlived the segment it was written to: likely cold. Kept apart from new host
 /// writes, it fills segments that stay full, while host segments die whole — the
 /// separation that lets skewed workloads pay less GC than uniform ones (docs/space.md,
-/// "Hot and cold").
+/// "Hot and cold"). Data GC moves a second time (its victim held GC's output) outlived
+/// a cleaning as well: colder still, kept apart again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Stream {
     Host,
+    /// GC's copies of data written by the host.
     Cold,
+    /// GC's copies of data GC had moved before.
+    Colder,
 }
 
-/// Room a cold segment keeps for the jump record back to the host stream, so leaving it
+impl Stream {
+    pub const ALL: [Stream; 3] = [Stream::Host, Stream::Cold, Stream::Colder];
+
+    /// Whether GC's output goes here (a segment that keeps room for its jump, names no
+    /// segment ahead, and whose room host writes cannot use).
+    pub fn is_gc(self) -> bool {
+        self != Stream::Host
+    }
+}
+
+/// Room a GC stream's segment keeps for the jump record to another stream, so leaving it
 /// never takes a new segment: a record's fixed bytes and, encrypted, its MAC — and a sector
 /// less one, which a flush's padding may take from it.
 pub(crate) const JUMP_RESERVE_BYTES: usize = RECORD_MIN_BYTES + RECORD_MAC_BYTES + SECTOR_SIZE - 1;
@@ -44,18 +62,49 @@ pub(crate) const JUMP_RESERVE_BYTES: usize = RECORD_MIN_BYTES + RECORD_MAC_BYTES
 /// Free segments (beyond the group and the host reserve) a new cold segment needs: it
 /// strands its room for host writes until GC fills it.
 const COLD_SEGMENT_SPARE_SEGMENTS: u64 = 2;
+/// The same for a new colder segment: one more, since the native capacity counts only two
+/// open segments — below `COLD_SEGMENT_SPARE_SEGMENTS` the colder one is sealed, so the
+/// two thresholds never make a segment open and seal over and over.
+const COLDER_SEGMENT_SPARE_SEGMENTS: u64 = 3;
 
-/// The open segment of the stream records are not going to now.
+/// An open segment of a stream records are not going to now.
 pub(crate) struct ParkedStream {
+    pub stream: Stream,
     pub open: OpenSegment,
     /// What its link named (as `Appender::next_segment`).
     pub next_segment: Option<SegmentId>,
 }
 
 impl Appender {
-    /// Both streams' open segments.
+    /// Every stream's open segment.
     pub fn open_segments(&self) -> impl Iterator<Item = &OpenSegment> {
-        self.open.iter().chain(self.parked.as_ref().map(|p| &p.open))
+        self.open.iter().chain(self.parked.iter().map(|p| &p.open))
+    }
+
+    /// Every stream's open segment, mutably.
+    pub fn open_segments_mut(&mut self) -> impl Iterator<Item = &mut OpenSegment> {
+        self.open.iter_mut().chain(self.parked.iter_mut().map(|p| &mut p.open))
+    }
+
+    /// The parked open segment of `stream`, if it has one.
+    fn parked_of(&self, stream: Stream) -> Option<&ParkedStream> {
+        self.parked.iter().find(|p| p.stream == stream)
+    }
+
+    /// Takes the parked open segment of `stream` out of the appender.
+    fn take_parked(&mut self, stream: Stream) -> Option<ParkedStream> {
+        let at = self.parked.iter().position(|p| p.stream == stream)?;
+        Some(self.parked.swap_remove(at))
+    }
+
+    /// The segment the host stream's link named (held back from the free set), whether
+    /// records go to the host stream now or not.
+    fn host_next_segment(&self) -> Option<SegmentId> {
+        if self.stream == Stream::Host {
+            self.next_segment
+        } else {
+            self.parked_of(Stream::Host).and_then(|p| p.next_segment)
+        }
     }
 
     /// Bytes appended to the open segments but not written out yet.
@@ -76,11 +125,12 @@ impl Appender {
 }
 
 impl Inner {
-    /// The stream a group goes to: GC's output to the cold one when its open segment has
-    /// room for it, or the store has room to spare for a new one — a cold segment's room is
+    /// The stream a group goes to: GC's output to a GC stream when its open segment has
+    /// room for it, or the store has room to spare for a new one — a GC segment's room is
     /// no host write's (`available_bytes` leaves it out), so a new one is taken only while
     /// free space is well above the host reserve, and near full GC's output shares the host
-    /// stream as it always did.
+    /// stream as it always did. Copies out of a segment that held GC's output go to the
+    /// colder stream, or the cold one where it has no room.
     pub(super) fn stream_for(&self, log: &Log, ops: &[Op], class: SpaceClass) -> Stream {
         let gc_output =
             !ops.is_empty() && ops.iter().all(|op| matches!(op, Op::Relocate { .. } | Op::Recompress { .. }));
@@ -89,16 +139,49 @@ impl Inner {
         }
         let bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
         let needed = bytes + self.fragment_end_waste_bytes();
-        if self.stream_room(log, Stream::Cold) as u64 >= needed {
-            return Stream::Cold;
-        }
         let capacity = self.geometry.segment_capacity();
         let spare = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
-        if spare >= needed + COLD_SEGMENT_SPARE_SEGMENTS * capacity {
+        let fits = |stream: Stream, spare_segments: u64| {
+            self.stream_room(log, stream) as u64 >= needed || spare >= needed + spare_segments * capacity
+        };
+        if self.moved_before(log, ops) && fits(Stream::Colder, COLDER_SEGMENT_SPARE_SEGMENTS) {
+            Stream::Colder
+        } else if fits(Stream::Cold, COLD_SEGMENT_SPARE_SEGMENTS) {
             Stream::Cold
         } else {
             Stream::Host
         }
+    }
+
+    /// Whether GC's copies come out of a segment that held GC's output (a victim's copies
+    /// all come from one segment): data that outlived a cleaning already.
+    fn moved_before(&self, log: &Log, ops: &[Op]) -> bool {
+        let first = ops.iter().find_map(|op| match op {
+            Op::Relocate { fragments } | Op::Recompress { fragments } => fragments.first(),
+            _ => None,
+        });
+        match first.map(|f| f.old.unpack()) {
+            Some(Ok(Entry::Stored(old))) => log.segments.holds_gc_output(self.geometry.segment_of(old.offset_bytes)),
+            _ => false,
+        }
+    }
+
+    /// Seals the colder stream's open segment when free space beyond the host reserve runs
+    /// short: its room is stranded for everything but GC's second moves, and the native
+    /// capacity counts two open segments, not three. Sealed, GC may take it like any other
+    /// (its unused room counts as reclaimable). Only a parked one: the stream records go to
+    /// now is left alone (the next append parks it, and the one after seals it).
+    pub(super) fn retire_colder_when_short(&self, log: &mut Log) {
+        if log.appender.parked_of(Stream::Colder).is_none() {
+            return;
+        }
+        let spare = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
+        if spare >= COLD_SEGMENT_SPARE_SEGMENTS * self.geometry.segment_capacity() {
+            return;
+        }
+        let parked = log.appender.take_parked(Stream::Colder).expect("checked above");
+        tracing::debug!("free space is short: sealing the colder stream's segment {}", parked.open.buffer.segment);
+        self.seal(log, parked.open);
     }
 
     /// Makes `stream` the one records go to. Leaving the current one takes a jump record
@@ -113,9 +196,9 @@ impl Inner {
         if log.appender.stream == Stream::Host {
             self.ensure_room(log, RECORD_MIN_BYTES)?;
         }
-        // (A cold segment always has room for its jump: `room` keeps it.)
-        let reserved = log.appender.next_segment;
-        let resume = match log.appender.parked.take() {
+        // (A GC segment always has room for its jump: `room` keeps it.)
+        let reserved = log.appender.host_next_segment();
+        let resume = match log.appender.take_parked(stream) {
             Some(p) if self.open_room(&p.open, stream) >= RECORD_MIN_BYTES => Ok(p),
             Some(p) => {
                 let next = p.next_segment.filter(|&id| log.segments.is_free(id));
@@ -132,7 +215,11 @@ impl Inner {
         self.put_record(log, FLAG_FIRST | FLAG_LAST, RecordBody::Jump { next_record_bytes }, &[], &[]);
         let appender = &mut log.appender;
         let open = appender.open.take().expect("the stream left has an open segment");
-        appender.parked = Some(ParkedStream { open, next_segment: appender.next_segment.take() });
+        appender.parked.push(ParkedStream {
+            stream: appender.stream,
+            open,
+            next_segment: appender.next_segment.take(),
+        });
         appender.stream = stream;
         match resume {
             Ok(p) => {
@@ -151,7 +238,7 @@ impl Inner {
     /// Room left in the open segment (0 if none is open). An open batch's entries and CRC,
     /// still to be appended, are not room; nor is the MAC every record of an encrypted store
     /// carries (so a caller that counts `RECORD_MIN_BYTES` per record has it covered); nor,
-    /// in a cold segment, the jump back to the host stream.
+    /// in a GC segment, the jump back to another stream.
     pub(crate) fn room(&self, log: &Log) -> usize {
         let appender = &log.appender;
         let trailer = appender.batch.as_ref().map_or(0, |b| b.trailer_bytes());
@@ -164,18 +251,18 @@ impl Inner {
         if appender.stream == stream {
             self.room(log)
         } else {
-            appender.parked.as_ref().map_or(0, |p| self.open_room(&p.open, stream))
+            appender.parked_of(stream).map_or(0, |p| self.open_room(&p.open, stream))
         }
     }
 
     /// Room in an open segment of `stream` (no batch counted).
     fn open_room(&self, open: &OpenSegment, stream: Stream) -> usize {
         let mac = if self.cipher.is_some() { RECORD_MAC_BYTES } else { 0 };
-        let jump = if stream == Stream::Cold { JUMP_RESERVE_BYTES } else { 0 };
+        let jump = if stream.is_gc() { JUMP_RESERVE_BYTES } else { 0 };
         (self.geometry.segment_size_bytes as usize - open.append_offset_bytes).saturating_sub(mac + jump)
     }
 
-    /// Seals both streams' open segments, so GC may take everything written so far (an
+    /// Seals every stream's open segment, so GC may take everything written so far (an
     /// explicit recompression; the cost is their unused room). The host stream goes on in
     /// the segment its link named.
     pub(crate) fn seal_open_segments(&self) -> Result<()> {
@@ -190,7 +277,7 @@ impl Inner {
         if log.appender.open.is_some() {
             self.switch_stream(log, Stream::Host)?;
         }
-        if let Some(parked) = log.appender.parked.take() {
+        for parked in std::mem::take(&mut log.appender.parked) {
             self.seal(log, parked.open);
         }
         if let Some(open) = log.appender.open.take() {
@@ -211,13 +298,13 @@ impl Inner {
 
     /// Seals the open segment (queueing it for write-out) and opens the next one of its
     /// stream. The host stream's is the one its link named, else the lowest free; its first
-    /// record is its link. The cold stream names no segment ahead (only the host stream
-    /// holds one back from the free set, so neither can run out of segments for the other's
-    /// sake): a full cold segment ends in a jump to the next one, whose link names none.
+    /// record is its link. A GC stream names no segment ahead (only the host stream holds
+    /// one back from the free set, so no stream can run out of segments for another's
+    /// sake): a full GC segment ends in a jump to the next one, whose link names none.
     pub(super) fn open_new_segment(&self, log: &mut Log) -> Result<()> {
         self.close_batch(log);
-        let cold = log.appender.stream == Stream::Cold;
-        let reserved = if cold { log.appender.parked.as_ref().and_then(|p| p.next_segment) } else { None };
+        let cold = log.appender.stream.is_gc();
+        let reserved = if cold { log.appender.host_next_segment() } else { None };
         let id = log
             .appender
             .next_segment
@@ -233,6 +320,9 @@ impl Inner {
             self.seal(log, open);
         }
         let id = log.segments.open(id).ok_or_else(|| Error::new(ErrorKind::NoSpace, "no free segment"))?;
+        if cold {
+            log.segments.note_gc_output(id);
+        }
         let size = self.geometry.segment_size_bytes as usize;
         let data = match log.appender.buffer_pool.pop() {
             Some(mut buf) => {

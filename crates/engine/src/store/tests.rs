@@ -256,3 +256,71 @@ fn gc_copies_lose_to_a_concurrent_overwrite() {
     let store = Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap();
     check(&store, "after replay");
 }
+
+/// The segment block `lba` is stored in.
+fn segment_of_block(inner: &Inner, lba: u64) -> crate::types::SegmentId {
+    match inner.map.read().get(crate::types::Lba(lba), inner).unwrap().unpack().unwrap() {
+        crate::map::Entry::Stored(stored) => inner.geometry.segment_of(stored.offset_bytes),
+        other => panic!("block {lba} is not stored: {other:?}"),
+    }
+}
+
+/// GC's copies of host-written data go to the cold stream; copies out of a segment that
+/// held GC's output go to the colder one (a third open segment); when free space beyond the
+/// host reserve runs short, the colder segment is sealed (the native capacity counts two open
+/// segments); and a power cut replays the log through all three streams' jumps.
+#[test]
+fn data_gc_moved_before_goes_to_the_colder_stream_which_is_sealed_when_space_runs_short() {
+    use super::streams::Stream;
+    let (disk, store) = small_store_on_disk(13);
+    let inner = &store.inner;
+    let mut rng = crate::sim::SimRng::new(13);
+    write_half_garbage(&store, &mut rng);
+    let expected: Vec<u8> = {
+        let mut image = vec![0u8; 512 << 10];
+        store.read(0, &mut image).unwrap();
+        image
+    };
+    let move_block_1 = |why: &str| {
+        let segment = segment_of_block(inner, 1);
+        inner.seal_open_segments().unwrap();
+        store.flush().unwrap();
+        let live = inner.collect_live(segment).unwrap();
+        assert!(!live.is_empty(), "{why}: segment {segment} holds nothing live");
+        inner.relocate(live, Vec::new(), SpaceClass::Gc).unwrap();
+        let now = segment_of_block(inner, 1);
+        assert_ne!(now, segment, "{why}: block 1 did not move");
+        now
+    };
+    let first = move_block_1("first move");
+    assert!(inner.log.lock().segments.holds_gc_output(first), "the first move did not go to a GC stream");
+    let stats = store.stats();
+    assert!(stats.gc_cold_bytes_moved > 0 && stats.gc_colder_bytes_moved == 0, "first move: {stats:?}");
+    let second = move_block_1("second move");
+    let stats = store.stats();
+    assert!(stats.gc_colder_bytes_moved > 0, "data GC had moved before did not go to the colder stream: {stats:?}");
+    assert!(inner.log.lock().segments.holds_gc_output(second));
+    // A host write parks the colder stream; then free space runs short beyond the host
+    // reserve, and the next append seals the colder segment.
+    store.write(600 * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+    assert!(inner.stream_room(&inner.log.lock(), Stream::Colder) > 0, "the colder segment is not open");
+    let keep = inner.host_reserve_segments(&inner.log.lock()) as usize;
+    take_free_segments(inner, keep);
+    let _ = store.write(601 * 4096, &incompressible(&mut rng, 4096), false);
+    assert_eq!(inner.stream_room(&inner.log.lock(), Stream::Colder), 0, "the colder segment stayed open when short");
+    let check = |store: &Store, when: &str| {
+        let mut back = vec![0u8; 512 << 10];
+        store.read(0, &mut back).unwrap();
+        assert!(back == expected, "contents differ {when}");
+    };
+    check(&store, "after the moves");
+    store.flush().unwrap();
+    disk.power_off();
+    let image = disk.crash_image();
+    drop(store);
+    let disk = Arc::new(SimDisk::from_image(image, 13));
+    let store = Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap();
+    check(&store, "after replay through the three streams' jumps");
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+}

@@ -127,8 +127,7 @@ impl Inner {
         }
         let log = &mut *log;
         let appender = &mut log.appender;
-        let opens = appender.open.iter_mut().chain(appender.parked.as_mut().map(|p| &mut p.open));
-        for open in opens {
+        for open in appender.open_segments_mut() {
             let end = match mode {
                 WriteOut::Flush => {
                     let padded = round_up(open.append_offset_bytes as u64, sector as u64) as usize;
