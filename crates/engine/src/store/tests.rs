@@ -45,6 +45,20 @@ fn write_half_garbage(store: &Store, rng: &mut crate::sim::SimRng) {
     }
 }
 
+/// Cuts the power under a store: what its disk then holds.
+fn power_cut(disk: &SimDisk, store: Store) -> Vec<u8> {
+    disk.power_off();
+    let image = disk.crash_image();
+    drop(store);
+    image
+}
+
+/// Opens (and recovers) a store image as `small_store` opens a store.
+fn reopen(image: Vec<u8>, seed: u64) -> Store {
+    let disk = Arc::new(SimDisk::from_image(image, seed));
+    Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap()
+}
+
 /// Takes free segments out of the free set (and out of GC's reach) until `keep` are
 /// left: the state a busy store reaches, made directly.
 fn take_free_segments(inner: &Inner, keep: usize) {
@@ -222,11 +236,7 @@ fn gc_copies_lose_to_a_concurrent_overwrite() {
     let mut rng = crate::sim::SimRng::new(9);
     write_half_garbage(&store, &mut rng);
     store.flush().unwrap();
-    let segment = match inner.map.read().get(crate::types::Lba(1), inner.as_ref()).unwrap().unpack().unwrap() {
-        crate::map::Entry::Stored(stored) => inner.geometry.segment_of(stored.offset_bytes),
-        other => panic!("block 1 is not stored: {other:?}"),
-    };
-    let live = inner.collect_live(segment).unwrap();
+    let live = inner.collect_live(segment_of_block(inner, 1)).unwrap();
     assert!(live.len() > 4, "the victim holds {} live fragments", live.len());
     let mut expected: Vec<(u64, Vec<u8>)> = Vec::new();
     for fragment in &live {
@@ -249,11 +259,7 @@ fn gc_copies_lose_to_a_concurrent_overwrite() {
     check(&store, "after the copies");
     store.flush().unwrap();
     // Power cut: no checkpoint after the copies, so the reopened store replays them.
-    disk.power_off();
-    let image = disk.crash_image();
-    drop(store);
-    let disk = Arc::new(SimDisk::from_image(image, 9));
-    let store = Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap();
+    let store = reopen(power_cut(&disk, store), 9);
     check(&store, "after replay");
 }
 
@@ -315,11 +321,7 @@ fn data_gc_moved_before_goes_to_the_colder_stream_which_is_sealed_when_space_run
     };
     check(&store, "after the moves");
     store.flush().unwrap();
-    disk.power_off();
-    let image = disk.crash_image();
-    drop(store);
-    let disk = Arc::new(SimDisk::from_image(image, 13));
-    let store = Store::open_backing(disk, &OpenOptions { background: false, ..OpenOptions::default() }).unwrap();
+    let store = reopen(power_cut(&disk, store), 13);
     check(&store, "after replay through the three streams' jumps");
     let report = store.check(&mut |_, _| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
@@ -352,9 +354,7 @@ fn blocks_gc_copied_after_a_lost_record_read_their_latest_value() {
     store.flush().unwrap();
     let mut expected = vec![0u8; 4 << 20];
     store.read(0, &mut expected).unwrap();
-    disk.power_off();
-    let mut image = disk.crash_image();
-    drop(store);
+    let mut image = power_cut(&disk, store);
     let window = crate::sim::inspect::replay_window(&image);
     let lost = window
         .iter()
@@ -366,11 +366,7 @@ fn blocks_gc_copied_after_a_lost_record_read_their_latest_value() {
     for (at, bit) in [(lost.head.start + 9, 0), (lost.tail.end - 10, 1), (lost.fragments[0].1.start + 5, 2)] {
         image[at as usize] ^= 1 << bit;
     }
-    let store = Store::open_backing(
-        Arc::new(SimDisk::from_image(image, 17)),
-        &OpenOptions { background: false, ..OpenOptions::default() },
-    )
-    .unwrap();
+    let store = reopen(image, 17);
     assert!(store.stats().damaged, "the lost record was not noticed");
     let mut block = vec![0u8; 4096];
     for lba in 0..(4u64 << 20) / 4096 {
