@@ -112,9 +112,9 @@ pub struct Stats {
     /// Bytes of map pages written since open (part of `backing_write_bytes`).
     #[serde(default)]
     pub map_write_bytes: u64,
-    /// Of `gc_bytes_moved`, the bytes GC moved into the cold stream's segments since open
-    /// (the rest shared the host stream's: the store was near full, or formatted before
-    /// the cold stream; docs/space.md, "Hot and cold").
+    /// Of `gc_bytes_moved`, the bytes GC moved into the GC streams' segments (cold and
+    /// colder) since open (the rest shared the host stream's: the store was near full, or
+    /// formatted before the cold stream; docs/space.md, "Hot and cold").
     #[serde(default)]
     pub gc_cold_bytes_moved: u64,
     /// Of `gc_cold_bytes_moved`, the bytes of data GC had moved before, into the colder
