@@ -94,8 +94,13 @@ impl Inner {
         if !self.options.pacing {
             return;
         }
-        let slack_bytes = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
-        self.host_slack_bytes.store(slack_bytes, Ordering::Relaxed);
+        self.host_slack_bytes.store(self.host_slack(log), Ordering::Relaxed);
+    }
+
+    /// Bytes the log can take beyond the host reserve: what pacing's band and the GC
+    /// streams' spare-segment rules (`streams.rs`) measure.
+    pub(crate) fn host_slack(&self, log: &Log) -> u64 {
+        self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host))
     }
 
     /// The host reserve in whole segments, for the background worker's targets.

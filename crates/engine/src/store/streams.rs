@@ -137,12 +137,10 @@ impl Inner {
         if !gc_output || !matches!(class, SpaceClass::Gc | SpaceClass::GcSettled) || !self.cold_stream {
             return Stream::Host;
         }
-        let bytes = group_bytes(ops, self.geometry.segment_capacity(), self.record_extra_bytes());
-        let needed = bytes + self.fragment_end_waste_bytes();
         let capacity = self.geometry.segment_capacity();
-        let spare = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
+        let needed = group_bytes(ops, capacity, self.record_extra_bytes()) + self.fragment_end_waste_bytes();
         let fits = |stream: Stream, spare_segments: u64| {
-            self.stream_room(log, stream) as u64 >= needed || spare >= needed + spare_segments * capacity
+            self.stream_room(log, stream) as u64 >= needed || self.host_slack(log) >= needed + spare_segments * capacity
         };
         if self.moved_before(log, ops) && fits(Stream::Colder, COLDER_SEGMENT_SPARE_SEGMENTS) {
             Stream::Colder
@@ -175,8 +173,7 @@ impl Inner {
         if log.appender.parked_of(Stream::Colder).is_none() {
             return;
         }
-        let spare = self.available_bytes(log).saturating_sub(self.reserve_bytes(log, SpaceClass::Host));
-        if spare >= COLD_SEGMENT_SPARE_SEGMENTS * self.geometry.segment_capacity() {
+        if self.host_slack(log) >= COLD_SEGMENT_SPARE_SEGMENTS * self.geometry.segment_capacity() {
             return;
         }
         let parked = log.appender.take_parked(Stream::Colder).expect("checked above");
