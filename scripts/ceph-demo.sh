@@ -261,7 +261,9 @@ attach_raw() {
   local name=$1 qpid dev
   local file=$WORK/$name.raw sock=$WORK/run/$name.sock
   rm -f "$file"; truncate -s "$OSD_BYTES" "$file"
-  setsid qemu-nbd -f raw --cache=none --aio=native --discard=unmap -t -k "$sock" "$file" \
+  # nbdfuse's connections as `zdisk attach` opens them (4 per core, 8..64), all let in.
+  local conns=$(( $(nproc) * 4 )); (( conns < 8 )) && conns=8; (( conns > 64 )) && conns=64
+  setsid qemu-nbd -f raw --cache=none --aio=native --discard=unmap -t -e "$conns" -k "$sock" "$file" \
     </dev/null >>"$WORK/run/$name.qemu-nbd.log" 2>&1 &
   qpid=$!
   local i
@@ -275,7 +277,7 @@ attach_raw() {
   else
     local fuse_dir=$WORK/run/fuse-$name pidf=$WORK/run/fuse-$name.pid fpid
     mkdir -p "$fuse_dir"; rm -f "$pidf"
-    setsid nbdfuse -P "$pidf" "$fuse_dir/nbd" "nbd+unix:///?socket=$sock" </dev/null >/dev/null 2>>"$WORK/attach.log" &
+    setsid nbdfuse -C "$conns" -P "$pidf" "$fuse_dir/nbd" "nbd+unix:///?socket=$sock" </dev/null >/dev/null 2>>"$WORK/attach.log" &
     fpid=$!
     for ((i = 0; i < 300; i++)); do [[ -s $pidf ]] && break; kill -0 $fpid 2>/dev/null || break; sleep 0.1; done
     [[ -s $pidf ]] || { stop_pid "$qpid" 5; die "nbdfuse did not start (see $WORK/attach.log)"; }

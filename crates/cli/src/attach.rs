@@ -3,7 +3,11 @@
 //! Two ways, chosen in this order:
 //! 1. the kernel NBD client (`/dev/nbdN` and `nbd-client` exist): `nbd-client -unix`;
 //! 2. otherwise `nbdfuse` exposes the export as a file and `losetup` makes a loop device of
-//!    it (direct I/O when FUSE allows it, so the page cache is not doubled).
+//!    it (direct I/O when FUSE allows it, so the page cache is not doubled). nbdfuse opens
+//!    several connections (multi-conn), and the server attach starts for it runs one nbdkit
+//!    thread per connection: requests run in parallel across connections, and no request
+//!    pays nbdkit's hand-off of a connection's socket between its threads (docs/nbd.md,
+//!    "Threads").
 //!
 //! If the store is not being served, attach starts `zdisk serve` in the background on a Unix
 //! socket in the run directory (with the options given after `--`) and records that, so
@@ -31,6 +35,11 @@ pub struct AttachArgs {
     /// Use nbdfuse + loop even where the kernel NBD client is available.
     #[arg(long)]
     pub fuse: bool,
+    /// NBD connections nbdfuse opens to the server (nbdfuse + loop only; default 4 per core,
+    /// at least 8, at most 64). A server attach starts then runs one thread per connection
+    /// unless the options after `--` set `--threads`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub connections: Option<u32>,
     /// An encrypted store's key, for the server attach starts.
     #[command(flatten)]
     pub key: crate::keys::KeyArgs,
@@ -89,7 +98,14 @@ fn wait_for_serve(uuid: &str, server: &mut Child, log: &Path) -> Result<ServeSta
 
 /// Starts `zdisk serve STORE --unix RUN_DIR/<uuid>.sock` detached from our session.
 /// An encrypted store's key reaches it as `--key-file`, or a passphrase on its stdin.
-fn start_background_server(store: &Path, uuid: &str, args: &AttachArgs) -> Result<ServeState> {
+/// `threads_per_connection`: what `--threads` the server gets unless the options after `--`
+/// set it.
+fn start_background_server(
+    store: &Path,
+    uuid: &str,
+    args: &AttachArgs,
+    threads_per_connection: Option<u32>,
+) -> Result<ServeState> {
     let key = &args.key;
     let secret = key.secret_for(store)?;
     let run_dir = runtime::run_dir();
@@ -99,11 +115,11 @@ fn start_background_server(store: &Path, uuid: &str, args: &AttachArgs) -> Resul
     let log = std::fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
     let exe = std::env::current_exe()?;
     let mut command = Command::new(exe);
+    command.arg("serve").arg(store).arg("--unix").arg(&socket);
+    if let Some(threads) = threads_per_connection.filter(|_| !sets_threads(&args.serve_options)) {
+        command.arg("--threads").arg(threads.to_string());
+    }
     command
-        .arg("serve")
-        .arg(store)
-        .arg("--unix")
-        .arg(&socket)
         .args(&args.serve_options)
         .stdin(if secret.is_some() && key.key_file.is_none() { Stdio::piped() } else { Stdio::null() })
         .stdout(log.try_clone()?)
@@ -141,6 +157,12 @@ fn start_background_server(store: &Path, uuid: &str, args: &AttachArgs) -> Resul
     // by pid.
     std::mem::forget(child);
     Ok(serve)
+}
+
+/// Whether `zdisk serve` options set its thread count (`--threads N`, `--threads=N`, `-t N`,
+/// `-tN`).
+fn sets_threads(options: &[String]) -> bool {
+    options.iter().any(|option| option == "--threads" || option.starts_with("--threads=") || option.starts_with("-t"))
 }
 
 fn stop_background_server(pid: u32) {
@@ -196,6 +218,9 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
         return Ok(());
     }
     let mut state = AttachState { store: store.clone(), uuid: info.uuid.clone(), ..AttachState::default() };
+    let kernel_device = if args.fuse { None } else { nbd_client_device() };
+    // The kernel client opens one connection: its server keeps the default threads.
+    let threads_per_connection = kernel_device.is_none().then_some(1);
 
     let serve = match runtime::read_json::<ServeState>(&runtime::serve_file(&info.uuid)) {
         Ok(serve)
@@ -217,12 +242,12 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
                 bail!("{} is open in another process that is not a `zdisk serve`; cannot attach", store.display());
             }
             eprintln!("zdisk: {} is not being served; starting a server", store.display());
-            let serve = start_background_server(&store, &info.uuid, args)?;
+            let serve = start_background_server(&store, &info.uuid, args, threads_per_connection)?;
             state.started_serve_pid = Some(serve.pid);
             serve
         }
     };
-    let result = attach_device(args, &serve, &mut state);
+    let result = attach_device(args, kernel_device, &serve, &mut state);
     match result {
         Ok(device) => {
             println!("{}", device.display());
@@ -237,10 +262,15 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
     }
 }
 
-fn attach_device(args: &AttachArgs, serve: &ServeState, state: &mut AttachState) -> Result<PathBuf> {
+fn attach_device(
+    args: &AttachArgs,
+    kernel_device: Option<PathBuf>,
+    serve: &ServeState,
+    state: &mut AttachState,
+) -> Result<PathBuf> {
     let socket = serve.unix_socket.clone();
     if !args.fuse {
-        if let (Some(device), Some(socket)) = (nbd_client_device(), socket.as_ref()) {
+        if let (Some(device), Some(socket)) = (kernel_device, socket.as_ref()) {
             let nbd_client = runtime::tool("nbd-client", "ZDISK_NBD_CLIENT")?;
             runtime::run(Command::new(nbd_client).arg("-unix").arg(socket).arg(&device).arg("-b").arg("4096"))?;
             state.device = device.clone();
@@ -257,6 +287,8 @@ fn attach_device(args: &AttachArgs, serve: &ServeState, state: &mut AttachState)
     let pid_file = runtime::run_dir().join(format!("fuse-{}.pid", serve.uuid));
     let _ = std::fs::remove_file(&pid_file);
     let mut command = Command::new(nbdfuse);
+    let connections = args.connections.unwrap_or_else(crate::serve::default_threads);
+    command.arg("-C").arg(connections.to_string());
     command.arg("-P").arg(&pid_file).arg(fuse_dir.join("nbd")).arg(&serve.uri);
     command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
     // SAFETY: as in start_background_server: setsid only.

@@ -176,8 +176,9 @@ fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
     }
 }
 
-/// nbdkit threads when `--threads` is not given: 4 per core, at least 8 and at most 64.
-fn default_threads() -> u32 {
+/// nbdkit threads when `--threads` is not given: 4 per core, at least 8 and at most 64. Also
+/// the connections `zdisk attach` has nbdfuse open (one thread each): the same parallelism.
+pub(crate) fn default_threads() -> u32 {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
     (4 * cores).clamp(8, 64)
 }

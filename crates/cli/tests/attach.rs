@@ -55,6 +55,17 @@ impl Drop for Attached<'_> {
     }
 }
 
+/// The state file attach wrote for `device`.
+fn attach_state(s: &Scratch, device: &str) -> serde_json::Value {
+    let path = s.run_dir().join("attach").join(format!("{}.json", device.trim_start_matches("/dev/")));
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
+}
+
+/// A process's command line, its arguments separated (and ended) by spaces.
+fn cmdline(pid: u64) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap().replace('\0', " ")
+}
+
 fn attach<'a>(s: &'a Scratch, store: &Path) -> Attached<'a> {
     common::plugin();
     let out = s.zdisk_ok(&["attach", store.to_str().unwrap()]);
@@ -78,6 +89,20 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let tree = if tree.is_dir() { tree } else { common::real_tree() };
 
     let attached = attach(&s, &store);
+    // nbdfuse opens several connections, and the server attach started runs one thread each
+    // (the kernel client, where present, opens one connection to a server of default threads).
+    let state = attach_state(&s, attached.device());
+    let fuse = state["kind"] == "fuse-loop";
+    let serve_cmdline = cmdline(state["started_serve_pid"].as_u64().expect("attach started the server"));
+    assert_eq!(serve_cmdline.contains(" --threads 1 "), fuse, "the server's command line: {serve_cmdline}");
+    if fuse {
+        let nbdfuse_cmdline = cmdline(state["nbdfuse_pid"].as_u64().expect("attached through nbdfuse"));
+        let connections = nbdfuse_cmdline.split(" -C ").nth(1).and_then(|rest| rest.split(' ').next());
+        assert!(
+            connections.and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n >= 8),
+            "nbdfuse's command line: {nbdfuse_cmdline}"
+        );
+    }
     // A second attach of the same store prints the same device (it made a second one, with a
     // second nbdfuse mounted over the first one's directory; detaching either then hung).
     let again = s.zdisk_ok(&["attach", store.to_str().unwrap()]);
@@ -97,15 +122,19 @@ fn ext4_on_the_attached_device_survives_a_server_restart() {
     let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
     assert!(out.contains("clean"), "{out}");
 
-    // Restarted with options for the server attach starts (after `--`).
-    let options = ["--write-behind", "1M", "--cache", "64M"];
-    let out = s.zdisk_ok(&[&["attach", store.to_str().unwrap(), "--"][..], &options].concat());
+    // Restarted with options for the server attach starts (after `--`): its threads given
+    // there are kept, and `--connections` reaches nbdfuse.
+    let options = ["--write-behind", "1M", "--cache", "64M", "-t", "2"];
+    let out = s.zdisk_ok(&[&["attach", store.to_str().unwrap(), "--connections", "3", "--"][..], &options].concat());
     let attached = Attached(&s, Some(out.trim().to_string()));
-    let state_path = s.run_dir().join("attach").join(format!("{}.json", attached.device().trim_start_matches("/dev/")));
-    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
-    let pid = state["started_serve_pid"].as_u64().expect("attach started the server");
-    let cmdline = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap().replace('\0', " ");
-    assert!(cmdline.ends_with(&format!(" {} ", options.join(" "))), "the server's command line: {cmdline}");
+    let state = attach_state(&s, attached.device());
+    let serve_cmdline = cmdline(state["started_serve_pid"].as_u64().expect("attach started the server"));
+    assert!(serve_cmdline.ends_with(&format!(" {} ", options.join(" "))), "the server's command line: {serve_cmdline}");
+    assert!(!serve_cmdline.contains("--threads"), "the server's command line: {serve_cmdline}");
+    if let Some(pid) = state["nbdfuse_pid"].as_u64() {
+        let nbdfuse_cmdline = cmdline(pid);
+        assert!(nbdfuse_cmdline.contains(" -C 3 "), "nbdfuse's command line: {nbdfuse_cmdline}");
+    }
     refused(&s, &["attach", store.to_str().unwrap(), "--", "--cache", "1G"], 1, "already attached");
     run_ok(Command::new("mount").arg(attached.device()).arg(&mnt));
     let mounted = Mount(mnt.clone());
