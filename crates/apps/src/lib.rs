@@ -250,6 +250,15 @@ pub struct PowercutArgs {
     pub zdisk_bin: Option<PathBuf>,
 }
 
+/// Requests a zdisk server takes at once: 4 per core, at least 8, at most 64. `zdisk serve`
+/// runs this many nbdkit threads on a connection; `zdisk attach` over nbdfuse opens this many
+/// connections with one thread each, and the raw targets here open as many, so both sides
+/// of a comparison carry the same requests at once (docs/nbd.md, "Threads").
+pub fn parallel_requests() -> u32 {
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
+    (4 * cores).clamp(8, 64)
+}
+
 /// `--serve-options`' string as the arguments it holds.
 pub fn serve_options(text: &Option<String>) -> Vec<String> {
     text.as_deref().unwrap_or_default().split_whitespace().map(String::from).collect()

@@ -127,7 +127,7 @@ impl Device {
         let log = std::fs::File::create(ctx.work.join(format!("{name}.qemu-nbd.log")))?;
         let mut c = sys::cmd("qemu-nbd")?;
         // -e: nbdfuse's connections must all be let in.
-        let shared = nbdfuse_connections().max(16).to_string();
+        let shared = crate::parallel_requests().max(16).to_string();
         c.args(["-f", "raw", "--cache=none", "--aio=native", "-t", "-e", &shared, "-k"])
             .arg(&socket)
             .arg(image)
@@ -313,20 +313,14 @@ fn losetup_dio(file: &Path) -> Result<PathBuf> {
     Ok(PathBuf::from(out.trim()))
 }
 
-/// The connections `zdisk attach` has nbdfuse open (its default: 4 per core, at least 8, at
-/// most 64), so the raw target's transport carries as many requests at once as zdisk's.
-fn nbdfuse_connections() -> u32 {
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
-    (4 * cores).clamp(8, 64)
-}
-
 /// nbdfuse MOUNT/nbd URI, as `zdisk attach` runs it; returns nbdfuse's pid once mounted.
 fn nbdfuse(dir: &Path, uri: &str) -> Result<u32> {
     std::fs::create_dir_all(dir)?;
     let pid_file = dir.with_extension("pid");
     let _ = std::fs::remove_file(&pid_file);
     let mut c = sys::cmd("nbdfuse")?;
-    c.arg("-C").arg(nbdfuse_connections().to_string());
+    // As many connections as `zdisk attach` opens for zdisk's target.
+    c.arg("-C").arg(crate::parallel_requests().to_string());
     c.arg("-P").arg(&pid_file).arg(dir.join("nbd")).arg(uri);
     c.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
     let mut child = sys::spawn(&mut c)?;

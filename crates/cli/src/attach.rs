@@ -287,7 +287,7 @@ fn attach_device(
     let pid_file = runtime::run_dir().join(format!("fuse-{}.pid", serve.uuid));
     let _ = std::fs::remove_file(&pid_file);
     let mut command = Command::new(nbdfuse);
-    let connections = args.connections.unwrap_or_else(crate::serve::default_threads);
+    let connections = args.connections.unwrap_or_else(zdisk_apps::parallel_requests);
     command.arg("-C").arg(connections.to_string());
     command.arg("-P").arg(&pid_file).arg(fuse_dir.join("nbd")).arg(&serve.uri);
     command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());

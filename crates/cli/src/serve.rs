@@ -44,7 +44,8 @@ pub struct ServeArgs {
     /// Serve Prometheus text at http://HOST:PORT/metrics and JSON at /stats.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics: Option<String>,
-    /// nbdkit worker threads (requests served in parallel; default 4 per core, at least 8).
+    /// nbdkit worker threads per connection (requests served in parallel; default 4 per core,
+    /// at least 8; `zdisk attach` over nbdfuse asks for 1 on each of as many connections).
     /// A read holds its thread while it waits for the disk, so reads at depth want threads;
     /// writes only compress and append, and more threads than that only preempt each other
     /// (on 2 cores, 8 instead of 16: 4K random writes +10% and p99.9 -15% under GC, random
@@ -176,20 +177,13 @@ fn parse_fraction(text: &str) -> std::result::Result<f64, String> {
     }
 }
 
-/// nbdkit threads when `--threads` is not given: 4 per core, at least 8 and at most 64. Also
-/// the connections `zdisk attach` has nbdfuse open (one thread each): the same parallelism.
-pub(crate) fn default_threads() -> u32 {
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
-    (4 * cores).clamp(8, 64)
-}
-
 /// nbdkit's command line for `args`.
 fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Command> {
     let nbdkit = runtime::tool("nbdkit", "ZDISK_NBDKIT")?;
     let mut command = Command::new(nbdkit);
     command.arg("--foreground").arg("--exit-with-parent");
     command.arg("-P").arg(pid_file);
-    command.arg("-t").arg(args.threads.unwrap_or_else(default_threads).max(1).to_string());
+    command.arg("-t").arg(args.threads.unwrap_or_else(zdisk_apps::parallel_requests).max(1).to_string());
     if let Some(socket) = &args.unix {
         command.arg("-U").arg(std::path::absolute(socket)?);
     } else if let Some(tcp) = &args.tcp {

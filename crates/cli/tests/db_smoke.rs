@@ -197,12 +197,10 @@ fn nbdfuse_loop_delivers_direct_page_writes_as_one_request() {
     let fuse = s.path("fuse");
     std::fs::create_dir_all(&fuse).unwrap();
     let fuse_pid = s.path("fuse.pid");
-    // As many connections as `zdisk attach` opens on this machine (4 per core, at least 8): a
-    // request goes whole to one of them.
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    // As many connections as `zdisk attach` opens: a request goes whole to one of them.
     let mut nbdfuse = std::process::Command::new("nbdfuse")
         .arg("-C")
-        .arg((4 * cores).clamp(8, 64).to_string())
+        .arg(zdisk_apps::parallel_requests().to_string())
         .arg("-P")
         .arg(&fuse_pid)
         .arg(fuse.join("nbd"))
