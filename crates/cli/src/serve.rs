@@ -342,19 +342,26 @@ pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
         }
         _ => None,
     };
+    let uuid = Store::info(&args.store)?.uuid;
     let child = command.spawn().with_context(|| format!("starting {command:?}"))?;
     let mut nbdkit = Nbdkit { child: Some(child), uri: uri(args)? };
-    // nbdkit writes the pid file after binding its socket and after the plugin's
-    // after_fork (which opens the store); until then it may be replaying the log.
+    // nbdkit writes the pid file once its socket is bound, and calls the plugin's
+    // after_fork — which opens the store (replaying the log) and then binds the control
+    // socket — after that. Serving starts when the control socket answers: a `zdisk resize`
+    // or `stat` issued the moment the URI is printed must find it (issue 48 saw it refused
+    // for ~10 ms).
+    let control = runtime::control_socket(&uuid);
+    let mut pid_written = false;
     loop {
         if let Some(status) = nbdkit.try_wait()? {
             nbdkit.child = None;
             bail!("nbdkit exited before serving ({status}); its messages are above");
         }
-        if std::fs::read_to_string(&pid_file).map(|s| !s.trim().is_empty()).unwrap_or(false) {
+        pid_written = pid_written || std::fs::read_to_string(&pid_file).is_ok_and(|s| !s.trim().is_empty());
+        if pid_written && runtime::control_request(&control, "stats").is_ok() {
             break;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(5));
     }
     Ok(nbdkit)
 }

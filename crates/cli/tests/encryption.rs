@@ -199,4 +199,8 @@ fn stat_without_a_key_reads_the_checkpoint(s: &Scratch, store: &std::path::Path,
         serde_json::from_str(&s.zdisk_ok(&["stat", path, "--json", "--key-file", key])).unwrap();
     assert_eq!(keyed["source"], "offline", "{keyed}");
     assert_eq!(keyed["logical_size"], offline["logical_size"], "closed cleanly: the checkpoint is current");
+    // One native capacity, key or not (issue 48: without the key it was counted as a plain
+    // store's, 51.18 against 50.77 MiB).
+    assert_eq!(offline["native_capacity"], keyed["native_capacity"], "native capacity without the key");
+    assert_eq!(offline["native_capacity"], live["native_capacity"], "native capacity without the key");
 }

@@ -184,6 +184,10 @@ pub struct CodecStats {
     pub dictionaries_trained_idle: u64,
     #[serde(default)]
     pub idle_segments_recompressed: u64,
+    /// Steps idle work spent making room for itself on a store whose free space sat at
+    /// GC's cushion: a victim cleaned, or the checkpoints that freed what it cleaned.
+    #[serde(default)]
+    pub idle_room_steps: u64,
 }
 
 /// The live counters behind [`CodecStats`], and the load signal of the adaptive fallback.
@@ -203,6 +207,7 @@ pub struct CodecCounters {
     pub older_dictionary_fragments_kept: AtomicU64,
     pub dictionaries_trained_idle: AtomicU64,
     pub idle_segments_recompressed: AtomicU64,
+    pub idle_room_steps: AtomicU64,
     /// Blocks without a dictionary that recompression compressed with the newest one (kept
     /// or not), and the fragment bytes it made of them: idle work's retraining signal.
     pub dictionary_trial_blocks: AtomicU64,
@@ -245,6 +250,7 @@ impl CodecCounters {
             dictionary_newest_id: 0,
             dictionaries_trained_idle: get(&self.dictionaries_trained_idle),
             idle_segments_recompressed: get(&self.idle_segments_recompressed),
+            idle_room_steps: get(&self.idle_room_steps),
         }
     }
 }

@@ -45,6 +45,24 @@ struct Scenario {
     /// GC must move data into the cold stream's segments (jump records in the log, which
     /// every recovery then follows): the run fails if it moved none.
     cold_stream: bool,
+    /// The logical size is the store's native capacity (`native_logical_bytes`): the
+    /// requests that change data are all writes, 80% of them into the first fifth, and a
+    /// single ENOSPC fails the run (docs/guarantees.md,
+    /// (6): a store at native capacity never refuses a write for space).
+    native_capacity: bool,
+}
+
+/// The native capacity of a store `new_disk` formats with `segments` of `segment_bytes`
+/// (default over-provisioning), in whole blocks.
+fn native_logical_bytes(segments: u64, segment_bytes: u64) -> u64 {
+    let physical = (1 << 20) + segments * segment_bytes;
+    let native = zdisk_engine::native_capacity_of_physical(
+        physical,
+        Some(segment_bytes),
+        zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+        false,
+    );
+    native / BLOCK * BLOCK
 }
 
 fn scenario_data(s: &Scenario, rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
@@ -302,8 +320,13 @@ fn run_op(
             Err(e) => failed(e, "flush")?,
         }
     } else if roll < w + 14 {
-        let request = if roll < w {
-            let (offset, len) = random_range(rng, s.logical_bytes, 16);
+        // (At native capacity only writes: trims and zeroes would empty the store.)
+        let request = if roll < w || s.native_capacity {
+            let (offset, len) = if s.native_capacity && rng.gen_bool(0.8) {
+                random_range(rng, s.logical_bytes / 5, 16)
+            } else {
+                random_range(rng, s.logical_bytes, 16)
+            };
             Request::Write { offset, data: scenario_data(s, rng, len as usize) }
         } else if roll < w + 7 {
             let (offset, len) = random_range(rng, s.logical_bytes, 64);
@@ -322,7 +345,11 @@ fn run_op(
                 false
             }
             Err(e) => {
+                let no_space_error = e.to_string();
                 let crashed = failed(e, "request")?;
+                if !crashed && s.native_capacity {
+                    return Err(format!("cycle {cycle} op {op}: ENOSPC at native capacity: {no_space_error}"));
+                }
                 if crashed {
                     // In flight at the crash: it may or may not have made it.
                     model.pending.push(request);
@@ -478,6 +505,7 @@ fn mixed_requests_survive_random_crashes() {
             dictionaries: false,
             encrypted: false,
             cold_stream: false,
+            native_capacity: false,
         },
         12,
     );
@@ -504,6 +532,7 @@ const OVERWRITES_AT_50_PERCENT: Scenario = Scenario {
     dictionaries: false,
     encrypted: false,
     cold_stream: true,
+    native_capacity: false,
 };
 
 #[test]
@@ -543,8 +572,39 @@ fn a_map_cache_of_two_pages_survives_crashes_with_constant_eviction() {
             dictionaries: false,
             encrypted: false,
             cold_stream: false,
+            native_capacity: false,
         },
         8,
+    );
+}
+
+/// Issue 48: a store at native capacity, filled with incompressible data and overwritten
+/// with skewed writes, with a map cache of one page over a map of a root and five leaves. GC's accounting must not depend on which pages are cached: before the fix, a
+/// copy applied to an evicted leaf owed the removal of the victim's fragment, the victim
+/// looked live after GC, was kept out of GC for good, and writes failed with ENOSPC.
+#[test]
+fn a_store_at_native_capacity_with_a_map_cache_of_one_page_never_runs_out_of_space() {
+    let (segments, segment_bytes) = (160, 64 << 10);
+    run_scenario(
+        Scenario {
+            name: "a_store_at_native_capacity_with_a_map_cache_of_one_page_never_runs_out_of_space",
+            segments,
+            segment_bytes,
+            logical_bytes: native_logical_bytes(segments, segment_bytes),
+            incompressible_percent: 100,
+            cycles: 8,
+            ops_per_cycle: 2000,
+            fill: true,
+            write_percent: 80,
+            map_cache_bytes: 5 << 10,
+            codec: Some(Codec::Lz4),
+            codec_fallback: CodecFallback::Never,
+            dictionaries: false,
+            encrypted: false,
+            cold_stream: false,
+            native_capacity: true,
+        },
+        6,
     );
 }
 

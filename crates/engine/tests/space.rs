@@ -394,9 +394,21 @@ fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
     for seed in seeds(1) {
         for (over_provision_ppm, segment, times, two_to_one, pacing) in cases {
             eprintln!("seed {seed}: OP {over_provision_ppm} ppm, {segment}-byte segments, {times}x, pacing {pacing}");
-            let shape = Shape { over_provision_ppm, segment, times, two_to_one, pacing };
+            let shape = Shape { over_provision_ppm, segment, times, two_to_one, pacing, map_cache_bytes: None };
             fill_and_overwrite_at_native_capacity(seed, shape);
         }
+        // A map cache of about three pages over a map of ~17 (issue 48): eight writers race
+        // GC's settling of owed removals into leaves it must read back.
+        eprintln!("seed {seed}: default OP, 64 KiB segments, 1x, a 16 KiB map cache");
+        let shape = Shape {
+            over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+            segment: 64 << 10,
+            times: 1,
+            two_to_one: false,
+            pacing: true,
+            map_cache_bytes: Some(16 << 10),
+        };
+        fill_and_overwrite_at_native_capacity(seed, shape);
     }
 }
 
@@ -407,10 +419,12 @@ struct Shape {
     times: u64,
     two_to_one: bool,
     pacing: bool,
+    /// The map cache's budget (None: the default, which holds the whole map).
+    map_cache_bytes: Option<u64>,
 }
 
 fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
-    let Shape { over_provision_ppm, segment, times, two_to_one, pacing } = shape;
+    let Shape { over_provision_ppm, segment, times, two_to_one, pacing, map_cache_bytes } = shape;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let physical = 32u64 << 20;
@@ -431,7 +445,9 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
         },
     )
     .unwrap();
-    let store = Arc::new(Store::open(&path, &zdisk_engine::OpenOptions { pacing, ..Default::default() }).unwrap());
+    let mut options = zdisk_engine::OpenOptions { pacing, ..Default::default() };
+    options.map_cache_bytes = map_cache_bytes.unwrap_or(options.map_cache_bytes);
+    let store = Arc::new(Store::open(&path, &options).unwrap());
     let contents = move |rng: &mut rand::rngs::StdRng, len: u64| -> Vec<u8> {
         let mut data = vec![0u8; len as usize];
         for block in data.chunks_mut(BLOCK as usize) {
@@ -545,4 +561,73 @@ fn gc_output_goes_to_a_cold_segment_and_replay_follows_the_jumps() {
         let report = store.check(&mut |_, _| {}).unwrap();
         assert!(report.problems.is_empty(), "seed {seed}: {:?}", report.problems);
     }
+}
+
+/// Issue 48's reproduction: a store at native capacity whose block map is larger than its
+/// cache (a 48 MiB store maps ~12k blocks in ~25 leaves; 16 KiB caches about three pages),
+/// filled 95% with incompressible data in 256 KiB writes, then overwritten with 64 KiB
+/// writes, 80% of them into the first fifth. Before the fix every write failed with ENOSPC
+/// after ~270 overwrites: GC's copies applied to evicted leaves owed the removal of the
+/// victim's fragments, the victims looked live after GC and were kept out of GC for good.
+/// No write may fail, every block reads back, and `check` finds the accounting exact.
+#[test]
+fn a_store_at_native_capacity_whose_map_outgrows_its_cache_takes_skewed_overwrites() {
+    for seed in seeds(1) {
+        for map_cache_bytes in [16u64 << 10, zdisk_engine::OpenOptions::default().map_cache_bytes] {
+            eprintln!("seed {seed} (ZDISK_TEST_SEED={seed} reruns it): map cache {map_cache_bytes} bytes");
+            skewed_overwrites_at_native_capacity(seed, map_cache_bytes);
+        }
+    }
+}
+
+fn skewed_overwrites_at_native_capacity(seed: u64, map_cache_bytes: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let (physical, segment) = (48u64 << 20, 256u64 << 10);
+    let over_provision_ppm = zdisk_engine::OVER_PROVISION_DEFAULT_PPM;
+    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
+    let (fill_write, overwrite) = (256u64 << 10, 64u64 << 10);
+    let logical = native / fill_write * fill_write;
+    Store::format(
+        &path,
+        &zdisk_engine::FormatOptions {
+            physical_size_bytes: physical,
+            logical_size_bytes: logical,
+            codec: Codec::Lz4,
+            segment_size_bytes: Some(segment),
+            force: false,
+            over_provision_ppm,
+            encryption: None,
+            preallocate: false,
+        },
+    )
+    .unwrap();
+    let options = zdisk_engine::OpenOptions { map_cache_bytes, ..Default::default() };
+    let store = Store::open(&path, &options).unwrap();
+    let mut rng = rng(seed);
+    let mut expected = vec![0u8; logical as usize];
+    let mut write = |store: &Store, rng: &mut rand::rngs::StdRng, at: u64, len: u64, i: usize| {
+        let data = &mut expected[at as usize..(at + len) as usize];
+        rng.fill(data);
+        if let Err(e) = store.write(at, data, false) {
+            panic!("seed {seed}, map cache {map_cache_bytes}: write {i} of {len} bytes at {at} failed: {e}");
+        }
+    };
+    for (i, at) in (0..logical * 95 / 100 / fill_write * fill_write).step_by(fill_write as usize).enumerate() {
+        write(&store, &mut rng, at, fill_write, i);
+    }
+    let slots = logical / overwrite;
+    for i in 0..2500 {
+        let slot = if rng.gen_bool(0.8) { rng.gen_range(0..slots / 5) } else { rng.gen_range(0..slots) };
+        write(&store, &mut rng, slot * overwrite, overwrite, i);
+    }
+    assert!(read_all(&store) == expected, "seed {seed}, map cache {map_cache_bytes}: contents differ");
+    let stats = store.stats();
+    assert!(stats.gc_segments_cleaned > 0, "GC never ran: {stats:?}");
+    if map_cache_bytes < 64 << 10 {
+        assert!(stats.map_cache_misses > 200, "the map cache hardly missed: {stats:?}");
+    }
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "seed {seed}, map cache {map_cache_bytes}: {:?}", report.problems);
+    store.close().unwrap();
 }

@@ -253,6 +253,16 @@ impl PagedMap {
         tree.states.range(..end).filter(|(_, s)| s.pending.iter().any(|c| !c.settled)).map(|(&k, _)| k).collect()
     }
 
+    /// Of `leaves` (ascending), those with changes whose owed removals are not settled.
+    pub fn unsettled_among(&self, leaves: &[PageId]) -> Vec<PageId> {
+        let tree = self.lock();
+        leaves
+            .iter()
+            .copied()
+            .filter(|id| tree.states.get(id).is_some_and(|s| s.pending.iter().any(|c| !c.settled)))
+            .collect()
+    }
+
     /// Subtrees replaced by a constant whose old contents are still owed: (root page of
     /// the old subtree, its pointer).
     pub fn owed_walks(&self) -> Vec<(PageId, u64)> {

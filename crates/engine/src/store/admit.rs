@@ -249,7 +249,7 @@ impl Inner {
         for _ in 0..2 {
             let (short, waiting) = {
                 let log = self.log.lock();
-                let waiting = log.segments.has_cleaned() || log.segments.has_awaiting_pages();
+                let waiting = log.segments.has_cleaned() || log.segments.has_awaiting_checkpoint();
                 (self.available_bytes(&log) < enough_bytes, waiting)
             };
             if !short || !waiting {
@@ -278,7 +278,7 @@ impl Inner {
             published_slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed),
             free = log.segments.free_count(),
             cleaned = log.segments.cleaned_count(),
-            awaiting_pages = log.segments.has_awaiting_pages(),
+            awaiting_checkpoint = log.segments.has_awaiting_checkpoint(),
             since_checkpoint_bytes = log.epochs.bytes_since_checkpoint,
             "foreground round"
         );

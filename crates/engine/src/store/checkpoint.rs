@@ -144,6 +144,7 @@ impl Inner {
             }
             log.epochs.release_after_next = image.superseded;
             log.segments.pin_newest(chunk_segments(&self.geometry, &sb));
+            log.segments.recheck_awaiting();
             assert!(durable_sb.checkpoint_seq <= sb.checkpoint_seq, "checkpoints out of order");
             log.epochs.reuse_horizon_seq = durable_sb.checkpoint_seq;
         }

@@ -9,14 +9,20 @@
 //!   checks were made in. (Relocate records, which older stores hold, carried the old place
 //!   and were compared and swapped when applied, twice over in their tail: 28 bytes a copy
 //!   against a batch entry's 8.)
-//! - Liveness is read through the map cache, a victim's leaves a batch at a time (one page
-//!   read per leaf not cached); the owed removals of those leaves' changes are settled then,
-//!   so the victim's live bytes are exact when GC is done.
+//! - GC's accounting does not depend on which map pages are cached (docs/space.md, "GC
+//!   and the map cache"). Liveness is read through the map cache, a victim's leaves a
+//!   batch at a time (one page read per leaf not cached); the owed removals of those
+//!   leaves' changes are settled then. The copies' leaves are pinned from the check to the
+//!   apply (`log.rs`), so a copy removes the entry it replaces at once. A host write racing
+//!   GC may still owe the removal of a live fragment's old place: the leaves of what was
+//!   live are settled again after the copies, and if one still owes (a write racing that
+//!   too) the victim waits for the next checkpoint, which settles every owed removal.
 //! - GC runs under the checkpoint lock: no checkpoint's frozen changes are in flight.
-//! - A victim is marked cleaned only when nothing in it is live any more; if live bytes
-//!   remain (a damaged record header hid them), it is kept and never taken again. A victim
-//!   holding current map pages has them rewritten at the next checkpoint and is freed
-//!   once no retained checkpoint references them.
+//! - A victim is marked cleaned only when nothing in it is live any more. If live bytes
+//!   remain while the count is exact (nothing owed in those leaves, no walk owed), a
+//!   damaged record header hid them: it is kept and never taken again, and `check` reports
+//!   it. A victim holding current map pages has them rewritten at the next checkpoint and
+//!   is freed once no retained checkpoint references them.
 //! - A relocation must fit one fresh segment: GC may count on one beyond its reserve, and a
 //!   victim that gives back less than it takes would eat the reserves trims and checkpoints
 //!   need.
@@ -136,9 +142,9 @@ enum CleanFor {
 }
 
 /// The victim GC chose, and whether the reuse horizon has passed it.
-struct Victim {
-    segment: SegmentId,
-    settled: bool,
+pub(super) struct Victim {
+    pub segment: SegmentId,
+    pub settled: bool,
 }
 
 impl Inner {
@@ -172,6 +178,7 @@ impl Inner {
     /// (or, cleaning for recompression, nothing in it recompresses smaller).
     fn clean_victim(&self, victim: Victim, target: Option<&RecompressTarget>, why: CleanFor) -> Result<Option<u64>> {
         let live = self.collect_live(victim.segment)?;
+        let leaves = leaves_of(&live);
         let (verbatim, recompressed) = self.recompress_live(live, target);
         if why == CleanFor::Recompression && recompressed.is_empty() {
             // Nothing in it gets smaller (fragments the target's codec does not shrink stay
@@ -190,20 +197,50 @@ impl Inner {
             let class = if victim.settled { SpaceClass::GcSettled } else { SpaceClass::Gc };
             self.relocate(verbatim, recompressed, class)?;
         }
+        self.finish_victim(&victim, &leaves, relocated_bytes)
+    }
+
+    /// After a victim's live fragments were moved: settles what host writes racing GC owe
+    /// in the leaves of those fragments, then judges the victim (`judge_victim`).
+    pub(super) fn finish_victim(
+        &self,
+        victim: &Victim,
+        leaves: &[PageId],
+        relocated_bytes: u64,
+    ) -> Result<Option<u64>> {
+        // A host write that overwrote a live fragment while GC worked, into a leaf not
+        // cached, owes the removal of the victim's fragment: settle those leaves now.
+        let owed = self.map.read().unsettled_among(leaves);
+        self.settle_leaves(&owed)?;
+        self.judge_victim(victim, leaves, relocated_bytes)
+    }
+
+    /// Marks a victim whose live fragments were moved (those in `leaves`) cleaned, waiting
+    /// for checkpoints, or — when its count is exact and still not zero — unparseable.
+    /// Returns the bytes it gives back once freed.
+    pub(super) fn judge_victim(&self, victim: &Victim, leaves: &[PageId], relocated_bytes: u64) -> Result<Option<u64>> {
         // A trim that replaced a whole subtree owes its old entries until the checkpoint
         // walks it: they may point into the victim.
         let walks_owed = self.map.read().has_owed_walks();
         let mut log = self.log.lock();
+        // Under the log lock no host write applies, so what is owed now is all that is:
+        // any removal owed of the victim's fragments sits in the leaves of what it held
+        // live when GC read it (the others' leaves were settled then, `collect_live`).
+        let removals_owed = walks_owed || !self.map.read().unsettled_among(leaves).is_empty();
         let usage = *log.segments.get(victim.segment);
-        if (usage.live_bytes == 0 && usage.page_bytes != 0) || (usage.live_bytes != 0 && walks_owed) {
-            // Its data is gone, or goes with a walk; its map pages go with the next
-            // checkpoints. Once it holds nothing, freeing finds it (`free_cleaned`).
-            log.segments.await_pages(victim.segment);
+        if (usage.live_bytes == 0 && usage.page_bytes != 0) || (usage.live_bytes != 0 && removals_owed) {
+            // Its data is gone, or its count still holds removals the map owes (a walk, or
+            // a write racing the settling above); its map pages go with the next
+            // checkpoints, which also settle every owed removal. Once it holds nothing,
+            // freeing finds it (`free_cleaned`); if its count stays above zero once exact,
+            // GC may take it again (`SegmentTable::recheck_awaiting`).
+            log.segments.await_checkpoint(victim.segment);
             return Ok(Some(0));
         }
         if usage.live_bytes != 0 {
-            // Live data that parsing did not find: a damaged record header (or a bug). Never
-            // free such a segment; leave it out of GC from now on; `check` reports it.
+            // Live data that parsing did not find, with the count exact: a damaged record
+            // header (or a bug). Never free such a segment; leave it out of GC from now on;
+            // `check` reports it.
             tracing::error!(
                 "segment {} still has {} live bytes after GC; keeping it",
                 victim.segment,
@@ -217,6 +254,20 @@ impl Inner {
         log.segments.mark_cleaned(victim.segment, cleaned_seq);
         Counters::add(&self.counters.gc_segments_cleaned, 1);
         Ok(Some(self.geometry.segment_size_bytes - relocated_bytes))
+    }
+
+    /// Loads `leaves` (a batch at a time) and settles the removals their changes owe.
+    fn settle_leaves(&self, leaves: &[PageId]) -> Result<()> {
+        for batch in leaves.chunks(LEAVES_PER_BATCH) {
+            self.map.read().pin_loaded(batch, self)?;
+            {
+                let mut log = self.log.lock();
+                let map = self.map.read();
+                map.settle(batch, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+            }
+            self.map.read().unpin(batch);
+        }
+        Ok(())
     }
 
     /// Recompresses, to completion, every fragment `target` takes: each segment holding one
@@ -605,6 +656,19 @@ impl Inner {
             Attempt::Conflict => unreachable!("relocations carry no expectations"),
         }
     }
+}
+
+/// The map leaves that hold the entries of `fragments`, ascending, each once.
+pub(crate) fn leaves_of(fragments: &[LiveFragment]) -> Vec<PageId> {
+    leaves_of_lbas(fragments.iter().map(|f| f.lba))
+}
+
+/// The map leaves that hold `lbas`' entries, ascending, each once.
+pub(crate) fn leaves_of_lbas(lbas: impl Iterator<Item = Lba>) -> Vec<PageId> {
+    let mut leaves: Vec<PageId> = lbas.map(|lba| PageId::leaf_of(lba).0).collect();
+    leaves.sort_unstable();
+    leaves.dedup();
+    leaves
 }
 
 /// A version 2 fragment (guard, compressed bytes) as a version 3 one: the same guard and

@@ -343,9 +343,35 @@ impl Inner {
         flags: &mut GroupFlags,
         recompressed: bool,
     ) -> Result<()> {
+        // The copies' leaves stay loaded from the check to the apply, a record's worth of
+        // copies at a time (at most 512 leaves pinned, 2 MiB; and no more records than
+        // `gc_copy_bytes` counts): so each copy removes the entry it replaces at once,
+        // instead of owing the removal of a victim's fragment — a map cache smaller than
+        // the map evicts between the two (docs/space.md, "GC and the map cache").
+        let mut fragments: Vec<&LiveFragment> = fragments.iter().filter(|f| f.lba.0 < map.block_count()).collect();
+        fragments.sort_unstable_by_key(|f| f.lba);
+        for group in fragments.chunks(RECORD_BLOCKS_MAX) {
+            let leaves = super::gc::leaves_of_lbas(group.iter().map(|f| f.lba));
+            map.pin_loaded(&leaves, self)?;
+            let appended = self.append_current_gc_copies(log, map, group, flags, recompressed);
+            map.unpin(&leaves);
+            appended?;
+        }
+        Ok(())
+    }
+
+    /// [`Inner::append_gc_copies`] for copies whose leaves are pinned.
+    fn append_current_gc_copies(
+        &self,
+        log: &mut Log,
+        map: &PagedMap,
+        fragments: &[&LiveFragment],
+        flags: &mut GroupFlags,
+        recompressed: bool,
+    ) -> Result<()> {
         let mut current = Vec::with_capacity(fragments.len());
-        for fragment in fragments {
-            if fragment.lba.0 < map.block_count() && map.get(fragment.lba, self)? == fragment.old {
+        for &fragment in fragments {
+            if map.get(fragment.lba, self)? == fragment.old {
                 current.push(fragment);
             }
         }

@@ -305,7 +305,7 @@ impl Store {
             geometry.segment_size_bytes,
             geometry.segment_count,
             over_provision_ppm,
-            self.inner.cipher.is_some(),
+            geometry.encrypted,
             self.inner.cold_stream,
         );
         let stored = self.inner.stats().physical_size;
@@ -504,6 +504,7 @@ impl Inner {
             segment_count: sb.segment_count(),
             physical_size_bytes: sb.physical_size_bytes,
             codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
+            encrypted: sb.encrypted(),
         };
         let logical_size_bytes = recovery::logical_size_bytes(chosen);
         let (map, counts) = recovery::build_map(

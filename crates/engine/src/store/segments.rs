@@ -81,9 +81,11 @@ pub(crate) struct SegmentTable {
     pinned: Vec<Vec<SegmentId>>,
     /// Segments GC could not fully parse (damaged); never cleaned.
     unparseable: Vec<SegmentId>,
-    /// Segments whose data GC moved but which still hold map pages a retained checkpoint
-    /// references: they empty as checkpoints rewrite and release those pages.
-    awaiting_pages: BTreeSet<SegmentId>,
+    /// Segments whose data GC moved but which wait for checkpoints: they still hold map
+    /// pages a retained checkpoint references (they empty as checkpoints rewrite and
+    /// release those pages), or their live count still holds removals the map owes (the
+    /// next checkpoint settles them).
+    awaiting_checkpoint: BTreeSet<SegmentId>,
     /// Per segment, the compressed fragments without a dictionary that joined the map
     /// there since open (replay included): where idle recompression looks (`idle.rs`).
     /// In memory only, and counted on joining alone — a hint, not a count of live ones.
@@ -165,7 +167,7 @@ impl SegmentTable {
             free: BTreeSet::new(),
             pinned: Vec::new(),
             unparseable: Vec::new(),
-            awaiting_pages: BTreeSet::new(),
+            awaiting_checkpoint: BTreeSet::new(),
             hints: vec![RecompressHint::default(); usage_len],
             hint_generation: 0,
             gc_output: vec![false; usage_len],
@@ -300,9 +302,25 @@ impl SegmentTable {
         self.counts.zero = self.counts.zero.saturating_sub(counts.zero);
     }
 
-    /// GC moved segment `id`'s data; it waits for its map pages to be rewritten.
-    pub fn await_pages(&mut self, id: SegmentId) {
-        self.awaiting_pages.insert(id);
+    /// GC moved segment `id`'s data; it waits for checkpoints to rewrite its map pages or
+    /// to settle the removals its live count still holds.
+    pub fn await_checkpoint(&mut self, id: SegmentId) {
+        self.awaiting_checkpoint.insert(id);
+    }
+
+    /// A checkpoint is durable: every removal owed when a segment began to wait is settled.
+    /// A waiting segment with no map pages left that still counts live bytes is given back
+    /// to GC: its count is exact now, and taking it again either empties it or, if its
+    /// live data really cannot be found, marks it unparseable (`gc.rs`). Emptied ones are
+    /// freed by `free_cleaned`. Returns how many were given back.
+    pub fn recheck_awaiting(&mut self) -> usize {
+        let usage = &self.usage;
+        let before = self.awaiting_checkpoint.len();
+        self.awaiting_checkpoint.retain(|id| {
+            let u = &usage[id.index()];
+            u.state != SegmentState::Sealed || u.page_bytes != 0 || u.live_bytes == 0
+        });
+        before - self.awaiting_checkpoint.len()
     }
 
     /// Sealed → Cleaned: nothing in it is live any more; `cleaned_seq` is the newest record
@@ -314,7 +332,7 @@ impl SegmentTable {
         assert_eq!(usage.page_bytes, 0, "cleaning segment {id} with live map pages");
         usage.state = SegmentState::Cleaned;
         usage.cleaned_seq = cleaned_seq;
-        self.awaiting_pages.remove(&id);
+        self.awaiting_checkpoint.remove(&id);
     }
 
     /// Cleaned → Free. The caller has checked the reuse rule.
@@ -401,14 +419,14 @@ impl SegmentTable {
     }
 
     /// Whether GC should take segment `id` as a victim: collectable, and not already
-    /// waiting for its map pages to be rewritten.
+    /// waiting for checkpoints.
     pub fn is_victim_candidate(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
-        self.collectable(id, unwritten) && !self.awaiting_pages.contains(&id)
+        self.collectable(id, unwritten) && !self.awaiting_checkpoint.contains(&id)
     }
 
     /// Why sealed segments are or are not GC's to take, counted (for an ENOSPC message):
     /// candidates, and those left out as unwritten, pinned by a retained checkpoint,
-    /// unparseable, or waiting for their map pages.
+    /// unparseable, or waiting for checkpoints (map pages, owed removals).
     pub fn victim_census(&self, unwritten: &[SegmentId]) -> String {
         let (mut candidates, mut in_memory, mut pinned, mut damaged, mut awaiting) = (0, 0, 0, 0, 0);
         for (i, s) in self.usage.iter().enumerate() {
@@ -422,7 +440,7 @@ impl SegmentTable {
                 pinned += 1;
             } else if self.unparseable.contains(&id) {
                 damaged += 1;
-            } else if self.awaiting_pages.contains(&id) {
+            } else if self.awaiting_checkpoint.contains(&id) {
                 awaiting += 1;
             } else {
                 candidates += 1;
@@ -430,7 +448,7 @@ impl SegmentTable {
         }
         format!(
             "sealed segments: {candidates} GC may take, {in_memory} not written out, {pinned} pinned, \
-             {damaged} unparseable, {awaiting} waiting for map pages"
+             {damaged} unparseable, {awaiting} waiting for checkpoints"
         )
     }
 
@@ -439,10 +457,23 @@ impl SegmentTable {
         self.usage.iter().any(|s| s.state == SegmentState::Cleaned)
     }
 
-    /// Whether any victim waits for its map pages: the next checkpoint rewrites them
-    /// elsewhere, and then it is freed as a cleaned segment.
-    pub fn has_awaiting_pages(&self) -> bool {
-        !self.awaiting_pages.is_empty()
+    /// Whether any victim waits for checkpoints (its map pages, or owed removals): the next
+    /// ones rewrite the pages elsewhere and settle the removals, and then it is freed as a
+    /// cleaned segment.
+    pub fn has_awaiting_checkpoint(&self) -> bool {
+        !self.awaiting_checkpoint.is_empty()
+    }
+
+    /// Whether segment `id` waits for checkpoints (`await_checkpoint`).
+    #[cfg(test)]
+    pub fn is_awaiting_checkpoint(&self, id: SegmentId) -> bool {
+        self.awaiting_checkpoint.contains(&id)
+    }
+
+    /// Whether GC found segment `id` damaged (`mark_unparseable`).
+    #[cfg(test)]
+    pub fn is_unparseable(&self, id: SegmentId) -> bool {
+        self.unparseable.contains(&id)
     }
 
     pub fn cleaned_count(&self) -> usize {
@@ -501,5 +532,30 @@ impl SegmentTable {
             let id = self.free.pop_last().expect("a free segment");
             self.usage[id.index()].state = SegmentState::Open;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sealed(live_bytes: u64, page_bytes: u64) -> SegmentUsage {
+        SegmentUsage { state: SegmentState::Sealed, live_bytes, page_bytes, ..SegmentUsage::FREE }
+    }
+
+    /// After a checkpoint, a victim waiting for it goes back to GC only when its count, now
+    /// exact, is still above zero with no map pages left: emptied ones wait to be freed,
+    /// ones with pages wait for the pages' release.
+    #[test]
+    fn recheck_awaiting_gives_back_to_gc_only_victims_still_counted_live() {
+        let mut table = SegmentTable::recovered(vec![sealed(0, 0), sealed(0, 512), sealed(4096, 0), sealed(4096, 512)]);
+        for i in 0..4 {
+            table.await_checkpoint(SegmentId(i));
+        }
+        assert!(!table.is_victim_candidate(SegmentId(2), &[]), "a waiting segment is no victim");
+        assert_eq!(table.recheck_awaiting(), 1);
+        let waiting: Vec<bool> = (0..4).map(|i| table.is_awaiting_checkpoint(SegmentId(i))).collect();
+        assert_eq!(waiting, [true, true, false, true]);
+        assert!(table.is_victim_candidate(SegmentId(2), &[]), "given back to GC");
     }
 }

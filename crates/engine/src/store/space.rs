@@ -171,7 +171,8 @@ impl Inner {
             self.geometry.segment_size_bytes,
             self.geometry.segment_count,
             over_provision_ppm,
-            self.cipher.is_some(),
+            // (Not the cipher: a store read without its key has none.)
+            self.geometry.encrypted,
             self.cold_stream,
         );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);

@@ -61,6 +61,10 @@ pub(crate) struct Geometry {
     pub segment_count: u64,
     pub physical_size_bytes: u64,
     pub codec: Codec,
+    /// The superblock says the store is encrypted (its fragments carry a seal, which its
+    /// native capacity counts) — known also when it is read without its key, where there
+    /// is no cipher.
+    pub encrypted: bool,
 }
 
 impl Geometry {
