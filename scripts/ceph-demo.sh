@@ -245,7 +245,8 @@ attach_zdisk() {
   local store=$WORK/$name.zdisk phys dev
   phys=$(awk -v l="$OSD_BYTES" -v f="$NATIVE" 'BEGIN { p = l / f; printf "%d", int(p / 4096) * 4096 }')
   [[ -n ${ZDISK_PHYS_OVERRIDE:-} ]] && phys=$ZDISK_PHYS_OVERRIDE
-  "$ZDISK" format "$store" --physical-size "$phys" --logical-size "$OSD_BYTES" --force "$@" >>"$WORK/attach.log" 2>&1 \
+  # --sparse: host_disk_bytes compares what the files take, as thin as the raw images.
+  "$ZDISK" format "$store" --physical-size "$phys" --logical-size "$OSD_BYTES" --force --sparse "$@" >>"$WORK/attach.log" 2>&1 \
     || die "zdisk format $store failed (see $WORK/attach.log)"
   # Freed segments go back to the host (ZDISK_DISCARD_FREED=on), so host_disk_bytes compares
   # thin zdisk files with the raw images qemu-nbd punches on discard.

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
-use zdisk_engine::{Codec, Encryption, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
+use zdisk_engine::{Allocation, Codec, Encryption, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
 
 use crate::keys::{KdfArgs, KeyArgs};
 
@@ -53,8 +53,15 @@ pub struct FormatArgs {
     /// keeps flushes fast from the first write: a flush that lands on blocks the file system
     /// has not allocated waits for it to allocate them (measured: 16 KiB write + flush at
     /// QD1, 1.6x faster; docs/format.md, "Backing allocation"). Use it under databases.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "sparse")]
     pub preallocate: bool,
+    /// Leave a file's data area unreserved: the file system allocates it as the log first
+    /// writes it. By default `format` reserves the physical size (fallocate) so the file
+    /// system cannot fill up under the store; a sparse store whose file system fills turns
+    /// read-only (its writes then get ENOSPC; `zdisk stat` says `state failed`). Warns when
+    /// the file system has less free space than the store.
+    #[arg(long)]
+    pub sparse: bool,
     #[command(flatten)]
     pub key: KeyArgs,
     #[command(flatten)]
@@ -152,7 +159,11 @@ pub fn format(args: &FormatArgs) -> Result<()> {
         force: args.force,
         over_provision_ppm: args.over_provision.0,
         encryption,
-        preallocate: args.preallocate,
+        allocation: match (args.preallocate, args.sparse) {
+            (true, _) => Allocation::Zeroed,
+            (false, true) => Allocation::Sparse,
+            (false, false) => Allocation::Reserved,
+        },
     };
     let mut progress =
         args.preallocate.then(|| StepProgress::new(format!("writing zeros over {}", args.store.display())));
@@ -183,7 +194,35 @@ pub fn format(args: &FormatArgs) -> Result<()> {
     println!("  over-provision   {}% of the data area kept spare", info.over_provision_ppm as f64 / 10_000.0);
     println!("  segment size     {}", human_bytes(info.segment_size_bytes));
     println!("  codec            {}", info.codec);
+    if args.sparse {
+        if let Some(warning) = sparse_room_warning(&args.store)? {
+            eprintln!("zdisk: warning: {warning}");
+        }
+    }
     Ok(())
+}
+
+/// When `store` is a file whose file system has less free space than the store can still
+/// grow by (its size less what is allocated): what an operator should be told. None for a
+/// block device, or when the room is there.
+pub fn sparse_room_warning(store: &Path) -> Result<Option<String>> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(store).with_context(|| format!("reading {}", store.display()))?;
+    if !metadata.is_file() {
+        return Ok(None);
+    }
+    let growth = metadata.len().saturating_sub(metadata.blocks() * 512);
+    let fs = rustix::fs::statvfs(store).with_context(|| format!("reading the file system of {}", store.display()))?;
+    let free = fs.f_bavail * fs.f_frsize;
+    Ok((free < growth).then(|| {
+        format!(
+            "{} is sparse and can still grow by {}, but its file system has {} free: when the file system fills, \
+             the store turns read-only (writes get ENOSPC). Format without --sparse to reserve the room.",
+            store.display(),
+            human_bytes(growth),
+            human_bytes(free)
+        )
+    }))
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -314,6 +353,10 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
             println!("source  live (served by nbdkit pid {pid}; snapshot {:.1} s old)", age.as_secs_f64())
         }
     }
+    match stats.state {
+        zdisk_engine::StoreState::Ok => println!("state   ok"),
+        state => println!("state   {}: {}", state.name(), stats.state_reason),
+    }
     println!();
     println!("capacity-stat (bytes):");
     let values: Vec<String> = CAPACITY_STAT
@@ -331,6 +374,9 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
     println!();
     let flag = match stats.space_flag {
         _ if stats.damaged => "damaged: read-only, see `zdisk check`",
+        _ if stats.state == zdisk_engine::StoreState::Failed => {
+            "full or failed: the store takes no more writes (state)"
+        }
         0 => "normal",
         1 => "low",
         _ => "full: writes needing space get ENOSPC",

@@ -51,7 +51,7 @@ fn format_store(args: &DemoArgs, store: &Path) -> Result<zdisk_engine::StoreInfo
         force: true,
         over_provision_ppm,
         encryption: None,
-        preallocate: false,
+        allocation: zdisk_engine::Allocation::Sparse,
     };
     let info = Store::format(store, &options).context("formatting the demo store")?;
     eprintln!(

@@ -35,6 +35,12 @@ pub fn control_socket(uuid: &str) -> PathBuf {
     run_dir().join(format!("{uuid}.ctl"))
 }
 
+/// The reason a served store failed, written by the plugin at unload (its
+/// `failed_file_path`): `zdisk serve` then exits non-zero.
+pub fn failed_file(uuid: &str) -> PathBuf {
+    run_dir().join(format!("{uuid}.failed"))
+}
+
 pub fn serve_file(uuid: &str) -> PathBuf {
     run_dir().join(format!("{uuid}.serve.json"))
 }

@@ -343,6 +343,11 @@ pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
         _ => None,
     };
     let uuid = Store::info(&args.store)?.uuid;
+    // (A server killed before it could read it left this; it is about that run.)
+    let _ = std::fs::remove_file(runtime::failed_file(&uuid));
+    if let Some(warning) = crate::commands::sparse_room_warning(&args.store)? {
+        eprintln!("zdisk: warning: {warning}");
+    }
     let child = command.spawn().with_context(|| format!("starting {command:?}"))?;
     let mut nbdkit = Nbdkit { child: Some(child), uri: uri(args)? };
     // nbdkit writes the pid file once its socket is bound, and calls the plugin's
@@ -400,10 +405,22 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         stdout.flush()?;
     }
     let grace = Duration::from_secs(args.stop_grace_seconds);
+    // The store's state as the server last told it (its live file, rewritten every second,
+    // and the control socket at the stop): a store that failed while served makes the stop
+    // fail too (its messages say why; `zdisk check` says what the store holds).
+    let mut failure = None;
+    let mut polls = 0u64;
     let status = loop {
+        polls += 1;
+        if failure.is_none() && polls.is_multiple_of(20) {
+            failure = runtime::read_json::<serde_json::Value>(&runtime::live_file(&info.uuid))
+                .ok()
+                .and_then(|live| failure_of(&live));
+        }
         if stop.load(Ordering::SeqCst) {
             eprintln!("zdisk: stopping: refusing new writes, flushing and checkpointing");
             let control = runtime::control_socket(&info.uuid);
+            failure = failure.or_else(|| store_failure(&control));
             // A drain that fails matters only if nbdkit then has to be killed: a terminal's
             // Ctrl-C reaches nbdkit too (one process group), and nbdkit then closes the store
             // cleanly itself — and removes the control socket before the drain reaches it.
@@ -441,9 +458,35 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         std::thread::sleep(Duration::from_millis(50));
     };
     let _ = std::fs::remove_file(&state_file);
+    let failed_file = runtime::failed_file(&info.uuid);
+    if let Ok(reason) = std::fs::read_to_string(&failed_file) {
+        let _ = std::fs::remove_file(&failed_file);
+        failure = Some(reason);
+    }
     if !status.success() {
         bail!("nbdkit exited with {status}; see its messages above");
     }
+    if let Some(reason) = failure {
+        bail!(
+            "the store failed while served and took no writes after that ({reason}); what clients had flushed \
+             before is on the backing: `zdisk check {}` says what the store holds",
+            args.store.display()
+        );
+    }
     eprintln!("zdisk: stopped cleanly");
     Ok(())
+}
+
+/// Why the served store failed, if its server says it did (`Stats::state`).
+fn store_failure(control: &std::path::Path) -> Option<String> {
+    let reply = runtime::control_request(control, "stats").ok()?;
+    failure_of(&serde_json::from_str(&reply).ok()?)
+}
+
+/// Why the store failed, from a live snapshot (the live file, or the control socket's
+/// `stats`), if it did.
+fn failure_of(live: &serde_json::Value) -> Option<String> {
+    let stats = live.get("stats")?;
+    (stats.get("state")?.as_str()? == zdisk_engine::StoreState::Failed.name())
+        .then(|| stats.get("state_reason").and_then(|r| r.as_str()).unwrap_or("").to_string())
 }

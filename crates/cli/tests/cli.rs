@@ -214,12 +214,14 @@ fn format_refuses_an_existing_store_without_force() {
 }
 
 /// `--preallocate` leaves every block of the store file allocated (written zeros), and says
-/// so on stderr as it goes; without it a new store file stays sparse.
+/// so on stderr as it goes; a plain format reserves the file's blocks (fallocate) without
+/// writing them; `--sparse` leaves the file sparse. All three are equally empty stores.
 #[test]
 fn format_preallocate_allocates_the_whole_file() {
     use std::os::unix::fs::MetadataExt;
     let s = Scratch::new("prealloc");
-    let sparse = s.format("sparse.zdisk", "64M", "1x", &[]);
+    let sparse = s.format("sparse.zdisk", "64M", "1x", &["--sparse"]);
+    let reserved = s.format("reserved.zdisk", "64M", "1x", &[]);
     let store = s.path("full.zdisk");
     let output = s
         .zdisk()
@@ -231,10 +233,13 @@ fn format_preallocate_allocates_the_whole_file() {
     assert!(stderr.contains("writing zeros over") && stderr.contains("100%"), "{stderr}");
     let allocated = |path: &std::path::Path| std::fs::metadata(path).unwrap().blocks() * 512;
     assert!(allocated(&store) >= 63 << 20, "preallocated store holds {} bytes", allocated(&store));
-    assert!(allocated(&sparse) < 8 << 20, "a plain format allocated {} bytes", allocated(&sparse));
+    assert!(allocated(&reserved) >= 63 << 20, "a plain format reserved only {} bytes", allocated(&reserved));
+    assert!(allocated(&sparse) < 8 << 20, "a --sparse format allocated {} bytes", allocated(&sparse));
     let (full, empty) = (s.stat_json(&store), s.stat_json(&sparse));
     assert_eq!(full["physical_size"], empty["physical_size"], "a preallocated store is as empty as a new one");
     assert_eq!(full["free_space"], empty["free_space"]);
+    assert_eq!(s.stat_json(&reserved)["free_space"], empty["free_space"]);
+    s.zdisk_ok(&["check", reserved.to_str().unwrap()]);
     s.zdisk_ok(&["check", store.to_str().unwrap()]);
 }
 

@@ -47,7 +47,7 @@ fn point(dir: &std::path::Path, mapped_bytes: u64, random_bytes: usize) {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();

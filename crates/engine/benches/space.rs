@@ -181,7 +181,7 @@ fn format_store(path: &std::path::Path, physical_bytes: u64, logical_bytes: u64,
             force: true,
             over_provision_ppm,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();
@@ -296,7 +296,7 @@ fn fill_overhead(logical_bytes: u64) {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();
@@ -340,7 +340,7 @@ fn recovery_time(logical_written_bytes: u64) {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();

@@ -25,7 +25,7 @@ fn main() {
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();

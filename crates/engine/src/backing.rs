@@ -42,6 +42,13 @@ pub trait Backing: Send + Sync {
     /// Tells the device the range holds nothing worth keeping (hole punch / BLKDISCARD).
     /// Contents read back afterwards are unspecified; the engine never reads them.
     fn discard(&self, offset: u64, len: u64) -> io::Result<()>;
+    /// Has a file's file system allocate the range without writing it (fallocate), so it
+    /// cannot run out of room under it later; ENOSPC if it lacks the room. A no-op where
+    /// the backing is allocated already (a block device, the simulator).
+    fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
 }
 
 pub fn assert_aligned(offset: u64, len: usize, size_bytes: u64) {
@@ -375,6 +382,22 @@ impl Backing for FileBacking {
                 Err(e) if e == rustix::io::Errno::OPNOTSUPP => Ok(()),
                 Err(e) => Err(e.into()),
             }
+        }
+    }
+
+    fn reserve(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.block_device {
+            return Ok(());
+        }
+        use rustix::fs::{fallocate, FallocateFlags};
+        match fallocate(&self.file, FallocateFlags::KEEP_SIZE, offset, len) {
+            Ok(()) => Ok(()),
+            // A file system that cannot reserve: the store stays as sparse as it was.
+            Err(e) if e == rustix::io::Errno::OPNOTSUPP => {
+                tracing::warn!("the backing's file system cannot reserve space (fallocate); the store stays sparse");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
         }
     }
 }

@@ -20,6 +20,10 @@ pub enum ErrorKind {
     Io,
     /// The store is read-only: opened so, or an earlier sync failed and durability is unknown.
     ReadOnly,
+    /// An earlier backing write failed because the backing's file system (or device) is
+    /// full: the store is read-only until it is reopened with room (`zdisk format`
+    /// reserves the physical size unless `--sparse`). Writes get ENOSPC, not EROFS.
+    BackingFull,
     /// The file is not a zdisk store (no valid superblock).
     NotAStore,
     /// The file is shorter than its superblock says.
@@ -63,7 +67,7 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self.kind {
             ErrorKind::OutOfRange | ErrorKind::InvalidArgument => libc::EINVAL,
-            ErrorKind::NoSpace => libc::ENOSPC,
+            ErrorKind::NoSpace | ErrorKind::BackingFull => libc::ENOSPC,
             ErrorKind::ReadOnly => libc::EROFS,
             ErrorKind::Locked => libc::EBUSY,
             ErrorKind::WrongKey => libc::EACCES,
@@ -81,6 +85,7 @@ impl fmt::Display for Error {
             ErrorKind::Checksum => "checksum mismatch",
             ErrorKind::Io => "I/O error",
             ErrorKind::ReadOnly => "store is read-only",
+            ErrorKind::BackingFull => "the backing is full; store is read-only",
             ErrorKind::NotAStore => "not a zdisk store",
             ErrorKind::Truncated => "store is truncated",
             ErrorKind::NewerVersion => "store has a newer format version",

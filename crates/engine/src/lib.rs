@@ -36,14 +36,14 @@ pub use crypto::cipher::NonceObserver;
 pub use crypto::keys::{KdfParams, SlotInfo, SlotKind};
 pub use crypto::Secret;
 pub use error::{Error, ErrorKind, Result};
-pub use stats::{CodecStats, Stats};
+pub use stats::{CodecStats, Stats, StoreState, COUNTER_STATS};
 pub use store::capacity::{
     native_capacity_of_physical, over_provision_ppm_from_percent, OVER_PROVISION_DEFAULT_PPM, OVER_PROVISION_MAX_PPM,
     OVER_PROVISION_MIN_PPM,
 };
 pub use store::{
-    CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Encryption, Extent, ExtentKind, FormatOptions,
-    KeyChange, OpenOptions, RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
+    Allocation, CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Encryption, Extent, ExtentKind,
+    FormatOptions, KeyChange, OpenOptions, RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
 };
 pub use types::{Lba, SegmentId};
 

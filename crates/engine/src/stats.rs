@@ -6,6 +6,80 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
+/// What a store is now, for an operator (`Stats::state`; docs/guarantees.md, "States").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoreState {
+    /// Serving reads and writes.
+    #[default]
+    Ok,
+    /// Recovery lost records: read-only, blocks not provably newer than the loss read as
+    /// EIO (`zdisk check` lists the damage).
+    Degraded,
+    /// Opened read-only.
+    ReadOnly,
+    /// A backing write or sync failed (the backing's file system full, an I/O error): the
+    /// store takes no more writes until reopened; what was acknowledged and flushed before
+    /// is on the backing.
+    Failed,
+}
+
+impl StoreState {
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreState::Ok => "ok",
+            StoreState::Degraded => "degraded",
+            StoreState::ReadOnly => "read_only",
+            StoreState::Failed => "failed",
+        }
+    }
+}
+
+/// The statistics that only grow while a store is open: counters (Prometheus exports them as
+/// `zdisk_<name>_total`, typed `counter`); every other statistic is a gauge.
+pub const COUNTER_STATS: &[&str] = &[
+    "host_write_bytes",
+    "host_read_bytes",
+    "backing_write_bytes",
+    "padding_bytes",
+    "metadata_bytes",
+    "data_bytes",
+    "checksum_errors",
+    "gc_bytes_moved",
+    "gc_segments_cleaned",
+    "checkpoints",
+    "read_ops",
+    "write_ops",
+    "trim_ops",
+    "zero_ops",
+    "flush_ops",
+    "fua_ops",
+    "read_cache_hits",
+    "read_cache_misses",
+    "map_cache_hits",
+    "map_cache_misses",
+    "map_damaged_pages",
+    "map_write_bytes",
+    "gc_cold_bytes_moved",
+    "gc_colder_bytes_moved",
+    "host_backing_reads",
+    "host_backing_read_bytes",
+    "paced_writes",
+    "paced_wait_ns",
+    "blocks_written_raw",
+    "blocks_written_lz4",
+    "blocks_written_zstd",
+    "blocks_written_deflate",
+    "codec_fallback_blocks",
+    "recompressed_fragments",
+    "recompress_saved_bytes",
+    "recompress_cpu_ns",
+    "recompressed_fragments_dictionary",
+    "dictionaries_trained_idle",
+    "idle_segments_recompressed",
+    "idle_room_steps",
+];
+
 /// A snapshot of the store's statistics. Every size is in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
@@ -80,6 +154,11 @@ pub struct Stats {
     /// the loss read as EIO (`zdisk check` lists the damage).
     #[serde(default)]
     pub damaged: bool,
+    /// What the store is now (`ok`, `degraded`, `read_only`, `failed`) and why, when not ok.
+    #[serde(default)]
+    pub state: StoreState,
+    #[serde(default)]
+    pub state_reason: String,
     /// Memory the block map holds now (cached pages, page states, changes not yet
     /// checkpointed), and the budget it keeps to (`--map-cache`).
     #[serde(default)]
@@ -345,5 +424,16 @@ mod tests {
     fn counters_persist_in_the_documented_order() {
         let names = Counters::default().all().map(|(name, _)| name);
         assert_eq!(names, crate::format::COUNTER_ORDER);
+    }
+
+    /// Every counter named is a statistic (a misspelt name would export nothing).
+    #[test]
+    fn every_counter_is_a_statistic() {
+        let serde_json::Value::Object(fields) = serde_json::to_value(Stats::default()).unwrap() else {
+            panic!("statistics are an object")
+        };
+        for name in COUNTER_STATS {
+            assert!(fields.get(*name).is_some_and(|v| v.is_u64()), "{name} is not a numeric statistic");
+        }
     }
 }

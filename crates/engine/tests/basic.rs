@@ -14,7 +14,7 @@ fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) ->
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();
@@ -126,7 +126,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap_err();

@@ -149,7 +149,7 @@ fn host_overwrites_racing_recompression_always_win() {
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();

@@ -21,7 +21,7 @@ fn open_file_store(dir: &tempfile::TempDir, physical: u64, logical: u64) -> Stor
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();

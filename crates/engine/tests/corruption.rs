@@ -157,8 +157,14 @@ fn enospc_from_the_backing_fails_the_flush_and_keeps_durable_data() {
     store.write(4096, &data(4096, 2), false).unwrap();
     let err = store.flush().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
-    assert_eq!(store.write(8192, &data(4096, 3), false).unwrap_err().kind(), ErrorKind::ReadOnly);
-    assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
+    // Failed, and says why; later writes and flushes get ENOSPC, not EROFS.
+    let later = store.write(8192, &data(4096, 3), false).unwrap_err();
+    assert_eq!((later.kind(), later.errno()), (ErrorKind::BackingFull, libc::ENOSPC), "{later}");
+    assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::BackingFull);
+    let stats = store.stats();
+    assert_eq!(stats.state, zdisk_engine::StoreState::Failed, "{stats:?}");
+    assert!(stats.state_reason.contains("No space left"), "{}", stats.state_reason);
+    assert_eq!(stats.space_flag, 2, "a full backing is a full store");
     let mut block = vec![0u8; 4096];
     store.read(0, &mut block).unwrap();
     assert!(block == data(4096, 1));
@@ -180,6 +186,9 @@ fn a_failed_sync_makes_the_store_read_only_until_reopened() {
     // A later flush must not claim durability the failed one lost.
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
     assert_eq!(store.write(0, &data(4096, 2), true).unwrap_err().kind(), ErrorKind::ReadOnly);
+    let stats = store.stats();
+    assert_eq!(stats.state, zdisk_engine::StoreState::Failed, "{stats:?}");
+    assert!(stats.state_reason.contains("sync"), "{}", stats.state_reason);
 }
 
 #[test]

@@ -213,7 +213,7 @@ fn allocation_after_freeing(discard_freed: bool) -> (u64, u64, u64) {
             force: false,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption: None,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .unwrap();
@@ -276,7 +276,7 @@ fn steady_overwrites_at_high_utilisation_never_run_out_of_space() {
                 force: false,
                 over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
                 encryption: None,
-                preallocate: false,
+                allocation: zdisk_engine::Allocation::Sparse,
             },
         )
         .unwrap();
@@ -412,6 +412,21 @@ fn a_store_at_native_capacity_takes_any_overwrites_without_enospc() {
     }
 }
 
+/// Formats an LZ4 store of `physical` bytes at `path`.
+fn format_lz4(path: &std::path::Path, physical: u64, logical: u64, segment: u64, over_provision_ppm: u32) {
+    let options = zdisk_engine::FormatOptions {
+        physical_size_bytes: physical,
+        logical_size_bytes: logical,
+        codec: Codec::Lz4,
+        segment_size_bytes: Some(segment),
+        force: false,
+        over_provision_ppm,
+        encryption: None,
+        allocation: zdisk_engine::Allocation::Sparse,
+    };
+    Store::format(path, &options).unwrap();
+}
+
 /// One case of the test above.
 struct Shape {
     over_provision_ppm: u32,
@@ -431,20 +446,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
     let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
     let big = 128u64 << 10;
     let logical = native * times / big * big;
-    Store::format(
-        &path,
-        &zdisk_engine::FormatOptions {
-            physical_size_bytes: physical,
-            logical_size_bytes: logical,
-            codec: Codec::Lz4,
-            segment_size_bytes: Some(segment),
-            force: false,
-            over_provision_ppm,
-            encryption: None,
-            preallocate: false,
-        },
-    )
-    .unwrap();
+    format_lz4(&path, physical, logical, segment, over_provision_ppm);
     let mut options = zdisk_engine::OpenOptions { pacing, ..Default::default() };
     options.map_cache_bytes = map_cache_bytes.unwrap_or(options.map_cache_bytes);
     let store = Arc::new(Store::open(&path, &options).unwrap());
@@ -588,20 +590,7 @@ fn skewed_overwrites_at_native_capacity(seed: u64, map_cache_bytes: u64) {
     let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
     let (fill_write, overwrite) = (256u64 << 10, 64u64 << 10);
     let logical = native / fill_write * fill_write;
-    Store::format(
-        &path,
-        &zdisk_engine::FormatOptions {
-            physical_size_bytes: physical,
-            logical_size_bytes: logical,
-            codec: Codec::Lz4,
-            segment_size_bytes: Some(segment),
-            force: false,
-            over_provision_ppm,
-            encryption: None,
-            preallocate: false,
-        },
-    )
-    .unwrap();
+    format_lz4(&path, physical, logical, segment, over_provision_ppm);
     let options = zdisk_engine::OpenOptions { map_cache_bytes, ..Default::default() };
     let store = Store::open(&path, &options).unwrap();
     let mut rng = rng(seed);

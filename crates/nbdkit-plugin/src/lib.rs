@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use zdisk_engine::{ErrorKind, ExtentKind, OpenOptions, Secret, Store};
 
 pub use metrics::{render_prometheus, Metrics, Op};
-pub use service::{control_socket_path, live_file_path, DEFAULT_RUN_DIR};
+pub use service::{control_socket_path, failed_file_path, live_file_path, DEFAULT_RUN_DIR};
 
 use service::{Service, Shared};
 
@@ -318,6 +318,14 @@ impl Server for Handle {
         let Some(mut serving) = SERVING.lock().take() else { return };
         if let Some(service) = serving.service.take() {
             service.stop();
+        }
+        let stats = serving.shared.store.stats();
+        if stats.state == zdisk_engine::StoreState::Failed {
+            // For `zdisk serve`, which exits non-zero (nbdkit's own status does not say).
+            let path = failed_file_path(&config().run_dir, &serving.shared.store.info_of().uuid);
+            if let Err(e) = std::fs::write(&path, &stats.state_reason) {
+                eprintln!("zdisk: cannot record the store's failure in {}: {e}", path.display());
+            }
         }
         let shared = match Arc::try_unwrap(serving.shared) {
             Ok(shared) => shared,

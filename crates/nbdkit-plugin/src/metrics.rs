@@ -140,17 +140,31 @@ pub fn render_prometheus(info: &StoreInfo, stats: &Stats, metrics: &Metrics) -> 
         info.format_version
     );
 
-    // Every engine statistic, under its engine name (docs/nbd.md lists them). Sizes are
-    // bytes; comp_ratio and write_amplification are ratios; space_flag is 0/1/2.
+    let _ = writeln!(out, "# HELP zdisk_state The store's state (value 1; ok, degraded, read_only or failed).");
+    let _ = writeln!(out, "# TYPE zdisk_state gauge");
+    let _ = writeln!(
+        out,
+        "zdisk_state{{uuid=\"{uuid}\",state=\"{}\",reason=\"{}\"}} 1",
+        stats.state.name(),
+        escape_label(&stats.state_reason)
+    );
+
+    // Every engine statistic, under its engine name (docs/nbd.md lists them): counters
+    // (`COUNTER_STATS`, which only grow) as `zdisk_<name>_total`, the rest as gauges. Sizes
+    // are bytes; comp_ratio and write_amplification are ratios; space_flag is 0/1/2.
     if let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(stats) {
         for (name, value) in fields {
             let Some(number) = value.as_f64() else { continue };
-            let _ = writeln!(out, "# HELP zdisk_{name} zdisk engine statistic {name}.");
-            let _ = writeln!(out, "# TYPE zdisk_{name} gauge");
+            let (metric, kind) = match zdisk_engine::COUNTER_STATS.contains(&name.as_str()) {
+                true => (format!("zdisk_{name}_total"), "counter"),
+                false => (format!("zdisk_{name}"), "gauge"),
+            };
+            let _ = writeln!(out, "# HELP {metric} zdisk engine statistic {name}.");
+            let _ = writeln!(out, "# TYPE {metric} {kind}");
             if value.is_f64() {
-                let _ = writeln!(out, "zdisk_{name}{{uuid=\"{uuid}\"}} {number}");
+                let _ = writeln!(out, "{metric}{{uuid=\"{uuid}\"}} {number}");
             } else {
-                let _ = writeln!(out, "zdisk_{name}{{uuid=\"{uuid}\"}} {value}");
+                let _ = writeln!(out, "{metric}{{uuid=\"{uuid}\"}} {value}");
             }
         }
     }

@@ -152,6 +152,12 @@ pub fn control_socket_path(run_dir: &Path, uuid: &str) -> PathBuf {
     run_dir.join(format!("{uuid}.ctl"))
 }
 
+/// Written at unload when the store failed while served, holding the reason: `zdisk serve`
+/// reads it (and removes it) once nbdkit has exited, and exits non-zero.
+pub fn failed_file_path(run_dir: &Path, uuid: &str) -> PathBuf {
+    run_dir.join(format!("{uuid}.failed"))
+}
+
 fn now_unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
@@ -159,16 +165,18 @@ fn now_unix_ms() -> u64 {
 /// One JSON snapshot: what `zdisk stat` prints when the store is being served.
 pub fn snapshot(shared: &Shared, control: &Path) -> serde_json::Value {
     let info = shared.store.info_of();
+    let stats = shared.store.stats();
     serde_json::json!({
         "uuid": info.uuid,
         "pid": std::process::id(),
         "updated_unix_ms": now_unix_ms(),
         "store": shared.store_path,
-        "read_only": shared.read_only,
+        // (Served read-only, or the store turned read-only: failed, degraded.)
+        "read_only": shared.read_only || stats.state != zdisk_engine::StoreState::Ok,
         "control_socket": control,
         "metrics": shared.metrics_addr,
         "info": info,
-        "stats": shared.store.stats(),
+        "stats": stats,
         "requests": shared.metrics.to_json(),
     })
 }

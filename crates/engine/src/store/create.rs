@@ -9,7 +9,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::capacity::{native_capacity_for, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
-use super::options::{FormatOptions, StoreInfo};
+use super::options::{Allocation, FormatOptions, StoreInfo};
 use super::recovery::read_superblocks;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::codec::Codec;
@@ -262,10 +262,22 @@ pub(crate) fn format_backing(
     // Purge: old log records must not be mistaken for ours (they would not chain anyway).
     // Zeros leave the data area allocated; a discard gives its space back to a thin backing.
     let data_area_bytes = segment_count * segment_size_bytes;
-    if options.preallocate {
-        write_zeros(backing, DATA_START_BYTES, data_area_bytes, progress)?;
-    } else {
-        backing.discard(DATA_START_BYTES, data_area_bytes).map_err(|e| Error::io("discard data area", e))?;
+    match options.allocation {
+        Allocation::Zeroed => write_zeros(backing, DATA_START_BYTES, data_area_bytes, progress)?,
+        Allocation::Sparse | Allocation::Reserved => {
+            backing.discard(DATA_START_BYTES, data_area_bytes).map_err(|e| Error::io("discard data area", e))?
+        }
+    }
+    if options.allocation == Allocation::Reserved {
+        backing.reserve(DATA_START_BYTES, data_area_bytes).map_err(|e| {
+            Error::io(
+                format!(
+                    "reserving the data area ({data_area_bytes} bytes) on the backing's file system (format \
+                     with --sparse to leave it unreserved)"
+                ),
+                e,
+            )
+        })?;
     }
     let mut slots = sb.encode();
     slots.extend_from_slice(&sb.encode());

@@ -67,7 +67,9 @@ mod writeout;
 pub use dictionaries::{DictionaryOptions, DictionaryReport, DICTIONARY_LEVEL_DEFAULT};
 pub use encryption::KeyChange;
 pub use gc::RecompressReport;
-pub use options::{CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo};
+pub use options::{
+    Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo,
+};
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -121,7 +123,7 @@ impl Store {
     }
 
     /// `format`, calling `progress(done, total)` as it writes the zeros of
-    /// `FormatOptions::preallocate` (bytes; nothing else takes long).
+    /// `Allocation::Zeroed` (bytes; nothing else takes long).
     pub fn format_with_progress(
         path: &Path,
         options: &FormatOptions,
@@ -564,6 +566,7 @@ impl Inner {
             codec_counters: Default::default(),
             codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
             failed: AtomicBool::new(false),
+            failure: std::sync::OnceLock::new(),
             space_exhausted: AtomicBool::new(false),
             host_slack_bytes: AtomicU64::new(u64::MAX),
             cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,

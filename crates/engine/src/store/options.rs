@@ -27,11 +27,26 @@ pub struct FormatOptions {
     /// Encrypt the store (`docs/format.md`, "Encryption"): its first key slot wraps the data
     /// key under this secret.
     pub encryption: Option<Encryption>,
-    /// Write zeros over the whole data area instead of leaving it unallocated: every
-    /// segment then lies on blocks a backing file's file system has already allocated and
-    /// written, so no flush waits for it to allocate them (docs/format.md, "Backing
-    /// allocation"). Costs one write of the physical size at format.
-    pub preallocate: bool,
+    /// How the data area is laid out on the backing (a backing file; a block device is
+    /// allocated already).
+    pub allocation: Allocation,
+}
+
+/// How `format` lays out the data area on a backing file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Allocation {
+    /// Left unallocated: the file system allocates blocks as the log first writes them. A
+    /// file system that fills up under the store turns it read-only
+    /// (`ErrorKind::BackingFull`, state `failed`).
+    Sparse,
+    /// Reserved (fallocate) but not written: the file system holds the physical size for
+    /// the store from format on, so it cannot fill up under it; format fails if it lacks
+    /// the room. What `zdisk format` does unless told `--sparse` or `--preallocate`.
+    Reserved,
+    /// Zeros written over it: every segment lies on blocks the file system has allocated
+    /// and written, so no flush waits for it to allocate or convert them (docs/format.md,
+    /// "Backing allocation"). Costs one write of the physical size at format.
+    Zeroed,
 }
 
 /// How `format` encrypts a store.

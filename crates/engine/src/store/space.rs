@@ -176,7 +176,10 @@ impl Inner {
             self.cold_stream,
         );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
-        let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged);
+        let (state, state_reason) = self.state();
+        // A backing full is the store full, whatever its own free space says.
+        let backing_full = self.failure.get().is_some_and(|f| f.backing_full);
+        let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged || backing_full);
         let host_write_bytes = Counters::get(&c.host_write_bytes);
         let backing_write_bytes = Counters::get(&c.backing_write_bytes);
         let (read_cache_hits, read_cache_misses, read_cache_bytes) = self.read_cache.counters();
@@ -223,6 +226,8 @@ impl Inner {
             read_cache_bytes,
             damaged_records: findings.map_or(0, |f| f.damaged.len() as u64),
             damaged,
+            state,
+            state_reason,
             map_cache_bytes: map.cache_bytes,
             map_cache_budget_bytes: map.cache_budget_bytes,
             map_cached_pages: map.cached_pages,

@@ -23,7 +23,7 @@ use crate::codec::Codec;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Superblock, DATA_START_BYTES};
 use crate::map::PagedMap;
-use crate::stats::{CodecCounters, Counters};
+use crate::stats::{CodecCounters, Counters, StoreState};
 use crate::types::SegmentId;
 use crate::BLOCK_SIZE;
 
@@ -52,6 +52,14 @@ pub(crate) const FRAGMENT_END_WASTE_BYTES: u64 =
 /// Bytes a full segment of this size can hold for records, conservatively.
 pub(crate) fn segment_capacity_of(segment_size_bytes: u64) -> u64 {
     segment_size_bytes - 2 * FRAGMENT_END_WASTE_BYTES
+}
+
+/// Why a store failed: the first backing write or sync that did.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    pub reason: String,
+    /// The backing's file system (or device) was full (ENOSPC).
+    pub backing_full: bool,
 }
 
 /// The fixed facts of an open store.
@@ -144,6 +152,8 @@ pub(crate) struct Inner {
     pub host_backing_reads: AtomicU64,
     pub host_backing_read_bytes: AtomicU64,
     pub failed: AtomicBool,
+    /// Why the store failed (the first failure; set with `failed`).
+    pub failure: std::sync::OnceLock<Failure>,
     /// A host request was refused for lack of space (`space_flag` 2) and none has
     /// succeeded since.
     pub space_exhausted: AtomicBool,
@@ -204,6 +214,14 @@ impl Inner {
             ));
         }
         if self.failed.load(Ordering::Acquire) {
+            let failure = self.failure.get();
+            if failure.is_some_and(|f| f.backing_full) {
+                return Err(Error::new(
+                    ErrorKind::BackingFull,
+                    "an earlier backing write found its file system full; the store is read-only until reopened \
+                     with room",
+                ));
+            }
             return Err(Error::new(
                 ErrorKind::ReadOnly,
                 "an earlier backing write or sync failed; the store is read-only until reopened",
@@ -223,9 +241,27 @@ impl Inner {
 
     /// Makes the store read-only after a backing write or sync failed; returns the error.
     pub fn fail(&self, e: Error) -> Error {
+        let first = self.failure.set(Failure { reason: e.to_string(), backing_full: e.kind() == ErrorKind::NoSpace });
         self.failed.store(true, Ordering::Release);
-        tracing::error!("backing I/O failed, store is now read-only: {e}");
+        if first.is_ok() {
+            tracing::error!("backing I/O failed, store is now read-only: {e}");
+        }
         e
+    }
+
+    /// What the store is now, and why when not `Ok` (`Stats::state`).
+    pub fn state(&self) -> (StoreState, String) {
+        if let Some(failure) = self.failure.get() {
+            return (StoreState::Failed, failure.reason.clone());
+        }
+        if let Some(degraded) = self.degraded() {
+            let why = format!("recovery lost records from {} on (see `zdisk check`)", degraded.first_lost_seq);
+            return (StoreState::Degraded, why);
+        }
+        if self.read_only {
+            return (StoreState::ReadOnly, "opened read-only".to_string());
+        }
+        (StoreState::Ok, String::new())
     }
 
     pub fn kick_worker(&self) {

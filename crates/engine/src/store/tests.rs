@@ -30,7 +30,7 @@ fn small_store_with(seed: u64, options: OpenOptions) -> (Arc<SimDisk>, Store) {
         force: true,
         over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
         encryption: None,
-        preallocate: false,
+        allocation: crate::Allocation::Sparse,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
     let store = Store::open_backing(disk.clone(), &options);

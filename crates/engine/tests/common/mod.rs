@@ -309,7 +309,7 @@ pub fn new_disk_with(
             force: true,
             over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
             encryption,
-            preallocate: false,
+            allocation: zdisk_engine::Allocation::Sparse,
         },
     )
     .expect("format");
