@@ -14,19 +14,20 @@ use crate::keys::{KdfArgs, KeyArgs};
 
 use crate::runtime;
 use crate::size::{human_bytes, LogicalSize, OverProvision, Size};
+use crate::Usage;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FormatArgs {
     /// File (created at the physical size) or block device (its whole size is used).
     pub store: PathBuf,
     /// Bytes of backing store, e.g. 64G. Ignored for a block device (its size is used).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub physical_size: Option<Size>,
     /// Capacity the clients see: a size (e.g. 300G) or a multiple of the native capacity
     /// (e.g. 3x). Native capacity (1x) is what incompressible data can always fill and
     /// overwrite without ENOSPC; above it, the extra capacity holds only while data
     /// compresses that well.
-    #[arg(long, value_name = "SIZE|Nx", default_value = "1x")]
+    #[arg(long, value_name = "SIZE|Nx", default_value = "1x", allow_hyphen_values = true)]
     pub logical_size: LogicalSize,
     /// Share of the data area kept spare beyond native capacity, in percent (1-75). More
     /// spare area means less GC work and steadier latency when the store is full; less
@@ -38,7 +39,7 @@ pub struct FormatArgs {
     pub codec: Codec,
     /// Segment size, the unit of log writing and garbage collection (a multiple of 64K, at
     /// most 256M); default: the engine's choice.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub segment_size: Option<Size>,
     /// Overwrite an existing zdisk store or other data on STORE.
     #[arg(long)]
@@ -141,7 +142,7 @@ pub fn format(args: &FormatArgs) -> Result<()> {
     let native =
         zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0, args.encrypt);
     if !args.encrypt && (args.key.key_file.is_some() || args.key.passphrase_stdin) {
-        bail!("--key-file and --passphrase-stdin need --encrypt");
+        return Err(Usage("--key-file and --passphrase-stdin need --encrypt".into()).into());
     }
     let encryption = match args.encrypt {
         true => Some(Encryption {
@@ -172,6 +173,7 @@ pub fn format(args: &FormatArgs) -> Result<()> {
             progress.update(done, total)
         }
     })
+    .map_err(crate::usage_if_invalid)
     .with_context(|| format!("formatting {}", args.store.display()))?;
     if let Some(progress) = progress {
         progress.finish();
@@ -194,6 +196,19 @@ pub fn format(args: &FormatArgs) -> Result<()> {
     println!("  over-provision   {}% of the data area kept spare", info.over_provision_ppm as f64 / 10_000.0);
     println!("  segment size     {}", human_bytes(info.segment_size_bytes));
     println!("  codec            {}", info.codec);
+    let times = info.logical_size_bytes as f64 / info.native_capacity_bytes.max(1) as f64;
+    if times > 1.0 {
+        println!(
+            "  provisioned {times:.2}x native capacity: writes of data that compresses less than that may get ENOSPC"
+        );
+    }
+    if times > FAR_ABOVE_NATIVE {
+        eprintln!(
+            "zdisk: warning: {times:.2}x native capacity is more than the data measured here compresses to (text \
+             and database pages 1.3-2.5:1, docs/space.md); the store will run out of space long before clients \
+             fill it unless the data compresses {times:.1}:1"
+        );
+    }
     if args.sparse {
         if let Some(warning) = sparse_room_warning(&args.store)? {
             eprintln!("zdisk: warning: {warning}");
@@ -201,6 +216,24 @@ pub fn format(args: &FormatArgs) -> Result<()> {
     }
     Ok(())
 }
+
+/// The store's on-disk format version, said in words (docs/format.md, "Superblock slot").
+fn format_version_note(info: &zdisk_engine::StoreInfo) -> String {
+    let encrypted = if info.encrypted { "encrypted (AES-256-GCM-SIV)" } else { "not encrypted" };
+    let version = info.format_version;
+    match version {
+        4 | 5 => format!("v{version}, the current on-disk format; {encrypted}"),
+        _ => format!(
+            "v{version}, written by an older zdisk: this one reads it and brings it to v4 (v5 encrypted) at its \
+             first writable open, after which older versions refuse it; {encrypted}"
+        ),
+    }
+}
+
+/// A provisioned multiple of the native capacity above this gets a warning at format: the
+/// seeds' drives are formatted to 3-4x, and no data set measured here compressed more than
+/// 2.5:1 (docs/space.md, "Codec choice").
+const FAR_ABOVE_NATIVE: f64 = 4.0;
 
 /// When `store` is a file whose file system has less free space than the store can still
 /// grow by (its size less what is allocated): what an operator should be told. None for a
@@ -296,6 +329,15 @@ fn fresh_live_stats(uuid: &str) -> Option<(Stats, Source)> {
     }
 }
 
+/// Statistics stat read by opening the store itself: read-only is how it opened it, not what
+/// the store is.
+fn offline(mut stats: Stats) -> Stats {
+    if stats.state == zdisk_engine::StoreState::ReadOnly {
+        (stats.state, stats.state_reason) = (zdisk_engine::StoreState::Ok, String::new());
+    }
+    stats
+}
+
 /// Statistics of a store, served or not.
 pub fn collect_stats(store: &Path, key: &KeyArgs) -> Result<(zdisk_engine::StoreInfo, Stats, Source)> {
     let info = Store::info(store).with_context(|| format!("reading {}", store.display()))?;
@@ -306,12 +348,12 @@ pub fn collect_stats(store: &Path, key: &KeyArgs) -> Result<(zdisk_engine::Store
     }
     if info.encrypted && !key.given() {
         let (info, stats) = Store::checkpoint_stats(store).with_context(|| format!("reading {}", store.display()))?;
-        return Ok((info, stats, Source::Checkpoint));
+        return Ok((info, offline(stats), Source::Checkpoint));
     }
     let options = OpenOptions { read_only: true, key: key.secret_for(store)?, ..OpenOptions::default() };
     match Store::open(store, &options) {
         Ok(opened) => {
-            let stats = opened.stats();
+            let stats = offline(opened.stats());
             drop(opened);
             // Served read-only (a shared lock lets us in too): the server's numbers are newer.
             if let Some((live, source)) = fresh_live_stats(&info.uuid) {
@@ -342,7 +384,8 @@ const CAPACITY_STAT: [&str; 6] =
 
 pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, source: &Source) -> Result<()> {
     let json = stats_json(info, stats, source)?;
-    println!("store   {} (uuid {}, codec {}, format v{})", store.display(), info.uuid, info.codec, info.format_version);
+    println!("store   {} (uuid {}, codec {})", store.display(), info.uuid, info.codec);
+    println!("format  {}", format_version_note(info));
     match source {
         Source::Offline => println!("source  offline (not being served; numbers from the last checkpoint)"),
         Source::Checkpoint => println!(
@@ -507,7 +550,7 @@ pub struct ResizeArgs {
     pub store: PathBuf,
     /// New capacity: a size (e.g. 500G) or a multiple of the native capacity (e.g. 4x; with
     /// --over-provision, of the native capacity that leaves).
-    #[arg(long, value_name = "SIZE|Nx", required_unless_present = "over_provision")]
+    #[arg(long, value_name = "SIZE|Nx", required_unless_present = "over_provision", allow_hyphen_values = true)]
     pub logical_size: Option<LogicalSize>,
     /// New over-provisioning in percent (1-75), which moves the native capacity. Offline
     /// only; refused when the data stored now would not fit the native capacity it leaves.

@@ -1,8 +1,9 @@
 //! `zdisk`: format, serve, inspect, check, attach and benchmark zdisk stores.
 //!
 //! A thin front end: storage logic lives in `zdisk_engine`, NBD in nbdkit and the plugin.
-//! Wrong use exits non-zero with a one-line reason (clap usage errors exit 2; `check` exits
-//! 3 when it finds damage; every other failure exits 1).
+//! Wrong use exits 2 with a one-line reason (clap's usage errors, and arguments a command
+//! refuses: a size out of range, an option that needs another — `Usage`); `check` exits 3
+//! when it finds damage; every other failure exits 1.
 
 mod attach;
 mod commands;
@@ -126,7 +127,30 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(error) => {
             eprintln!("zdisk: error: {error:#}");
-            std::process::exit(1);
+            let usage = error.chain().any(|cause| cause.downcast_ref::<Usage>().is_some());
+            std::process::exit(if usage { 2 } else { 1 });
         }
+    }
+}
+
+/// Wrong use of a command that clap's parser cannot see: exits 2, as clap's own usage
+/// errors do.
+#[derive(Debug)]
+pub struct Usage(pub String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+/// An engine error that refuses the arguments themselves (`InvalidArgument`: a size out of
+/// range, a directory for a store) as a `Usage` error; others as they are.
+pub fn usage_if_invalid(error: zdisk_engine::Error) -> anyhow::Error {
+    match error.kind() {
+        zdisk_engine::ErrorKind::InvalidArgument => Usage(error.to_string()).into(),
+        _ => error.into(),
     }
 }

@@ -23,8 +23,21 @@ use zdisk_engine::Lock;
 
 pub const DEFAULT_RUN_DIR: &str = "/run/zdisk";
 
+/// Where live statistics, control sockets and attach state go: `$ZDISK_RUN_DIR`; else
+/// `/run/zdisk` for root; else `$XDG_RUNTIME_DIR/zdisk` (a user cannot create `/run/zdisk`:
+/// `serve` failed with "Permission denied" and no hint), else `/tmp/zdisk-UID`.
 pub fn run_dir() -> PathBuf {
-    std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into())
+    if let Some(dir) = std::env::var_os("ZDISK_RUN_DIR") {
+        return dir.into();
+    }
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
+        return DEFAULT_RUN_DIR.into();
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("zdisk"),
+        _ => std::env::temp_dir().join(format!("zdisk-{}", uid.as_raw())),
+    }
 }
 
 pub fn live_file(uuid: &str) -> PathBuf {

@@ -56,25 +56,25 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_direct: bool,
     /// Bound of the engine's buffer memory (e.g. 256M; default 256M).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub cache: Option<Size>,
     /// Write-behind bound (default 2M; 0: only --cache bounds it). Writes are acknowledged
     /// from memory and written out behind; past this many bytes not yet written, a write
     /// writes them out itself, so a flush never waits for more. Beside a streaming writer a
     /// committer's p99 flush was 440-570 ms unbounded, 27-42 ms at 2M, 19-25 ms at 1M; the
     /// stream pays some of its speed on incompressible data (docs/nbd.md, "Write-behind").
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub write_behind: Option<Size>,
     /// Memory for a read cache of compressed fragments (e.g. 512M; default 0: off). It holds
     /// comp_ratio times more data than a block cache of that size; it helps reads with
     /// locality, not uniform random reads over data much larger than it.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub read_cache: Option<Size>,
     /// Memory for the block map's cached pages and its changes not yet checkpointed (e.g.
     /// 1G; default 256M). The map costs 2 MiB per GiB of mapped logical space (8 bytes per
     /// 4 KiB block): the default keeps the map of 128 GiB cached; past that, a read or GC
     /// pass touching an uncached map page reads it (docs/scale.md).
-    #[arg(long, value_name = "SIZE")]
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     pub map_cache: Option<Size>,
     /// `space_flag` becomes 1 ("low") when free space falls below this fraction of the data
     /// area (0.0–1.0; default 0.10). It becomes 2 when a write is refused for lack of space.

@@ -12,6 +12,9 @@ pub struct Size(pub u64);
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
     let s = text.trim();
+    if s.starts_with('-') {
+        return Err(format!("bad size {text:?}: a size is not negative"));
+    }
     let lower = s.to_ascii_lowercase();
     let without_b = lower.strip_suffix("ib").or_else(|| lower.strip_suffix('b')).unwrap_or(&lower);
     let (number, shift) = match without_b.chars().last() {

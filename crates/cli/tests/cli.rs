@@ -45,17 +45,27 @@ fn format_refuses_bad_sizes() {
     refused(&s, &["format", path, "--physical-size", "64Q", "--logical-size", "2x"], 2, "bad size");
     refused(&s, &["format", path, "--physical-size", "64M", "--logical-size", "zx"], 2, "multiplier");
     refused(&s, &["format", path, "--logical-size", "2x"], 1, "--physical-size");
+    // Sizes the engine refuses are wrong usage too: exit 2 (issue 47: they exited 1).
     // Not a multiple of 4 KiB: the engine refuses, the CLI says so.
-    refused(&s, &["format", path, "--physical-size", "64M", "--logical-size", "1000001"], 1, "zdisk: error");
+    refused(&s, &["format", path, "--physical-size", "64M", "--logical-size", "4097"], 2, "multiple of 4096");
     // Above what a 48-bit LBA names (the message said "up to 64 TiB", the limit before the
     // paged map).
     let too_large = ["format", path, "--physical-size", "64M", "--logical-size", "2305843009213693952"];
-    refused(&s, &too_large, 1, "up to 1 EiB");
+    refused(&s, &too_large, 2, "up to 1 EiB");
     // The message names the size given (it said "physical size 0": the size rounded down to
     // whole sectors).
-    refused(&s, &["format", path, "--physical-size", "1K"], 1, "physical size 1024 is too small");
+    refused(&s, &["format", path, "--physical-size", "1K"], 2, "physical size 1024 is too small");
+    refused(&s, &["format", path, "--physical-size", "0"], 2, "physical size 0 is too small");
     // A segment size format refuses: said so (it overflowed computing what 1x resolves to).
-    refused(&s, &["format", path, "--physical-size", "64M", "--segment-size", "3K"], 1, "segment size 3072");
+    refused(&s, &["format", path, "--physical-size", "64M", "--segment-size", "3K"], 2, "segment size 3072");
+    // A negative size is a size error (it was "unexpected argument '-5'"); a size no file can
+    // have is named (it was "File too large (os error 27)").
+    refused(&s, &["format", path, "--physical-size", "-5G"], 2, "a size is not negative");
+    refused(&s, &["format", path, "--physical-size", "100P"], 2, "allows for one file");
+    refused(&s, &["format", path, "--physical-size", "64M", "--key-file", path], 2, "need --encrypt");
+    // A directory is named as one (it was "open: Is a directory (os error 21)").
+    let dir = s.path("");
+    refused(&s, &["format", dir.to_str().unwrap(), "--physical-size", "64M"], 2, "is a directory");
     // The engine created the file before it refused: it must not be left behind (a 64 MiB
     // leftover, or one that made the next format of the path refuse it as someone's data).
     assert!(!store.exists(), "a refused format left {} behind", store.display());

@@ -215,3 +215,56 @@ fn the_control_socket_answers_when_serve_prints_its_uri() {
         server.stop();
     }
 }
+
+/// A user other than root serves a store with its run-time files under
+/// `$XDG_RUNTIME_DIR/zdisk` (issue 47: it failed with "cannot start live stats in
+/// /run/zdisk: Permission denied"), and reads its live statistics from there.
+#[test]
+fn a_user_other_than_root_serves_with_its_own_runtime_dir() {
+    if !require(&["nbdkit", "setpriv"]) {
+        return;
+    }
+    if !common::is_root() {
+        assert!(!common::in_ci(), "CI runs as root: it can test another user");
+        eprintln!("SKIP: needs root to run as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let s = Scratch::new("nonroot");
+    std::fs::set_permissions(s.path(""), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let store = s.format("s.zdisk", "64M", "1x", &[]);
+    let xdg = s.path("xdg");
+    std::fs::create_dir(&xdg).unwrap();
+    for path in [&store, &xdg] {
+        std::os::unix::fs::chown(path, Some(65534), Some(65534)).unwrap();
+    }
+    let as_nobody = |args: &[&str]| {
+        let mut command = Command::new("setpriv");
+        command
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(common::zdisk_bin())
+            .args(args)
+            .env_remove("ZDISK_RUN_DIR")
+            .env("XDG_RUNTIME_DIR", &xdg)
+            .env("ZDISK_PLUGIN", common::plugin());
+        command
+    };
+    let socket = s.path("s.sock");
+    let mut server = as_nobody(&["serve", store.to_str().unwrap(), "--unix", socket.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut uri = String::new();
+    BufReader::new(server.stdout.take().unwrap()).read_line(&mut uri).unwrap();
+    assert!(uri.starts_with("nbd+unix://"), "serve as nobody printed {uri:?}");
+    let files: Vec<String> =
+        std::fs::read_dir(xdg.join("zdisk")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(files.iter().any(|f| f.ends_with(".ctl")), "no control socket in $XDG_RUNTIME_DIR/zdisk: {files:?}");
+    let stat = as_nobody(&["stat", store.to_str().unwrap()]).output().unwrap();
+    let said = String::from_utf8_lossy(&stat.stdout);
+    assert!(stat.status.success() && said.contains("source  live"), "{said}{}", String::from_utf8_lossy(&stat.stderr));
+    common::signal(server.id(), libc::SIGTERM);
+    let status = common::wait_timeout(&mut server, Duration::from_secs(60));
+    assert!(status.success(), "serve as nobody did not stop cleanly: {status}");
+}

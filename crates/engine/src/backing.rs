@@ -208,6 +208,12 @@ pub enum Lock {
 /// Opens a file or block device for the engine: the one place a disk is opened. Fails with
 /// `Locked` if the lock asked for is held by another process.
 pub fn open(path: &Path, options: &BackingOptions) -> Result<FileBacking> {
+    if path.is_dir() {
+        return Err(Error::new(
+            ErrorKind::InvalidArgument,
+            format!("{} is a directory: a store is a file or a block device", path.display()),
+        ));
+    }
     let writable = options.access == Access::ReadWrite;
     let open_file = |direct: bool| {
         let mut file_options = OpenOptions::new();

@@ -32,6 +32,8 @@ pub enum ErrorKind {
     NewerVersion,
     /// Another process has the store open.
     Locked,
+    /// Format's target holds a zdisk store or other data, and `force` was not given.
+    HoldsData,
     /// Metadata that should be valid is not (both checkpoint copies damaged, say).
     Corrupt,
     /// The store is encrypted and no key was given, or the key given opens no key slot.
@@ -70,6 +72,7 @@ impl Error {
             ErrorKind::NoSpace | ErrorKind::BackingFull => libc::ENOSPC,
             ErrorKind::ReadOnly => libc::EROFS,
             ErrorKind::Locked => libc::EBUSY,
+            ErrorKind::HoldsData => libc::EEXIST,
             ErrorKind::WrongKey => libc::EACCES,
             _ => libc::EIO,
         }
@@ -90,6 +93,7 @@ impl fmt::Display for Error {
             ErrorKind::Truncated => "store is truncated",
             ErrorKind::NewerVersion => "store has a newer format version",
             ErrorKind::Locked => "store is in use",
+            ErrorKind::HoldsData => "target holds data",
             ErrorKind::Corrupt => "store metadata is corrupt",
             ErrorKind::WrongKey => "wrong or missing key",
         };

@@ -130,7 +130,7 @@ fn foreign_truncated_newer_and_locked_stores_are_refused() {
         },
     )
     .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert_eq!(err.kind(), ErrorKind::HoldsData, "{err}");
 
     let path = format(&dir, 16 << 20, 16 << 20, Codec::Lz4);
     {

@@ -123,7 +123,7 @@ pub(crate) fn format(path: &Path, options: &FormatOptions, progress: &mut dyn Fn
             .map_err(|e| Error::io(format!("create {}", path.display()), e))?;
         let formatted = file
             .set_len(options.physical_size_bytes)
-            .map_err(|e| Error::io(format!("size {}", path.display()), e))
+            .map_err(|e| size_error(path, options.physical_size_bytes, e))
             .and_then(|()| format_existing(path, false, options, progress));
         // A refused format leaves nothing behind: the file is ours, and a leftover would
         // make the next attempt at that path look like formatting over someone's data.
@@ -133,6 +133,21 @@ pub(crate) fn format(path: &Path, options: &FormatOptions, progress: &mut dyn Fn
         return formatted;
     }
     format_existing(path, true, options, progress)
+}
+
+/// Setting a new file's size failed: a size larger than the file system allows for one file
+/// is the caller's input (EFBIG), anything else an I/O error.
+fn size_error(path: &Path, physical_size_bytes: u64, e: std::io::Error) -> Error {
+    if e.raw_os_error() == Some(libc::EFBIG) {
+        return Error::new(
+            ErrorKind::InvalidArgument,
+            format!(
+                "physical size {physical_size_bytes} bytes is more than the file system of {} allows for one file",
+                path.display()
+            ),
+        );
+    }
+    Error::io(format!("size {}", path.display()), e)
 }
 
 /// Formats a file or block device that exists (`held_before`: it did before this format
@@ -154,7 +169,7 @@ fn format_existing(
             .write(true)
             .open(path)
             .map_err(|e| Error::io(format!("open {}", path.display()), e))?;
-        file.set_len(options.physical_size_bytes).map_err(|e| Error::io(format!("size {}", path.display()), e))?;
+        file.set_len(options.physical_size_bytes).map_err(|e| size_error(path, options.physical_size_bytes, e))?;
         backing::open(path, &FORMAT_OPEN)?
     } else {
         backing
@@ -166,7 +181,7 @@ fn format_existing(
 fn refuse_to_overwrite(path: &Path, backing: &dyn Backing) -> Result<()> {
     if let Ok((sb, _)) = read_superblocks(backing) {
         return Err(Error::new(
-            ErrorKind::InvalidArgument,
+            ErrorKind::HoldsData,
             format!(
                 "{} already holds zdisk store {}; use --force to overwrite it",
                 path.display(),
@@ -182,7 +197,7 @@ fn refuse_to_overwrite(path: &Path, backing: &dyn Backing) -> Result<()> {
         .map_err(|e| Error::io(format!("read {}", path.display()), e))?;
     if head.iter().any(|&b| b != 0) {
         return Err(Error::new(
-            ErrorKind::InvalidArgument,
+            ErrorKind::HoldsData,
             format!("{} holds data; use --force to overwrite it", path.display()),
         ));
     }
