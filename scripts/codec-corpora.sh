@@ -151,7 +151,7 @@ EOF
   # --- (c) MariaDB tablespaces of the modified schema --------------------------------------------
   if want db && fresh db-tablespace.ibd; then
     if ! command -v mariadbd >/dev/null || ! command -v sysbench >/dev/null || ! command -v mariadb-install-db >/dev/null; then
-      log "db: skipped (needs mariadb-server, mariadb-client and sysbench: scripts/setup.sh)"
+      log "db: skipped (needs mariadb-server, mariadb-client and sysbench: scripts/setup.sh --db)"
     else
       work="$OUT/db-work"
       run=$(mktemp -d /tmp/zdc-db.XXXXXX) # short: the socket path must fit 107 bytes

@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ $(id -u) -eq 0 ]]; then
-  bash scripts/setup.sh
+  bash scripts/setup.sh --all
 fi
 cargo fmt --all --check
 cargo clippy --workspace --all-targets -- -D warnings

@@ -89,6 +89,36 @@ enum Cmd {
     Tco(zdisk_tco::TcoArgs),
     /// Real databases on zdisk: MariaDB/PostgreSQL benchmarks and power-cut tests (docs/apps.md).
     Db(zdisk_apps::DbArgs),
+    /// Write the man pages and shell completions generated from this command line
+    /// (scripts/install.sh installs them).
+    #[command(hide = true)]
+    GenerateAssets(GenerateAssetsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct GenerateAssetsArgs {
+    /// Directory to write into: man1/*.1 and completions/ (bash, zsh, fish).
+    out: std::path::PathBuf,
+}
+
+/// Man pages (zdisk.1 and one per command, `zdisk-format.1`, ...) and bash, zsh and fish
+/// completions, from clap's own definition of the command line.
+fn generate_assets(args: &GenerateAssetsArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use clap::CommandFactory;
+    let man = args.out.join("man1");
+    let completions = args.out.join("completions");
+    for dir in [&man, &completions] {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let command = Cli::command();
+    clap_mangen::generate_to(command.clone(), &man).context("writing the man pages")?;
+    for shell in [clap_complete::Shell::Bash, clap_complete::Shell::Zsh, clap_complete::Shell::Fish] {
+        clap_complete::generate_to(shell, &mut command.clone(), "zdisk", &completions)
+            .with_context(|| format!("writing the {shell} completion"))?;
+    }
+    println!("wrote {} and {}", man.display(), completions.display());
+    Ok(())
 }
 
 fn main() {
@@ -122,6 +152,7 @@ fn main() {
         Cmd::Bench(args) => zdisk_bench::run(args).map(|()| 0),
         Cmd::Tco(args) => zdisk_tco::run(args).map(|()| 0),
         Cmd::Db(args) => zdisk_apps::run(args).map(|()| 0),
+        Cmd::GenerateAssets(args) => generate_assets(args).map(|()| 0),
     };
     match result {
         Ok(code) => std::process::exit(code),
