@@ -536,13 +536,30 @@ pub fn check(args: &CheckArgs) -> Result<i32> {
         } else {
             println!("{} problem(s):", report.problems.len());
             for d in &report.damage {
-                let lbas: Vec<String> = d.lbas.iter().map(|(lba, n)| format!("{lba}+{n}")).collect();
+                let lbas: Vec<String> = merged(&d.lbas).iter().map(|(lba, n)| format!("{lba}+{n}")).collect();
                 let lbas = if lbas.is_empty() { String::new() } else { format!(" [blocks {}]", lbas.join(", ")) };
                 println!("  at byte {}: {}{lbas}", d.offset_bytes, d.what);
             }
         }
     }
     Ok(if clean { 0 } else { CHECK_DAMAGED_EXIT })
+}
+
+/// Block ranges (first, count) sorted, with adjacent and overlapping ones joined: a damaged
+/// record's blocks print as one range, not one per block.
+fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(sorted.len());
+    for (first, count) in sorted {
+        match out.last_mut() {
+            Some((last_first, last_count)) if first <= *last_first + *last_count => {
+                *last_count = (*last_count).max(first + count - *last_first);
+            }
+            _ => out.push((first, count)),
+        }
+    }
+    out
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -630,5 +647,15 @@ pub fn resize(args: &ResizeArgs) -> Result<()> {
             }
         }
         Err(e) => Err(e).with_context(|| format!("opening {}", args.store.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn adjacent_and_overlapping_ranges_merge() {
+        let ranges = [(10, 1), (0, 2), (11, 1), (2, 3), (20, 5), (22, 1), (30, 1)];
+        assert_eq!(super::merged(&ranges), vec![(0, 5), (10, 2), (20, 5), (30, 1)]);
+        assert!(super::merged(&[]).is_empty());
     }
 }

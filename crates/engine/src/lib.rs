@@ -36,7 +36,7 @@ pub use crypto::cipher::NonceObserver;
 pub use crypto::keys::{KdfParams, SlotInfo, SlotKind};
 pub use crypto::Secret;
 pub use error::{Error, ErrorKind, Result};
-pub use stats::{CodecStats, Stats, StoreState, COUNTER_STATS};
+pub use stats::{is_counter_stat, CodecStats, Stats, StoreState};
 pub use store::capacity::{
     native_capacity_of_physical, over_provision_ppm_from_percent, OVER_PROVISION_DEFAULT_PPM, OVER_PROVISION_MAX_PPM,
     OVER_PROVISION_MIN_PPM,

@@ -35,25 +35,9 @@ impl StoreState {
     }
 }
 
-/// The statistics that only grow while a store is open: counters (Prometheus exports them as
-/// `zdisk_<name>_total`, typed `counter`); every other statistic is a gauge.
-pub const COUNTER_STATS: &[&str] = &[
-    "host_write_bytes",
-    "host_read_bytes",
-    "backing_write_bytes",
-    "padding_bytes",
-    "metadata_bytes",
-    "data_bytes",
-    "checksum_errors",
-    "gc_bytes_moved",
-    "gc_segments_cleaned",
-    "checkpoints",
-    "read_ops",
-    "write_ops",
-    "trim_ops",
-    "zero_ops",
-    "flush_ops",
-    "fua_ops",
+/// The statistics that only grow while a store is open, beyond the persisted counters
+/// (`format::COUNTER_ORDER`): with those, the counters (`is_counter_stat`).
+const MORE_COUNTER_STATS: &[&str] = &[
     "read_cache_hits",
     "read_cache_misses",
     "map_cache_hits",
@@ -79,6 +63,12 @@ pub const COUNTER_STATS: &[&str] = &[
     "idle_segments_recompressed",
     "idle_room_steps",
 ];
+
+/// Whether the statistic `name` only grows while a store is open: a counter (Prometheus
+/// exports it as `zdisk_<name>_total`, typed `counter`); every other one is a gauge.
+pub fn is_counter_stat(name: &str) -> bool {
+    crate::format::COUNTER_ORDER.contains(&name) || MORE_COUNTER_STATS.contains(&name)
+}
 
 /// A snapshot of the store's statistics. Every size is in bytes.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -432,7 +422,8 @@ mod tests {
         let serde_json::Value::Object(fields) = serde_json::to_value(Stats::default()).unwrap() else {
             panic!("statistics are an object")
         };
-        for name in COUNTER_STATS {
+        for name in crate::format::COUNTER_ORDER.iter().chain(MORE_COUNTER_STATS) {
+            assert!(is_counter_stat(name));
             assert!(fields.get(*name).is_some_and(|v| v.is_u64()), "{name} is not a numeric statistic");
         }
     }

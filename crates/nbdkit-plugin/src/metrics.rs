@@ -150,12 +150,12 @@ pub fn render_prometheus(info: &StoreInfo, stats: &Stats, metrics: &Metrics) -> 
     );
 
     // Every engine statistic, under its engine name (docs/nbd.md lists them): counters
-    // (`COUNTER_STATS`, which only grow) as `zdisk_<name>_total`, the rest as gauges. Sizes
+    // (`is_counter_stat`: they only grow) as `zdisk_<name>_total`, the rest as gauges. Sizes
     // are bytes; comp_ratio and write_amplification are ratios; space_flag is 0/1/2.
     if let Ok(serde_json::Value::Object(fields)) = serde_json::to_value(stats) {
         for (name, value) in fields {
             let Some(number) = value.as_f64() else { continue };
-            let (metric, kind) = match zdisk_engine::COUNTER_STATS.contains(&name.as_str()) {
+            let (metric, kind) = match zdisk_engine::is_counter_stat(&name) {
                 true => (format!("zdisk_{name}_total"), "counter"),
                 false => (format!("zdisk_{name}"), "gauge"),
             };
