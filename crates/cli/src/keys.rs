@@ -122,12 +122,16 @@ pub enum KeyAction {
     List { store: PathBuf },
     /// Add a key slot: the data key wrapped under a new passphrase or key file.
     Add(KeyChangeArgs),
-    /// Empty a key slot (never the last one).
+    /// Empty a key slot (never the last one). Removing the slot the given key opens —
+    /// after which that key no longer opens the store — asks first (or needs --yes).
     Remove {
         store: PathBuf,
         /// The slot to empty (`zdisk key list` shows them).
         #[arg(long)]
         slot: usize,
+        /// Remove the slot the given key opens without asking.
+        #[arg(long)]
+        yes: bool,
         #[command(flatten)]
         key: KeyArgs,
     },
@@ -159,6 +163,28 @@ impl KeyChangeArgs {
     }
 }
 
+/// Asks on the terminal before the slot the given key opens is removed; refuses without
+/// one (`--yes` says it on the command line).
+fn confirm_removing_own_slot(store: &Path, slot: usize) -> Result<()> {
+    use std::io::Write;
+    let warning = format!(
+        "slot {slot} is the one this key opens: once it is removed, this key no longer opens {} (the other \
+         slots' keys still do)",
+        store.display()
+    );
+    if !std::io::stdin().is_terminal() {
+        return Err(crate::Usage(format!("{warning}; give --yes to remove it")).into());
+    }
+    eprint!("{warning}. Remove it? [y/N] ");
+    std::io::stderr().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    if !matches!(answer.trim(), "y" | "Y" | "yes") {
+        bail!("slot {slot} kept");
+    }
+    Ok(())
+}
+
 pub fn run(args: &KeyCmdArgs) -> Result<()> {
     let (store, slots) = match &args.action {
         KeyAction::List { store } => (store, key_slots(store)?),
@@ -173,9 +199,15 @@ pub fn run(args: &KeyCmdArgs) -> Result<()> {
             };
             (&change.store, changed(&change.store, &current, what)?)
         }
-        KeyAction::Remove { store, slot, key } => {
+        KeyAction::Remove { store, slot, yes, key } => {
             ready_for_key_change(store)?;
             let current = key.read(&format!("Passphrase for {}: ", store.display()), false)?;
+            let own =
+                Store::slot_opened_by(store, &current).map_err(|e| anyhow::anyhow!("{}: {e}", store.display()))?;
+            // (The last slot the engine refuses to remove anyway, and says so.)
+            if own == *slot && !yes && key_slots(store)?.len() > 1 {
+                confirm_removing_own_slot(store, *slot)?;
+            }
             (store, changed(store, &current, KeyChange::Remove { slot: *slot })?)
         }
     };

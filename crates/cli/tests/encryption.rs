@@ -117,6 +117,11 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     assert!(changed.iter().all(|&sector| (8..16).contains(&sector)), "key add rewrote sectors {changed:?}");
     let out = zdisk_with_stdin(&s, &["check", path, "--passphrase-stdin"], "hunter2\n");
     assert!(out.status.success(), "{out:?}");
+    // Removing the slot the given key opens asks first; without a terminal it needs --yes.
+    let out = zdisk_with_stdin(&s, &["key", "remove", path, "--slot", "1", "--passphrase-stdin"], "hunter2\n");
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no longer opens"), "{out:?}");
+    assert!(s.zdisk_ok(&["key", "list", path]).contains("slot 1: passphrase"), "the refused removal removed it");
     let out = zdisk_with_stdin(&s, &["key", "remove", path, "--slot", "0", "--passphrase-stdin"], "hunter2\n");
     assert!(out.status.success(), "{out:?}");
     assert!(!s.zdisk().args(["check", path, "--key-file", key]).output().unwrap().status.success());

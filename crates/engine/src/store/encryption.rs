@@ -191,6 +191,18 @@ pub(crate) fn change_keys(path: &Path, current: &Secret, change: KeyChange<'_>) 
     Ok(header.slots())
 }
 
+/// The slot of the store at `path` that `secret` opens (nothing is written; works while it is
+/// served).
+pub(crate) fn slot_opened_by(path: &Path, secret: &Secret) -> Result<usize> {
+    let backing =
+        backing::open(path, &BackingOptions { access: Access::ReadOnly, direct_io: false, lock: Lock::None })?;
+    let (sb, _) = read_superblocks(&backing)?;
+    if !sb.encrypted() {
+        return Err(Error::new(ErrorKind::InvalidArgument, "the store is not encrypted: it has no key slots"));
+    }
+    Ok(KeyHeader::read(&backing, sb.uuid)?.unlock(secret)?.1)
+}
+
 /// The key slots of the store at `path` (no key needed; works while it is served).
 pub(crate) fn key_slots(path: &Path) -> Result<Vec<SlotInfo>> {
     let backing =

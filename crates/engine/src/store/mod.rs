@@ -148,6 +148,11 @@ impl Store {
         encryption::change_keys(path, current, change)
     }
 
+    /// The slot of the encrypted store at `path` that `secret` opens (`WrongKey` if none).
+    pub fn slot_opened_by(path: &Path, secret: &Secret) -> Result<usize> {
+        encryption::slot_opened_by(path, secret)
+    }
+
     /// The key slots of the store at `path` (empty for a plain store); needs no key.
     pub fn key_slots(path: &Path) -> Result<Vec<SlotInfo>> {
         encryption::key_slots(path)
