@@ -413,9 +413,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let status = loop {
         polls += 1;
         if failure.is_none() && polls.is_multiple_of(20) {
-            failure = runtime::read_json::<serde_json::Value>(&runtime::live_file(&info.uuid))
-                .ok()
-                .and_then(|live| failure_of(&live));
+            failure = live_failure(&info.uuid);
         }
         if stop.load(Ordering::SeqCst) {
             eprintln!("zdisk: stopping: refusing new writes, flushing and checkpointing");
@@ -458,11 +456,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         std::thread::sleep(Duration::from_millis(50));
     };
     let _ = std::fs::remove_file(&state_file);
-    let failed_file = runtime::failed_file(&info.uuid);
-    if let Ok(reason) = std::fs::read_to_string(&failed_file) {
-        let _ = std::fs::remove_file(&failed_file);
-        failure = Some(reason);
-    }
+    let failure = failure_at_unload(&info.uuid).or(failure);
     if !status.success() {
         bail!("nbdkit exited with {status}; see its messages above");
     }
@@ -475,6 +469,19 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     eprintln!("zdisk: stopped cleanly");
     Ok(())
+}
+
+/// Why the store failed, if the plugin recorded it at unload (the file is removed).
+fn failure_at_unload(uuid: &str) -> Option<String> {
+    let path = runtime::failed_file(uuid);
+    let reason = std::fs::read_to_string(&path).ok()?;
+    let _ = std::fs::remove_file(&path);
+    Some(reason)
+}
+
+/// Why the served store failed, if its live file says it did.
+fn live_failure(uuid: &str) -> Option<String> {
+    failure_of(&runtime::read_json::<serde_json::Value>(&runtime::live_file(uuid)).ok()?)
 }
 
 /// Why the served store failed, if its server says it did (`Stats::state`).

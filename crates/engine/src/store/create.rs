@@ -277,23 +277,7 @@ pub(crate) fn format_backing(
     // Purge: old log records must not be mistaken for ours (they would not chain anyway).
     // Zeros leave the data area allocated; a discard gives its space back to a thin backing.
     let data_area_bytes = segment_count * segment_size_bytes;
-    match options.allocation {
-        Allocation::Zeroed => write_zeros(backing, DATA_START_BYTES, data_area_bytes, progress)?,
-        Allocation::Sparse | Allocation::Reserved => {
-            backing.discard(DATA_START_BYTES, data_area_bytes).map_err(|e| Error::io("discard data area", e))?
-        }
-    }
-    if options.allocation == Allocation::Reserved {
-        backing.reserve(DATA_START_BYTES, data_area_bytes).map_err(|e| {
-            Error::io(
-                format!(
-                    "reserving the data area ({data_area_bytes} bytes) on the backing's file system (format \
-                     with --sparse to leave it unreserved)"
-                ),
-                e,
-            )
-        })?;
-    }
+    lay_out_data_area(backing, options.allocation, data_area_bytes, progress)?;
     let mut slots = sb.encode();
     slots.extend_from_slice(&sb.encode());
     slots.resize(DATA_START_BYTES as usize, 0);
@@ -306,6 +290,34 @@ pub(crate) fn format_backing(
     backing.write_at(0, &slots).map_err(|e| Error::io("write superblocks", e))?;
     backing.sync().map_err(|e| Error::io("sync superblocks", e))?;
     Ok(info_from(&sb))
+}
+
+/// Lays out the data area as `allocation` says: zeros written, or discarded (so no old
+/// record is taken for the store's) and, when reserved, allocated without being written.
+fn lay_out_data_area(
+    backing: &dyn Backing,
+    allocation: Allocation,
+    data_area_bytes: u64,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
+    match allocation {
+        Allocation::Zeroed => write_zeros(backing, DATA_START_BYTES, data_area_bytes, progress)?,
+        Allocation::Sparse | Allocation::Reserved => {
+            backing.discard(DATA_START_BYTES, data_area_bytes).map_err(|e| Error::io("discard data area", e))?
+        }
+    }
+    if allocation == Allocation::Reserved {
+        backing.reserve(DATA_START_BYTES, data_area_bytes).map_err(|e| {
+            Error::io(
+                format!(
+                    "reserving the data area ({data_area_bytes} bytes) on the backing's file system (format \
+                     with --sparse to leave it unreserved)"
+                ),
+                e,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Writes zeros over `[offset, offset + len)`, in chunks of 8 MiB (a multiple of the

@@ -177,9 +177,7 @@ impl Inner {
         );
         let provisioned_cap = self.logical_size_bytes.load(Ordering::Acquire);
         let (state, state_reason) = self.state();
-        // A backing full is the store full, whatever its own free space says.
-        let backing_full = self.failure.get().is_some_and(|f| f.backing_full);
-        let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged || backing_full);
+        let space_flag = self.space_flag(free_space, provisioned_cap > native.bytes, damaged);
         let host_write_bytes = Counters::get(&c.host_write_bytes);
         let backing_write_bytes = Counters::get(&c.backing_write_bytes);
         let (read_cache_hits, read_cache_misses, read_cache_bytes) = self.read_cache.counters();
@@ -276,7 +274,9 @@ impl Inner {
     /// above native capacity) warns of low space: one at or below native capacity cannot run
     /// out, however full; its low free space is the over-provisioning at work.
     fn space_flag(&self, free_space: u64, thin: bool, damaged: bool) -> u8 {
-        if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged {
+        // A full backing is the store full, whatever its own free space says.
+        let backing_full = self.failure.get().is_some_and(|f| f.backing_full);
+        if self.space_exhausted.load(Ordering::Relaxed) || free_space == 0 || damaged || backing_full {
             2
         } else if thin && (free_space as f64) < self.options.low_space_fraction * self.geometry.data_area_bytes() as f64
         {
