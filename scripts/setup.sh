@@ -28,7 +28,8 @@ fi
 # package: the tools it brings (a missing tool installs its package)
 packages=(
   "build-essential:cc"            # C parts of the codec crates (zstd, libdeflate) and AWS-LC
-  "pkg-config:pkg-config"
+  "pkg-config:pkg-config"         # finds the system OpenSSL for zdisk serve --tls
+  "openssl:openssl"               # TLS certificates (docs/nbd.md, "TLS"; the TLS test makes its own)
   "nbdkit:nbdkit"                 # the NBD server the plugin runs in
   "libnbd-bin:nbdinfo nbdcopy nbdfuse"
   "fio:fio"                       # workloads (nbd engine), demo and tests
@@ -63,6 +64,9 @@ for entry in "${packages[@]}"; do
     fi
   done
 done
+if ! pkg-config --exists openssl 2>/dev/null && [[ ! -e /usr/include/openssl/ssl.h ]]; then
+  missing+=(libssl-dev)            # OpenSSL 3's headers: the native server's TLS (crates/nbd)
+fi
 if ((want_tests)) && ! /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1; then
   missing+=(python3-libnbd)        # interop test: concurrent partial-block requests
 fi

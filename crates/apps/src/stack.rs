@@ -51,7 +51,8 @@ struct AttachState {
 
 #[derive(Debug, Deserialize)]
 struct ServeState {
-    nbdkit_pid: u32,
+    #[serde(alias = "nbdkit_pid")]
+    server_pid: u32,
 }
 
 /// An attached block device. Dropping it detaches it (and stops the servers it started).
@@ -113,7 +114,7 @@ impl Device {
             fuse_dir: state.fuse_dir,
             nbdfuse_pid: state.nbdfuse_pid,
             serve_pid: state.started_serve_pid,
-            nbdkit_pid: serve.map(|s| s.nbdkit_pid),
+            nbdkit_pid: serve.map(|s| s.server_pid),
             attached: true,
         })
     }

@@ -40,6 +40,11 @@ pub struct AttachArgs {
     /// unless the options after `--` set `--threads`.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
     pub connections: Option<u32>,
+    /// Cores the store's codec may keep busy before host writes fall back to LZ4, for the
+    /// server attach starts (`zdisk serve --codec-cores`; 1 up to the cores this process may
+    /// run on, default half of them).
+    #[arg(long, value_name = "N", value_parser = crate::commands::parse_codec_cores)]
+    pub codec_cores: Option<u32>,
     /// An encrypted store's key, for the server attach starts.
     #[command(flatten)]
     pub key: crate::keys::KeyArgs,
@@ -119,6 +124,9 @@ fn start_background_server(
     if let Some(threads) = threads_per_connection.filter(|_| !sets_threads(&args.serve_options)) {
         command.arg("--threads").arg(threads.to_string());
     }
+    if let Some(cores) = args.codec_cores {
+        command.arg("--codec-cores").arg(cores.to_string());
+    }
     command
         .args(&args.serve_options)
         .stdin(if secret.is_some() && key.key_file.is_none() { Stdio::piped() } else { Stdio::null() })
@@ -157,6 +165,12 @@ fn start_background_server(
     // by pid.
     std::mem::forget(child);
     Ok(serve)
+}
+
+/// Whether `args` ask anything of the server attach would start (a running one's options do
+/// not change).
+fn has_server_options(args: &AttachArgs) -> bool {
+    !args.serve_options.is_empty() || args.codec_cores.is_some()
 }
 
 /// Whether `zdisk serve` options set its thread count (`--threads N`, `--threads=N`, `-t N`,
@@ -205,10 +219,10 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
     // A second attach of the same store prints the first one's device: another would mount a
     // second nbdfuse over the first one's directory, and detaching either then hung.
     if let Some(attached) = attachment_of(&info.uuid) {
-        if !args.serve_options.is_empty() {
+        if has_server_options(args) {
             bail!(
-                "{} is already attached as {}; the options after -- apply only to a server attach starts: \
-                 detach it first",
+                "{} is already attached as {}; --codec-cores and the options after -- apply only to a server \
+                 attach starts: detach it first",
                 store.display(),
                 attached.device.display()
             );
@@ -227,10 +241,10 @@ pub fn attach(args: &AttachArgs) -> Result<()> {
             if runtime::process_alive(serve.pid)
                 && runtime::store_is_locked(&store, zdisk_engine::Lock::Exclusive)? =>
         {
-            if !args.serve_options.is_empty() {
+            if has_server_options(args) {
                 bail!(
-                    "{} is already being served (zdisk serve pid {}); the options after -- apply only to a \
-                     server attach starts: stop that server, or attach without them",
+                    "{} is already being served (zdisk serve pid {}); --codec-cores and the options after -- \
+                     apply only to a server attach starts: stop that server, or attach without them",
                     store.display(),
                     serve.pid
                 );

@@ -118,6 +118,13 @@ fn parse_codec(text: &str) -> Result<Codec, String> {
     text.parse::<Codec>()
 }
 
+/// `--codec-cores N` of `serve` and `attach`: 1 up to the cores this process may run on
+/// (the engine checks the same at open; a usage error here says so before anything starts).
+pub fn parse_codec_cores(text: &str) -> Result<u32, String> {
+    let cores: usize = text.trim().parse().map_err(|_| format!("{text:?} is not a number of cores"))?;
+    zdisk_engine::check_codec_cores(cores, zdisk_engine::available_cores()).map(|cores| cores as u32)
+}
+
 fn is_block_device(path: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
     std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)

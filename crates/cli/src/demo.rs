@@ -261,7 +261,7 @@ pub fn run(args: &DemoArgs) -> Result<()> {
 
     let info = format_store(args, &store)?;
 
-    step("serving it with nbdkit (zdisk serve)");
+    step("serving it over NBD (zdisk serve: its own server, event loops on io_uring)");
     let mut server = ServeChild::start(&store, &socket)?;
     eprintln!("    NBD URI: {}", server.uri);
 

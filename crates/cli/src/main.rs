@@ -12,6 +12,7 @@ mod keys;
 mod recompress;
 mod runtime;
 mod serve;
+mod serve_native;
 mod size;
 
 use clap::{Parser, Subcommand};

@@ -65,7 +65,10 @@ pub struct ServeState {
     pub uuid: String,
     /// The `zdisk serve` process.
     pub pid: u32,
-    pub nbdkit_pid: u32,
+    /// The process serving NBD: `zdisk serve` itself with the native front end, nbdkit with
+    /// `--frontend nbdkit`.
+    #[serde(alias = "nbdkit_pid")]
+    pub server_pid: u32,
     pub uri: String,
     pub unix_socket: Option<PathBuf>,
     pub read_only: bool,

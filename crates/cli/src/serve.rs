@@ -1,6 +1,9 @@
-//! `zdisk serve`: nbdkit with the zdisk plugin, in the foreground.
+//! `zdisk serve`: the store over NBD, in the foreground — by zdisk's own server in this
+//! process (`--frontend native`, the default: `zdisk_nbd::server`), or by nbdkit with the
+//! zdisk plugin (`--frontend nbdkit`, for nbdkit's filters and TLS).
 //!
-//! Invariants:
+//! Invariants (the nbdkit front end; the native one keeps the same promises in-process:
+//! drain, then close every connection, then close the store):
 //! - at most one writer serves a store: the store lock is probed up front for a clear
 //!   message, and the plugin's own open (which takes the lock) is the real guard;
 //! - nbdkit runs with `--exit-with-parent`, so it never outlives this process;
@@ -21,6 +24,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use zdisk_engine::Store;
+use zdisk_nbd::handshake::TlsPolicy;
+use zdisk_nbd::tls::Credentials;
 
 use crate::keys::KeyArgs;
 use crate::runtime::{self, ServeState};
@@ -29,6 +34,7 @@ use std::os::fd::AsRawFd;
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(group(clap::ArgGroup::new("listen").required(true).args(["unix", "tcp"])))]
+#[command(group(clap::ArgGroup::new("tls_credentials").args(["tls_certificates", "tls_psk"])))]
 pub struct ServeArgs {
     /// The zdisk store (file or block device) to serve.
     pub store: PathBuf,
@@ -52,6 +58,13 @@ pub struct ServeArgs {
     /// reads at QD32 -4%; docs/nbd.md, "Threads").
     #[arg(long, short = 't', value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub threads: Option<u32>,
+    /// Cores the store's codec (zstd, DEFLATE) may keep busy before host writes fall back to
+    /// LZ4: 1 up to the cores this process may run on (default half of them, at least 1;
+    /// environment ZDISK_CODEC_CORES). More keeps more blocks in the store's codec under load
+    /// and costs write speed; fewer keeps writes fast and leaves the capacity to idle
+    /// recompression (docs/space.md, "Adaptive fallback and recompression").
+    #[arg(long, value_name = "N", value_parser = crate::commands::parse_codec_cores)]
+    pub codec_cores: Option<u32>,
     /// Do not use O_DIRECT on the backing store.
     #[arg(long)]
     pub no_direct: bool,
@@ -103,7 +116,13 @@ pub struct ServeArgs {
     /// at QD1: 1.6x slower; docs/format.md, "Backing allocation").
     #[arg(long)]
     pub discard_freed: bool,
-    /// Write nbdkit's pid here once it is ready to serve.
+    /// Which NBD server serves the store: `native` (zdisk's own: event loops, reads in flight
+    /// on io_uring, no thread per request; docs/frontends.md) or `nbdkit` (the zdisk plugin in
+    /// nbdkit: its filters, TLS, `--threads`).
+    #[arg(long, value_enum, default_value_t = Frontend::Native)]
+    pub frontend: Frontend,
+    /// Write the serving process's pid here once it is ready to serve (nbdkit's, with
+    /// `--frontend nbdkit`).
     #[arg(long, value_name = "PATH")]
     pub pid_file: Option<PathBuf>,
     /// On SIGINT/SIGTERM, how long to let clients disconnect before nbdkit is killed (the
@@ -113,8 +132,91 @@ pub struct ServeArgs {
     /// Pass -v to nbdkit (debug messages on stderr).
     #[arg(long, short = 'v')]
     pub verbose: bool,
+    /// TLS, as nbdkit's --tls: `off` (the default), `on` (offered: a client may start TLS or
+    /// stay in plain text) or `require` (a client must start TLS before anything else). Needs
+    /// --tls-certificates or --tls-psk. The native server serves TLS connections with threads
+    /// of their own, at some cost in read speed (docs/nbd.md, "TLS").
+    #[arg(
+        long,
+        value_enum,
+        value_name = "MODE",
+        default_value_t = TlsMode::Off,
+        requires_ifs = [("on", "tls_credentials"), ("require", "tls_credentials")]
+    )]
+    pub tls: TlsMode,
+    /// Directory holding the server's X.509 certificate (server-cert.pem) and key
+    /// (server-key.pem), and with --tls-verify-peer the CA (ca-cert.pem, and ca-crl.pem if
+    /// any) that signs clients' certificates: nbdkit's layout.
+    #[arg(long, value_name = "DIR")]
+    pub tls_certificates: Option<PathBuf>,
+    /// File of pre-shared keys, one `identity:hexkey` per line (as `psktool -u NAME -p FILE`
+    /// writes it); clients authenticate with an identity and its key instead of certificates.
+    #[arg(long, value_name = "FILE")]
+    pub tls_psk: Option<PathBuf>,
+    /// Require clients to present a certificate signed by the CA in --tls-certificates.
+    #[arg(long, requires = "tls_certificates")]
+    pub tls_verify_peer: bool,
     #[command(flatten)]
     pub key: KeyArgs,
+}
+
+/// `--tls`: nbdkit's modes and names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TlsMode {
+    Off,
+    On,
+    Require,
+}
+
+/// The TLS `args` ask for: None when off. clap has refused TLS without credentials and both
+/// kinds at once; credentials without TLS are refused here (nbdkit would turn TLS on by
+/// itself, a surprise either way).
+pub(crate) fn tls_setup(args: &ServeArgs) -> Result<Option<(TlsPolicy, Credentials)>> {
+    // (clap's `requires` takes --tls-psk, of the same group, for --tls-certificates.)
+    if args.tls_verify_peer && args.tls_certificates.is_none() {
+        bail!(crate::Usage(
+            "--tls-verify-peer needs --tls-certificates DIR (its ca-cert.pem verifies the clients' certificates)"
+                .into()
+        ));
+    }
+    let credentials = match (&args.tls_certificates, &args.tls_psk) {
+        (Some(dir), None) => {
+            if !dir.is_dir() {
+                bail!(crate::Usage(format!("--tls-certificates {}: not a directory", dir.display())));
+            }
+            Some(Credentials::Certificates { dir: std::path::absolute(dir)?, verify_peer: args.tls_verify_peer })
+        }
+        (None, Some(file)) => {
+            if !file.is_file() {
+                bail!(crate::Usage(format!("--tls-psk {}: not a file", file.display())));
+            }
+            Some(Credentials::Psk { file: std::path::absolute(file)? })
+        }
+        (None, None) => None,
+        (Some(_), Some(_)) => bail!(crate::Usage("--tls-certificates and --tls-psk exclude each other".into())),
+    };
+    let policy = match args.tls {
+        TlsMode::Off => TlsPolicy::Off,
+        TlsMode::On => TlsPolicy::Offered,
+        TlsMode::Require => TlsPolicy::Required,
+    };
+    match (policy, credentials) {
+        (TlsPolicy::Off, None) => Ok(None),
+        (TlsPolicy::Off, Some(_)) => bail!(crate::Usage(
+            "--tls-certificates and --tls-psk need --tls on or --tls require (TLS is off by default)".into()
+        )),
+        (_, None) => {
+            bail!(crate::Usage("--tls on and --tls require need --tls-certificates DIR or --tls-psk FILE".into()))
+        }
+        (policy, Some(credentials)) => Ok(Some((policy, credentials))),
+    }
+}
+
+/// The NBD server behind `zdisk serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Frontend {
+    Native,
+    Nbdkit,
 }
 
 /// The plugin: `$ZDISK_PLUGIN`, or `libnbdkit_zdisk_plugin.so` next to the `zdisk` binary
@@ -147,13 +249,16 @@ pub fn plugin_path() -> Result<PathBuf> {
     )
 }
 
-fn uri(args: &ServeArgs) -> Result<String> {
+/// The URI to print: `nbds` when TLS is required (a client must then also be told the
+/// certificates or PSK file, e.g. `&tls-certificates=DIR`; docs/nbd.md, "TLS").
+pub(crate) fn uri(args: &ServeArgs) -> Result<String> {
+    let scheme = if args.tls == TlsMode::Require { "nbds" } else { "nbd" };
     if let Some(socket) = &args.unix {
         let absolute = std::path::absolute(socket)?;
-        return Ok(format!("nbd+unix:///?socket={}", absolute.display()));
+        return Ok(format!("{scheme}+unix:///?socket={}", absolute.display()));
     }
     let tcp = args.tcp.as_deref().unwrap_or_default();
-    Ok(format!("nbd://{tcp}/"))
+    Ok(format!("{scheme}://{tcp}/"))
 }
 
 fn split_host_port(addr: &str) -> Result<(String, String)> {
@@ -196,6 +301,27 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     if args.verbose {
         command.arg("-v");
     }
+    // nbdkit's own default turns TLS on when it finds certificates in its default directory;
+    // zdisk's is off, on both front ends.
+    match tls_setup(args)? {
+        None => {
+            command.arg("--tls=off");
+        }
+        Some((policy, credentials)) => {
+            command.arg(if policy == TlsPolicy::Required { "--tls=require" } else { "--tls=on" });
+            match credentials {
+                Credentials::Certificates { dir, verify_peer } => {
+                    command.arg(format!("--tls-certificates={}", dir.display()));
+                    if verify_peer {
+                        command.arg("--tls-verify-peer");
+                    }
+                }
+                Credentials::Psk { file } => {
+                    command.arg(format!("--tls-psk={}", file.display()));
+                }
+            }
+        }
+    }
     command.arg(plugin);
     command.arg(format!("store={}", std::path::absolute(&args.store)?.display()));
     if args.readonly {
@@ -234,13 +360,16 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     if args.discard_freed {
         command.arg("discard_freed=true");
     }
+    if let Some(cores) = args.codec_cores {
+        command.arg(format!("codec_cores={cores}"));
+    }
     command.arg(format!("rundir={}", runtime::run_dir().display()));
     command.stdin(Stdio::null());
     Ok(command)
 }
 
 /// Removes a Unix socket left behind by a server that died, refusing a live one.
-fn clear_stale_socket(socket: &Path) -> Result<()> {
+pub(crate) fn clear_stale_socket(socket: &Path) -> Result<()> {
     use std::os::unix::fs::FileTypeExt;
     let Ok(metadata) = std::fs::symlink_metadata(socket) else { return Ok(()) };
     if !metadata.file_type().is_socket() {
@@ -376,13 +505,16 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
         signal_hook::flag::register(signal, stop.clone()).context("installing signal handlers")?;
     }
+    if args.frontend == Frontend::Native {
+        return crate::serve_native::run(args, &stop);
+    }
     let info = Store::info(&args.store)?;
     let mut nbdkit = start(args)?;
     let state = ServeState {
         store: std::path::absolute(&args.store)?,
         uuid: info.uuid.clone(),
         pid: std::process::id(),
-        nbdkit_pid: nbdkit.pid(),
+        server_pid: nbdkit.pid(),
         uri: nbdkit.uri.clone(),
         unix_socket: args.unix.as_ref().map(std::path::absolute).transpose()?,
         read_only: args.readonly,
@@ -492,7 +624,7 @@ fn store_failure(control: &std::path::Path) -> Option<String> {
 
 /// Why the store failed, from a live snapshot (the live file, or the control socket's
 /// `stats`), if it did.
-fn failure_of(live: &serde_json::Value) -> Option<String> {
+pub(crate) fn failure_of(live: &serde_json::Value) -> Option<String> {
     let stats = live.get("stats")?;
     (stats.get("state")?.as_str()? == zdisk_engine::StoreState::Failed.name())
         .then(|| stats.get("state_reason").and_then(|r| r.as_str()).unwrap_or("").to_string())

@@ -212,6 +212,23 @@ fn serve_needs_a_listen_address() {
     }
 }
 
+/// `--codec-cores` of `serve` and `attach` takes 1 up to the cores the process may run on:
+/// anything else is wrong usage, refused before a server starts.
+#[test]
+fn codec_cores_outside_one_to_the_available_cores_are_refused() {
+    let s = Scratch::new("codec-cores");
+    let store = s.format("s.zdisk", "32M", "2x", &[]);
+    let (store, socket) = (store.to_str().unwrap(), s.path("x.sock"));
+    let too_many = (std::thread::available_parallelism().map_or(1, |n| n.get()) + 1).to_string();
+    for cores in ["0", too_many.as_str(), "1000000"] {
+        let serve = ["serve", store, "--unix", socket.to_str().unwrap(), "--codec-cores", cores];
+        refused(&s, &serve, 2, "codec cores must be 1..=");
+        refused(&s, &["attach", store, "--codec-cores", cores], 2, "codec cores must be 1..=");
+    }
+    refused(&s, &["serve", store, "--unix", socket.to_str().unwrap(), "--codec-cores", "two"], 2, "not a number");
+    assert!(!socket.exists(), "a refused serve must not listen");
+}
+
 #[test]
 fn format_refuses_an_existing_store_without_force() {
     let s = Scratch::new("reformat");
@@ -383,7 +400,8 @@ fn engine_warnings_reach_stderr() {
 }
 
 /// A server that dies before serving makes `zdisk attach` fail with its log, promptly. (It
-/// used to wait forever: the dead server stayed a zombie whose pid looked alive.)
+/// used to wait forever: the dead server stayed a zombie whose pid looked alive.) The nbdkit
+/// front end without its plugin is such a server.
 #[test]
 fn attach_fails_promptly_when_the_server_dies_before_serving() {
     let s = Scratch::new("attach-dies");
@@ -391,7 +409,7 @@ fn attach_fails_promptly_when_the_server_dies_before_serving() {
     let mut child = s
         .zdisk()
         .env("ZDISK_PLUGIN", s.path("no-such-plugin.so"))
-        .args(["attach", store.to_str().unwrap()])
+        .args(["attach", store.to_str().unwrap(), "--", "--frontend", "nbdkit"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()

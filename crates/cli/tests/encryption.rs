@@ -72,7 +72,7 @@ fn an_encrypted_store_serves_real_clients_and_keeps_no_plaintext() {
     run_ok(Command::new("nbdcopy").arg(&server.uri).arg(&readback));
     std::fs::OpenOptions::new().write(true).open(&readback).unwrap().set_len(text.len() as u64).unwrap();
     assert_eq!(sha256(&readback), sha256(&input));
-    server_memory_is_locked(server.nbdkit_pid());
+    server_memory_is_locked(server.server_pid());
     // `stat` needs no key while served: the server's numbers (its live file is rewritten
     // every second, so the copy shows up within a few).
     let deadline = std::time::Instant::now() + Duration::from_secs(20);

@@ -1,6 +1,7 @@
 //! Interop: real NBD clients (nbdinfo, nbdcopy, qemu-img, fio and a raw protocol client)
-//! against a real nbdkit running the zdisk plugin, started through `zdisk serve`. The
-//! kernel's ext4 through `zdisk attach` (nbdfuse + loop) is in `attach.rs`.
+//! against both front ends of `zdisk serve`: each test runs as is against zdisk's own server
+//! (the default) and again, in `through_nbdkit`, against nbdkit running the zdisk plugin.
+//! The kernel's ext4 through `zdisk attach` (nbdfuse + loop) is in `attach.rs`.
 //!
 //! Run: `cargo test -p zdisk --test interop` (builds the plugin too; see tests/common).
 //! Needs nbdkit, libnbd-bin, fio, qemu-utils, e2fsprogs, fuse3; missing tools skip locally
@@ -575,6 +576,70 @@ fn bad_requests_get_nbd_errors_and_the_server_keeps_serving() {
     server.stop();
 }
 
+/// Malformed input closes its own connection and nothing else: garbage in place of the
+/// handshake, a request with a bad magic, a write announcing a payload over the 32 MiB cap.
+/// Another client's connection, opened before and kept throughout, sees every byte it wrote
+/// and keeps writing; the store checks clean afterwards.
+#[test]
+fn malformed_input_closes_only_that_connection() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("malformed");
+    let store = s.format("s.zdisk", "64M", "64M", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut good = NbdClient::connect(&server.socket).unwrap();
+    let first = pattern(3, 0, 0, 256 << 10);
+    good.write_ok(0, &first);
+
+    // Garbage where the client's flags and options belong.
+    let mut raw = std::os::unix::net::UnixStream::connect(&server.socket).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut greeting = [0u8; 18];
+    raw.read_exact(&mut greeting).unwrap();
+    let _ = raw.write_all(&[0xff; 4096]);
+    let mut rest = Vec::new();
+    let closed = match raw.read_to_end(&mut rest) {
+        Ok(_) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+    };
+    assert!(closed, "a handshake of garbage left the connection open");
+
+    // A request with a bad magic.
+    let mut bad = NbdClient::connect(&server.socket).unwrap();
+    bad.send_raw(&[0x5a; 28]).unwrap();
+    assert!(bad.closed_by_server_within(Duration::from_secs(20)), "a bad request magic left the connection open");
+
+    // A write announcing 64 MiB of payload (over the cap), followed by 64 KiB: the native
+    // server closes the connection; nbdkit 1.32 waits to read the payload, which is fine too
+    // as long as nothing is written.
+    let mut big = NbdClient::connect(&server.socket).unwrap();
+    let mut header = Vec::new();
+    header.extend_from_slice(&0x2560_9513u32.to_be_bytes());
+    header.extend_from_slice(&0u16.to_be_bytes());
+    header.extend_from_slice(&nbd::CMD_WRITE.to_be_bytes());
+    header.extend_from_slice(&7u64.to_be_bytes());
+    header.extend_from_slice(&0u64.to_be_bytes());
+    header.extend_from_slice(&(64u32 << 20).to_be_bytes());
+    big.send_raw(&header).unwrap();
+    let _ = big.send_raw(&[0xee; 64 << 10]);
+    let closed = big.closed_by_server_within(Duration::from_secs(if common::frontend() == "native" { 20 } else { 2 }));
+    assert!(closed || common::frontend() == "nbdkit", "a write over the payload cap left the connection open");
+
+    // The first client's connection was never disturbed, nor was the store.
+    assert_same(&good.read_ok(0, 256 << 10), &first, "the good connection's data");
+    let second = pattern(4, 64, 0, 128 << 10);
+    good.write_ok(64 << 10, &second);
+    assert_eq!(good.flush().unwrap(), 0);
+    let mut expected = first.clone();
+    expected[64 << 10..192 << 10].copy_from_slice(&second);
+    assert_same(&good.read_ok(0, 256 << 10), &expected, "after more writes");
+    good.disconnect();
+    server.stop();
+    let check = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(check.contains("clean"), "{check}");
+}
+
 /// Asserts equal bytes, naming the differing ranges instead of dumping both buffers.
 fn assert_same(got: &[u8], expected: &[u8], what: &str) {
     assert_eq!(got.len(), expected.len(), "{what}: length");
@@ -696,4 +761,33 @@ fn stat_is_live_while_served_and_metrics_are_served() {
     let leftovers: Vec<_> =
         std::fs::read_dir(s.run_dir()).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
     assert!(leftovers.is_empty(), "live files left after a clean stop: {leftovers:?}");
+}
+
+/// The same tests against `zdisk serve --frontend nbdkit`.
+mod through_nbdkit {
+    macro_rules! through_nbdkit {
+        ($($name:ident),* $(,)?) => {
+            $(
+                #[test]
+                fn $name() {
+                    crate::common::with_frontend("nbdkit", super::$name);
+                }
+            )*
+        };
+    }
+
+    through_nbdkit!(
+        nbdinfo_shows_size_allocation_and_capabilities,
+        nbdcopy_round_trips_a_real_file_tree,
+        qemu_img_converts_into_the_disk_and_compares_equal,
+        fio_verifies_at_qd1_and_qd32_and_stat_shows_the_ratio,
+        four_connections_write_disjoint_ranges_at_once,
+        concurrent_partial_block_requests_through_libnbd_never_lose_each_other,
+        a_flipped_bit_in_the_replay_window_never_yields_older_data,
+        decay_of_the_last_flushed_write_never_yields_its_previous_contents,
+        writes_flushed_before_a_crash_survive_it,
+        bad_requests_get_nbd_errors_and_the_server_keeps_serving,
+        stat_is_live_while_served_and_metrics_are_served,
+        malformed_input_closes_only_that_connection,
+    );
 }

@@ -158,17 +158,17 @@ fn serve_passes_threads_and_discard_freed_to_nbdkit() {
     let s = Scratch::new("threads");
     let store = s.format("s.zdisk", "64M", "1x", &[]);
     let argv = |server: &Server| -> Vec<String> {
-        let raw = std::fs::read(format!("/proc/{}/cmdline", server.nbdkit_pid())).unwrap();
+        let raw = std::fs::read(format!("/proc/{}/cmdline", server.server_pid())).unwrap();
         raw.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect()
     };
     let threads_of = |argv: &[String]| argv.iter().position(|a| a == "-t").map(|i| argv[i + 1].clone());
     let cores = std::thread::available_parallelism().unwrap().get() as u32;
-    let server = Server::start(&s, &store, &[]);
+    let server = Server::start(&s, &store, &["--frontend", "nbdkit"]);
     let default = argv(&server);
     assert_eq!(threads_of(&default), Some((4 * cores).clamp(8, 64).to_string()), "{default:?}");
     assert!(!default.iter().any(|a| a.starts_with("discard_freed")), "{default:?}");
     server.stop();
-    let server = Server::start(&s, &store, &["--threads", "3", "--discard-freed"]);
+    let server = Server::start(&s, &store, &["--frontend", "nbdkit", "--threads", "3", "--discard-freed"]);
     let asked = argv(&server);
     assert_eq!(threads_of(&asked), Some("3".to_string()), "{asked:?}");
     assert!(asked.iter().any(|a| a == "discard_freed=true"), "{asked:?}");

@@ -17,8 +17,9 @@
 //!   a burst of load hits them all; min and median of the passes.
 //!
 //! Rows: the engine's path for LZ4, zstd -1/1/2/3 and DEFLATE 1/6 (reused per-thread
-//! contexts); the same codec behind the incompressibility test ("+ entropy test",
-//! `Codec::compress_block_with_test`); and the code as it was before contexts were reused
+//! contexts); LZ4, zstd 1 and 3 and DEFLATE 6 behind the incompressibility estimate ("+
+//! entropy test", `Codec::compress_block_with_test`: the store's write path runs it before
+//! zstd and DEFLATE); and the code as it was before contexts were reused
 //! ("fresh ctx": a new zstd or libdeflate context per block) for zstd 1, 3 and DEFLATE 6;
 //! and zstd with a dictionary trained on the corpus as `zdisk recompress --train` trains one
 //! on a store ("+ N KiB dictionary": zstd's builder on up to 1,024 of the measured non-zero
@@ -26,7 +27,15 @@
 //! compressed include the sample, as in a store). Every fragment is decoded and compared
 //! with its block.
 //!
+//! Per corpus it also prints what the incompressibility estimate alone does
+//! (`looks_incompressible`, which the store's write path runs before zstd and DEFLATE): its
+//! CPU per block, the blocks it judges incompressible, and of those the **false raw** ones —
+//! blocks zstd:1 would have stored at least `MIN_SAVING_BYTES` smaller — with the bytes they
+//! cost.
+//!
 //! `ZDISK_CODECS_RATIO_ONLY=1`: one pass, no times (for a machine busy with other work).
+//! `ZDISK_CODECS_ROWS="zstd:1,zstd:1 + entropy test"`: only the rows of these labels (and no
+//! dictionary training unless one of them is a dictionary row).
 
 use std::fmt::Write as _;
 use std::os::unix::fs::FileExt;
@@ -37,7 +46,7 @@ use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
 use std::sync::Arc;
 
-use zdisk_engine::{decompress_block, Codec, CodecTag, Dictionary, DictionarySet};
+use zdisk_engine::{decompress_block, looks_incompressible, Codec, CodecTag, Dictionary, DictionarySet};
 
 const BLOCK: usize = 4096;
 /// Protection information in front of every fragment (`format/fragment.rs`).
@@ -159,11 +168,68 @@ fn rows() -> Vec<Row> {
     for codec in codecs {
         rows.push(Row { codec, path: Path::Engine, dictionary: None });
     }
+    rows.push(Row { codec: Codec::Lz4, path: Path::WithTest, dictionary: None });
     for codec in [Codec::Zstd { level: 1 }, Codec::Zstd { level: 3 }, Codec::Deflate { level: 6 }] {
         rows.push(Row { codec, path: Path::WithTest, dictionary: None });
         rows.push(Row { codec, path: Path::FreshContext, dictionary: None });
     }
     rows
+}
+
+/// `ZDISK_CODECS_ROWS`: the labels of the rows to run (None: all).
+fn selected_rows() -> Option<Vec<String>> {
+    let labels = std::env::var("ZDISK_CODECS_ROWS").ok()?;
+    Some(labels.split(',').map(|l| l.trim().to_string()).filter(|l| !l.is_empty()).collect())
+}
+
+/// What the incompressibility estimate alone makes of a corpus (module comment): a line of
+/// the report. `reps` timed passes (none: counts only).
+fn estimate_line(corpus: &Corpus, reps: usize) -> String {
+    let blocks: Vec<&[u8]> = corpus.data.chunks_exact(BLOCK).collect();
+    let mut judged = 0u64;
+    let (mut false_raw, mut false_raw_bytes) = (0u64, 0u64);
+    let mut out = Vec::with_capacity(8192);
+    let zstd1 = Codec::Zstd { level: 1 };
+    for block in &blocks {
+        if looks_incompressible(block) {
+            judged += 1;
+            if zstd1.compress_block(block, &mut out) != CodecTag::Raw {
+                false_raw += 1;
+                false_raw_bytes += (BLOCK - out.len()) as u64;
+            }
+        }
+    }
+    let mut ns = Vec::new();
+    for _ in 0..reps {
+        let start_ns = thread_cpu_ns();
+        let mut sink = 0u64;
+        for block in &blocks {
+            sink += std::hint::black_box(looks_incompressible(std::hint::black_box(block))) as u64;
+        }
+        ns.push((thread_cpu_ns() - start_ns) as f64 / blocks.len().max(1) as f64);
+        assert_eq!(sink, judged);
+    }
+    let (min, median) = min_median(&ns);
+    let time = if reps == 0 { String::new() } else { format!("{min:.0} ({median:.0}) ns/block min (median); ") };
+    format!(
+        "entropy test alone: {time}{judged} of {} non-zero blocks judged incompressible ({:.2}%); false raw \
+         (zstd:1 would have saved ≥ {} bytes): {false_raw} blocks, {false_raw_bytes} bytes ({:.3}% of zstd:1's saving)",
+        blocks.len(),
+        100.0 * judged as f64 / blocks.len().max(1) as f64,
+        zdisk_engine::MIN_SAVING_BYTES,
+        100.0 * false_raw_bytes as f64 / zstd_saving_bytes(&blocks).max(1) as f64,
+    )
+}
+
+/// The bytes zstd:1 saves on `blocks` (raw ones save none).
+fn zstd_saving_bytes(blocks: &[&[u8]]) -> u64 {
+    let mut out = Vec::with_capacity(8192);
+    let mut saving = 0;
+    for block in blocks {
+        Codec::Zstd { level: 1 }.compress_block(block, &mut out);
+        saving += (BLOCK - out.len()) as u64;
+    }
+    saving
 }
 
 /// The dictionary rows of one corpus (sizes and levels: docs/space.md, "Trained
@@ -346,10 +412,18 @@ fn main() {
         if timed { "" } else { ", ratios only" },
         loadavg()
     );
+    let selected = selected_rows();
+    let wants_dictionaries = selected.as_ref().is_none_or(|labels| labels.iter().any(|l| l.contains("dictionary")));
     for corpus in &corpora {
-        let (dictionary_rows, training) = dictionary_rows(corpus);
+        let (dictionary_rows, training) =
+            if wants_dictionaries { dictionary_rows(corpus) } else { (Vec::new(), "not trained".to_string()) };
         md.push_str(&format!("\n{}: dictionaries {training}\n", corpus.name));
-        let rows: Vec<Row> = rows().into_iter().chain(dictionary_rows).collect();
+        md.push_str(&format!("\n{}: {}\n", corpus.name, estimate_line(corpus, if timed { reps } else { 0 })));
+        let rows: Vec<Row> = rows()
+            .into_iter()
+            .chain(dictionary_rows)
+            .filter(|row| selected.as_ref().is_none_or(|labels| labels.contains(&row.label())))
+            .collect();
         let mut results: Vec<Measured> = rows.iter().map(|_| Measured::default()).collect();
         for _ in 0..reps {
             for (row, m) in rows.iter().zip(results.iter_mut()) {

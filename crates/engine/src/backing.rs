@@ -49,6 +49,12 @@ pub trait Backing: Send + Sync {
         let _ = (offset, len);
         Ok(())
     }
+    /// The file descriptor a caller may read from itself under `read_at`'s rules (a
+    /// `ReadQueue` submitting to its own io_uring); None where reads must go through
+    /// `read_at` (the simulator).
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 pub fn assert_aligned(offset: u64, len: usize, size_bytes: u64) {
@@ -293,6 +299,11 @@ impl Backing for FileBacking {
 
     fn read_alignment(&self) -> usize {
         self.read_alignment
+    }
+
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.file.as_raw_fd())
     }
 
     fn read_many(&self, reads: &mut [(u64, &mut [u8])]) -> io::Result<()> {

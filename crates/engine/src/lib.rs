@@ -29,8 +29,8 @@ mod types;
 
 pub use backing::{is_locked, Backing, FileBacking, Lock};
 pub use codec::{
-    decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag, Dictionary, DictionarySet,
-    MIN_SAVING_BYTES, NO_DICTIONARIES,
+    available_cores, check_codec_cores, decompress_block, looks_incompressible, Codec, CodecFallback, CodecTag,
+    Dictionary, DictionarySet, MIN_SAVING_BYTES, NO_DICTIONARIES,
 };
 pub use crypto::cipher::NonceObserver;
 pub use crypto::keys::{KdfParams, SlotInfo, SlotKind};
@@ -43,7 +43,8 @@ pub use store::capacity::{
 };
 pub use store::{
     Allocation, CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Encryption, Extent, ExtentKind,
-    FormatOptions, KeyChange, OpenOptions, RecompressReport, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
+    FormatOptions, KeyChange, OpenOptions, ReadDone, ReadPlan, ReadQueue, Reaped, RecompressReport, Store, StoreInfo,
+    DICTIONARY_LEVEL_DEFAULT,
 };
 pub use types::{Lba, SegmentId};
 

@@ -48,6 +48,7 @@ const MORE_COUNTER_STATS: &[&str] = &[
     "gc_colder_bytes_moved",
     "host_backing_reads",
     "host_backing_read_bytes",
+    "host_reads_replanned",
     "paced_writes",
     "paced_wait_ns",
     "blocks_written_raw",
@@ -55,6 +56,7 @@ const MORE_COUNTER_STATS: &[&str] = &[
     "blocks_written_zstd",
     "blocks_written_deflate",
     "codec_fallback_blocks",
+    "incompressible_skipped_blocks",
     "recompressed_fragments",
     "recompress_saved_bytes",
     "recompress_cpu_ns",
@@ -198,6 +200,10 @@ pub struct Stats {
     pub host_backing_reads: u64,
     #[serde(default)]
     pub host_backing_read_bytes: u64,
+    /// Host reads planned for an asynchronous front end whose segment was freed before
+    /// the device read finished, read again synchronously (`Store::finish_read`).
+    #[serde(default)]
+    pub host_reads_replanned: u64,
     /// Host writes paced against GC since open (docs/space.md, "Pacing"), and their
     /// total wait.
     #[serde(default)]
@@ -227,6 +233,22 @@ pub struct CodecStats {
     /// of them, raw included).
     #[serde(default)]
     pub codec_fallback_blocks: u64,
+    /// Of `blocks_written_raw`, the host blocks stored raw without running the store's codec
+    /// because they looked incompressible (`codec::skips_codec`; docs/space.md,
+    /// "Incompressible data").
+    #[serde(default)]
+    pub incompressible_skipped_blocks: u64,
+    /// Stored bytes of the live LZ4 fragments written since open in a store of a slower
+    /// codec: what the fallback left for idle work, GC or `zdisk recompress` to recompress
+    /// (`store/pending.rs`; fragments from before the open are not counted). Between
+    /// checkpoints an upper bound (overwrites may still owe their removal), exact after each.
+    #[serde(default)]
+    pub pending_recompress_bytes: u64,
+    /// The bytes recompressing them is expected to free: at the share recompression saved
+    /// on the LZ4 fragments it tried since open, once it tried 1 MiB, else at 21% (the least
+    /// zstd:1 saved against LZ4 on the measured corpora). An estimate.
+    #[serde(default)]
+    pub pending_recompress_saving_bytes: u64,
     /// Fragments GC (or `recompress`) moved recompressed with the store's codec.
     #[serde(default)]
     pub recompressed_fragments: u64,
@@ -266,6 +288,12 @@ pub struct CodecCounters {
     pub compressing: std::sync::atomic::AtomicUsize,
     pub blocks_written: [AtomicU64; 4],
     pub fallback_blocks: AtomicU64,
+    pub incompressible_skipped_blocks: AtomicU64,
+    /// LZ4 fragments' bytes recompression tried since open, and what they became (a fragment
+    /// not made smaller counts whole): the measured share `pending_recompress_saving_bytes`
+    /// is estimated at.
+    pub lz4_recompress_tried_bytes: AtomicU64,
+    pub lz4_recompress_kept_bytes: AtomicU64,
     pub recompressed_fragments: AtomicU64,
     pub recompress_saved_bytes: AtomicU64,
     pub recompress_cpu_ns: AtomicU64,
@@ -309,6 +337,10 @@ impl CodecCounters {
             blocks_written_zstd: get(&self.blocks_written[2]),
             blocks_written_deflate: get(&self.blocks_written[3]),
             codec_fallback_blocks: get(&self.fallback_blocks),
+            incompressible_skipped_blocks: get(&self.incompressible_skipped_blocks),
+            // (Filled in by the store, which holds the log's count.)
+            pending_recompress_bytes: 0,
+            pending_recompress_saving_bytes: 0,
             recompressed_fragments: get(&self.recompressed_fragments),
             recompress_saved_bytes: get(&self.recompress_saved_bytes),
             recompress_cpu_ns: get(&self.recompress_cpu_ns),

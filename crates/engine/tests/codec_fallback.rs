@@ -208,3 +208,88 @@ fn host_overwrites_racing_recompression_always_win() {
     assert!(read_all(&store) == models.concat(), "differs after reopen");
     assert_clean(&store);
 }
+
+fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    rng(seed).fill(&mut data[..]);
+    data
+}
+
+/// Stored bytes of the fragment LZ4 makes of `block` (its protection information
+/// included), or None when LZ4 stores it raw or it is all zeros (a map entry, no fragment).
+fn lz4_fragment_bytes(block: &[u8]) -> Option<u64> {
+    let mut out = Vec::new();
+    let lz4 = Codec::Lz4.compress_block(block, &mut out) == zdisk_engine::CodecTag::Lz4;
+    (lz4 && block.iter().any(|&b| b != 0)).then_some(12 + out.len() as u64)
+}
+
+#[test]
+fn incompressible_blocks_skip_a_slow_codec_and_are_counted() {
+    let random = random_bytes(21, 256 << 10);
+    let text = word_text(&mut rng(22), 256 << 10);
+    let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, 21);
+    let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
+    store.write(0, &random, false).unwrap();
+    store.write(256 << 10, &text, false).unwrap();
+    let codec = store.stats().codec;
+    assert_eq!((codec.incompressible_skipped_blocks, codec.blocks_written_raw), (64, 64), "{codec:?}");
+    assert_eq!((codec.blocks_written_zstd, codec.codec_fallback_blocks), (64, 0), "{codec:?}");
+    let mut back = vec![0u8; 512 << 10];
+    store.read(0, &mut back).unwrap();
+    assert!(back[..256 << 10] == random[..] && back[256 << 10..] == text[..], "read back different");
+    assert_clean(&store);
+    // An LZ4 store runs LZ4 on every block (it gives up on random data about as fast).
+    let disk = new_disk(48, 64 << 10, 1 << 20, Codec::Lz4, 23);
+    let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
+    store.write(0, &random, false).unwrap();
+    let codec = store.stats().codec;
+    assert_eq!((codec.incompressible_skipped_blocks, codec.blocks_written_raw), (0, 64), "{codec:?}");
+}
+
+#[test]
+fn pending_recompress_bytes_follow_the_fallbacks_live_fragments_until_recompressed() {
+    // Room enough that no GC runs (it would recompress some) before `recompress`.
+    let disk = new_disk(256, 64 << 10, 4 << 20, ZSTD, 31);
+    let store = Store::open_backing(disk.clone(), &options(CodecFallback::Always)).unwrap();
+    // 4 MiB: recompression then tries more than the 1 MiB it measures its share on.
+    let mut image = word_text(&mut rng(31), 4 << 20);
+    store.write(0, &image, false).unwrap();
+    let pending_of = |image: &[u8]| -> u64 { image.chunks(4096).filter_map(lz4_fragment_bytes).sum() };
+    let stats = store.stats();
+    assert!(pending_of(&image) > 0);
+    assert_eq!(stats.codec.pending_recompress_bytes, pending_of(&image), "{stats:?}");
+    // Until recompression has measured its own, the saving is estimated at 21%.
+    let expected_saving = (stats.codec.pending_recompress_bytes as f64 * 0.21).round() as u64;
+    assert_eq!(stats.codec.pending_recompress_saving_bytes, expected_saving);
+    // Overwrites take the old fragments off and count the new ones; random blocks are raw,
+    // trimmed and zeroed ones gone.
+    image[..64 << 10].copy_from_slice(&word_text(&mut rng(32), 64 << 10));
+    store.write(0, &image[..64 << 10], false).unwrap();
+    let random = random_bytes(33, 64 << 10);
+    image[64 << 10..128 << 10].copy_from_slice(&random);
+    store.write(64 << 10, &random, false).unwrap();
+    store.trim(128 << 10, 64 << 10, false).unwrap();
+    store.write_zeroes(192 << 10, 64 << 10, false).unwrap();
+    image[128 << 10..256 << 10].fill(0);
+    store.checkpoint().unwrap();
+    let codec = store.stats().codec;
+    assert_eq!((codec.pending_recompress_bytes, codec.recompressed_fragments), (pending_of(&image), 0));
+    assert_clean(&store);
+    // Recompression takes them all (text: every one gets smaller), and then knows its ratio.
+    let report = store.recompress(None, &mut |_, _| {}).unwrap();
+    assert!(report.after.codec.recompressed_fragments > 0, "{:?}", report.after);
+    assert_eq!(report.after.codec.pending_recompress_bytes, 0, "{:?}", report.after);
+    assert!(read_all(&store) == image, "read back different");
+    assert_clean(&store);
+    // Written with the fallback again: the estimate is at the share measured (zstd:1 stores
+    // these text blocks in about 1/1.7 of LZ4's bytes), no longer 21%.
+    store.write(0, &image[..256 << 10], false).unwrap();
+    let codec = store.stats().codec;
+    let share = codec.pending_recompress_saving_bytes as f64 / codec.pending_recompress_bytes as f64;
+    assert!(share > 0.3 && share < 0.6, "{codec:?}");
+    store.close().unwrap();
+    // Since open: fragments from before it are not counted.
+    let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
+    assert_eq!(store.stats().codec.pending_recompress_bytes, 0);
+    assert_clean(&store);
+}

@@ -250,7 +250,10 @@ impl Totals {
     /// What every seed's run must have done.
     fn check_run(&self, s: &Scenario, codec: Codec) -> Result<(), String> {
         let cycles = s.cycles;
-        if s.map_cache_bytes != 0 && self.map_misses < 10 * cycles as u64 {
+        // A cache that evicts misses on most requests (~300–900 in 30 cycles of 40 ops); one
+        // that does not, a few times a cycle at most. 10 a cycle failed seed
+        // 13068995729389896469 with 295 misses: the bar is 5.
+        if s.map_cache_bytes != 0 && self.map_misses < 5 * cycles as u64 {
             let misses = self.map_misses;
             return Err(format!(
                 "the small map cache missed only {misses} times in {cycles} cycles: it is not evicting"

@@ -3,7 +3,7 @@
 //! ```text
 //! nbdkit --foreground -U /tmp/sock libnbdkit_zdisk_plugin.so store=/srv/disk.zdisk \
 //!        [readonly=true] [metrics=127.0.0.1:9100] [direct=true|false] [cache=256M] [read_cache=0] \
-//!        [low_space=0.10] [discard_freed=false] [rundir=/run/zdisk]
+//!        [low_space=0.10] [discard_freed=false] [codec_cores=N] [rundir=/run/zdisk]
 //! ```
 //!
 //! Invariants:
@@ -18,8 +18,7 @@
 //!   with ENOTSUP; with MAY_TRIM a block-aligned range becomes a hole, otherwise (and for
 //!   unaligned ranges, which a trim would not fully zero) written zeroes.
 
-mod metrics;
-mod service;
+use zdisk_nbd::{metrics, service};
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -52,6 +51,9 @@ struct Config {
     idle_after: Option<std::time::Duration>,
     auto_dictionary_blocks: Option<u64>,
     discard_freed: bool,
+    /// Cores the store's codec may keep busy before host writes fall back to LZ4 (None: the
+    /// engine's default, or `ZDISK_CODEC_CORES`).
+    codec_cores: Option<usize>,
     run_dir: PathBuf,
     /// An encrypted store's passphrase or key file, read when configured.
     key: Option<Arc<Secret>>,
@@ -74,6 +76,7 @@ impl Default for Config {
             idle_after: defaults.idle_after,
             auto_dictionary_blocks: defaults.auto_dictionary_blocks,
             discard_freed: defaults.discard_freed,
+            codec_cores: defaults.codec_cores,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
             key: None,
         }
@@ -165,6 +168,8 @@ impl Server for Handle {
              idle_after=MS         idle work after MS ms without requests (default 2000; 0: never)\n\
              auto_dictionary=BOOL  train the first dictionary while idle (default true)\n\
              discard_freed=BOOL    discard freed segments: thin backing, slower flushes (default false)\n\
+             codec_cores=N         cores the store's codec may keep busy before writes fall back to LZ4\n\
+                                   (1 up to the cores nbdkit may run on; default half of them)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)\n\
              key-file=PATH         an encrypted store's key file\n\
              passphrase-file=PATH  an encrypted store's passphrase: the first line of PATH\n\
@@ -230,6 +235,11 @@ impl Server for Handle {
                     false => None,
                 };
             }
+            "codec_cores" => {
+                let cores: usize = value.parse().map_err(|_| einval(format!("codec_cores={value}: not a number")))?;
+                let checked = zdisk_engine::check_codec_cores(cores, zdisk_engine::available_cores());
+                config.codec_cores = Some(checked.map_err(|e| einval(format!("codec_cores={value}: {e}")))?);
+            }
             "rundir" => config.run_dir = PathBuf::from(value),
             // Read now: a pipe's contents are there once, and before nbdkit forks.
             "key-file" => {
@@ -289,6 +299,7 @@ impl Server for Handle {
             idle_after: config.idle_after,
             auto_dictionary_blocks: config.auto_dictionary_blocks,
             discard_freed: config.discard_freed,
+            codec_cores: config.codec_cores,
             key: config.key.clone(),
             ..OpenOptions::default()
         };

@@ -208,6 +208,24 @@ pub fn sha256(path: &Path) -> String {
     out.split_whitespace().next().unwrap().to_string()
 }
 
+thread_local! {
+    /// The front end `Server::start` asks `zdisk serve` for in this test's thread (None: the
+    /// default, native); `with_frontend` sets it, so one test body runs against both.
+    static FRONTEND: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+}
+
+/// The front end `Server::start` uses in this thread ("native" unless `with_frontend` says).
+pub fn frontend() -> &'static str {
+    FRONTEND.with(|f| f.get()).unwrap_or("native")
+}
+
+/// Runs `test` with every `Server` it starts served by `frontend` ("native" or "nbdkit").
+pub fn with_frontend(frontend: &'static str, test: impl FnOnce()) {
+    FRONTEND.with(|f| f.set(Some(frontend)));
+    test();
+    FRONTEND.with(|f| f.set(None));
+}
+
 /// `zdisk serve` on a Unix socket; stopped with SIGTERM (clean shutdown) on drop.
 pub struct Server {
     child: Option<Child>,
@@ -243,6 +261,7 @@ impl Server {
             .arg(&socket)
             .arg("--pid-file")
             .arg(&pid_file)
+            .args(FRONTEND.with(|f| f.get()).map(|f| ["--frontend", f]).iter().flatten())
             .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
@@ -261,10 +280,11 @@ impl Server {
         Server { child: Some(child), uri: line.trim().to_string(), socket, pid_file }
     }
 
-    pub fn nbdkit_pid(&self) -> u32 {
-        // `zdisk serve` prints the URI only once nbdkit has written the file; waiting costs
+    /// The process serving NBD: `zdisk serve` itself (native front end) or its nbdkit.
+    pub fn server_pid(&self) -> u32 {
+        // `zdisk serve` prints the URI only once the file is written; waiting costs
         // nothing and keeps every pid-file read in one place.
-        wait_for_pid_file(&self.pid_file, "nbdkit (zdisk serve)", Duration::from_secs(30))
+        wait_for_pid_file(&self.pid_file, "the server (zdisk serve)", Duration::from_secs(30))
     }
 
     /// Clean stop (SIGTERM); asserts `zdisk serve` exited 0.
@@ -297,13 +317,13 @@ impl Server {
         (status, stderr)
     }
 
-    /// SIGKILL nbdkit itself (a crash: no flush, no checkpoint), then reap `zdisk serve`.
+    /// SIGKILL the serving process (a crash: no flush, no checkpoint), then reap `zdisk serve`.
     pub fn crash(mut self) {
-        let nbdkit = self.nbdkit_pid();
-        signal(nbdkit, libc::SIGKILL);
+        let server = self.server_pid();
+        signal(server, libc::SIGKILL);
         let mut child = self.child.take().unwrap();
         let status = wait_timeout(&mut child, Duration::from_secs(60));
-        assert!(!status.success(), "zdisk serve should report nbdkit's crash");
+        assert!(!status.success(), "zdisk serve should report the server's crash");
     }
 }
 

@@ -156,6 +156,22 @@ impl NbdClient {
         Ok(error)
     }
 
+    /// Sends bytes as they are (malformed requests, for the bad-input tests).
+    pub fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.stream.write_all(bytes)
+    }
+
+    /// Whether the server closed the connection within `timeout` (reads to the end of the
+    /// stream, discarding anything it still sends; a reset counts as closed).
+    pub fn closed_by_server_within(&mut self, timeout: Duration) -> bool {
+        let _ = self.stream.set_read_timeout(Some(timeout));
+        let mut sink = Vec::new();
+        match self.stream.read_to_end(&mut sink) {
+            Ok(_) => true,
+            Err(e) => matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe),
+        }
+    }
+
     pub fn read(&mut self, offset: u64, buf: &mut [u8]) -> io::Result<u32> {
         let length = buf.len() as u32;
         self.request(CMD_READ, 0, offset, length, &[], Some(buf))

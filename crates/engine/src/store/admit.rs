@@ -132,6 +132,16 @@ impl Inner {
         }
     }
 
+    /// Whether host writes may wait now (free space in the pacing band, where GC cleans
+    /// beside them): a front end then runs them where a waiting one holds up nothing else.
+    pub(crate) fn host_writes_may_wait(&self) -> bool {
+        if !self.options.pacing || self.pacer.gc_ps_per_byte() == 0 {
+            return false;
+        }
+        let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
+        self.host_slack_bytes.load(Ordering::Relaxed) < band_bytes
+    }
+
     /// When the map's changes reached their memory limit (the background checkpoint fell
     /// behind, or there is no background thread), a writer writes the checkpoint itself
     /// before it adds more.

@@ -13,7 +13,9 @@
 //! map's end are skipped: the request path checks ranges before it appends, and replay may
 //! meet records written before a shrink.
 
+use super::log::Log;
 use super::op::RangeKind;
+use super::pending::PendingRecompress;
 use super::segments::{account_entry, BlockCounts, SegmentTable};
 use super::state::Geometry;
 use crate::error::Result;
@@ -37,15 +39,25 @@ pub(crate) fn lbas_set(body: &RecordBody) -> Vec<(Lba, u64)> {
     }
 }
 
-/// The live segment table as the map's accounting.
+/// The live segment table (and the pending recompression it feeds) as the map's accounting.
 pub(crate) struct Live<'a> {
     pub segments: &'a mut SegmentTable,
+    pub pending: &'a mut PendingRecompress,
     pub geometry: &'a Geometry,
+}
+
+impl<'a> Live<'a> {
+    /// The accounting of the log lock's table.
+    pub fn new(log: &'a mut Log, geometry: &'a Geometry) -> Live<'a> {
+        Live { segments: &mut log.segments, pending: &mut log.pending, geometry }
+    }
 }
 
 impl Accounting for Live<'_> {
     fn entry(&mut self, entry: PackedEntry, delta: Delta) {
         let geometry = self.geometry;
+        let segments = &*self.segments;
+        self.pending.account(entry, delta, |o| segments.get(geometry.segment_of(o)).first_seq);
         self.segments.account(entry, delta, |o| geometry.segment_of(o));
     }
 

@@ -39,8 +39,20 @@ struct MapTotals {
     live: Vec<u64>,
     /// Bytes of the current map's pages.
     pages: Vec<u64>,
+    /// Of `live`, the LZ4 fragments' bytes (`pending.rs`).
+    lz4: Vec<u64>,
     stored: u64,
     zero: u64,
+}
+
+impl MapTotals {
+    /// A map entry pointing at fragment `s` in `segment`.
+    fn add_live(&mut self, segment: SegmentId, s: Stored) {
+        self.live[segment.index()] += s.stored_len as u64;
+        if s.codec == crate::codec::CodecTag::Lz4 {
+            self.lz4[segment.index()] += s.stored_len as u64;
+        }
+    }
 }
 
 /// What the segment scan found, per segment: bytes of verified fragments the map points at.
@@ -135,7 +147,7 @@ impl Inner {
             {
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(batch, &mut super::apply::Live { segments: &mut log.segments, geometry: &self.geometry });
+                map.settle(batch, &mut super::apply::Live::new(&mut log, &self.geometry));
             }
             self.map.read().unpin(batch);
         }
@@ -155,7 +167,7 @@ impl Inner {
                     for &v in body.iter() {
                         match PackedEntry(v).unpack() {
                             Ok(Entry::Stored(s)) => {
-                                totals.live[self.geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64;
+                                totals.add_live(self.geometry.segment_of(s.offset_bytes), s);
                                 totals.stored += 1;
                             }
                             Ok(Entry::Zero) => totals.zero += 1,
@@ -204,7 +216,7 @@ impl Inner {
     /// damage.
     fn check_map(&self, report: &mut CheckReport, progress: &mut dyn FnMut(u64)) -> Result<MapTotals> {
         let n = self.geometry.segment_count as usize;
-        let mut totals = MapTotals { live: vec![0; n], pages: vec![0; n], stored: 0, zero: 0 };
+        let mut totals = MapTotals { live: vec![0; n], pages: vec![0; n], lz4: vec![0; n], stored: 0, zero: 0 };
         let map = self.map.read();
         let block_count = map.block_count();
         let mut lost: Vec<(u64, u64)> = Vec::new();
@@ -212,7 +224,7 @@ impl Inner {
         let mut leaves_done = 0u64;
         let mut note = |lba: u64, blocks: u64, entry: PackedEntry, totals: &mut MapTotals| match entry.unpack() {
             Ok(Entry::Stored(s)) => {
-                totals.live[geometry.segment_of(s.offset_bytes).index()] += s.stored_len as u64;
+                totals.add_live(geometry.segment_of(s.offset_bytes), s);
                 totals.stored += blocks;
             }
             Ok(Entry::Zero) => totals.zero += blocks,
@@ -426,7 +438,18 @@ impl Inner {
             expected_pages[segment as usize] += bytes;
         }
         let counts = log.segments.counts;
+        let pending = log.pending.bytes();
+        let expected_pending = log.pending.expected(&map.lz4, |i| segments[i].first_seq);
         drop(log);
+        if pending != expected_pending {
+            report.problem(
+                0,
+                format!(
+                    "pending recompression counts {pending} bytes of LZ4 fragments written since open, the map references {expected_pending}"
+                ),
+                Vec::new(),
+            );
+        }
         if counts.stored != map.stored || counts.zero != map.zero {
             report.problem(
                 0,

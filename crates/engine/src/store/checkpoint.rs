@@ -245,6 +245,9 @@ impl Inner {
         // (2) what emptied them is durable; (3) no reader holds an old map entry.
         self.flush_upto(emptied_seq)?;
         drop(self.map.write());
+        for &id in &freeable {
+            self.segment_uses[id.index()].note_freed();
+        }
         // Off by default: the log reuses the segment soon, and a file's punched blocks must
         // be allocated again under the flushes that follow (docs/format.md).
         if self.options.discard_freed {

@@ -263,7 +263,7 @@ impl Inner {
             {
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(batch, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+                map.settle(batch, &mut Live::new(&mut log, &self.geometry));
             }
             self.map.read().unpin(batch);
         }
@@ -509,7 +509,7 @@ impl Inner {
                 // The owed removals of these leaves' changes (some point into the victim).
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(leaves, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+                map.settle(leaves, &mut Live::new(&mut log, &self.geometry));
             }
             self.map.read().unpin(leaves);
             checked?;
@@ -615,6 +615,13 @@ impl Inner {
                 Counters::add(&counters.dictionary_trial_bytes, new.bytes.len() as u64);
             }
             let smaller = new.bytes.len() < fragment.block.bytes.len();
+            if entry.codec == CodecTag::Lz4 {
+                // What recompression makes of the fallback's fragments: the share
+                // `pending_recompress_saving_bytes` is estimated at.
+                let tried = fragment.block.bytes.len() as u64;
+                Counters::add(&counters.lz4_recompress_tried_bytes, tried);
+                Counters::add(&counters.lz4_recompress_kept_bytes, tried.min(new.bytes.len() as u64));
+            }
             if (smaller || older_dictionary) && !new.entry.is_zero_block(FragmentFormat::V3) {
                 recompressed.push(LiveFragment { block: new, ..fragment });
             } else {

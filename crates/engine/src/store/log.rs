@@ -44,6 +44,8 @@ pub(crate) struct Log {
     pub appender: Appender,
     pub segments: SegmentTable,
     pub epochs: CheckpointEpochs,
+    /// The live LZ4 fragments written since open, for the statistics (`pending.rs`).
+    pub pending: super::pending::PendingRecompress,
 }
 
 /// Where the next record goes and what it chains to.
@@ -286,7 +288,7 @@ impl Inner {
     /// Applies an appended record to the map. A map page that cannot be read leaves the
     /// map behind the log: the store fails (read-only; reopening replays the record).
     fn apply(&self, log: &mut Log, map: &PagedMap, body: &RecordBody, payload_at: u64) -> Result<u64> {
-        let mut live = Live { segments: &mut log.segments, geometry: &self.geometry };
+        let mut live = Live::new(log, &self.geometry);
         match apply_record(map, &mut live, self, body, FragmentFormat::V3, payload_at) {
             Ok(applied) => Ok(applied.relocated_bytes),
             Err(e) => Err(self.fail(e)),

@@ -19,6 +19,7 @@
 //! | `checkpoint` | checkpoints and the reuse rule |
 //! | `pages` | map pages on the store: reading them, a checkpoint writing them |
 //! | `gc` | victim choice, live collection, relocation |
+//! | `pending` | the LZ4 fallback's live bytes, what recompression would take (statistics) |
 //! | `dictionaries` | trained zstd dictionaries: training, installing, freeing |
 //! | `worker` | the background threads |
 //! | `recovery` | choose checkpoint, rebuild, replay, settle |
@@ -47,9 +48,11 @@ mod op;
 mod options;
 mod pacing;
 mod pages;
+mod pending;
 mod permits;
 mod proof;
 pub(crate) mod read;
+pub(crate) mod read_queue;
 mod recovery;
 mod replay;
 mod request;
@@ -70,6 +73,8 @@ pub use gc::RecompressReport;
 pub use options::{
     Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo,
 };
+pub use read::{ReadDone, ReadPlan};
+pub use read_queue::{ReadQueue, Reaped};
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -189,6 +194,8 @@ impl Store {
 
     /// Opens and recovers a store on any backing (the simulator in tests).
     pub fn open_backing(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Store> {
+        // Wrong options are refused before a key derivation or a replay spends time on them.
+        options.resolved_codec_cores()?;
         let (newest, _) = recovery::read_superblocks(backing.as_ref())?;
         let cipher = encryption::unlock(&backing, &newest, options)?;
         let chosen = recovery::choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
@@ -343,6 +350,31 @@ impl Store {
 
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.inner.read(offset, buf)
+    }
+
+    /// The first half of a read whose device reads the caller issues (`ReadQueue`): see
+    /// [`ReadPlan`]. Then [`Store::finish_read`].
+    pub fn plan_read(&self, offset: u64, len: usize) -> Result<ReadPlan> {
+        self.inner.plan_read(offset, len)
+    }
+
+    /// Whether host writes may wait now, for GC's pacing or GC itself (free space is in
+    /// the band where GC runs beside them): a front end serving writes on an event loop
+    /// should then run them on threads of their own (no lock taken; a hint).
+    pub fn host_writes_may_wait(&self) -> bool {
+        self.inner.host_writes_may_wait()
+    }
+
+    /// Reads a plan's device reads here, synchronously (where no ring is available).
+    pub fn read_planned(&self, plan: &mut ReadPlan) -> Result<()> {
+        let mut reads: Vec<(u64, &mut [u8])> = plan.device_reads().collect();
+        self.inner.backing.read_many(&mut reads).map_err(|e| Error::io("read of a planned range", e))
+    }
+
+    /// The second half of a planned read, once every one of `plan.device_reads()` filled
+    /// its buffer: decodes and checks it.
+    pub fn finish_read(&self, plan: ReadPlan) -> Result<ReadDone> {
+        self.inner.finish_read(plan)
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
@@ -513,6 +545,7 @@ impl Inner {
             codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
             encrypted: sb.encrypted(),
         };
+        let codec_cores = options.resolved_codec_cores()?;
         let logical_size_bytes = recovery::logical_size_bytes(chosen);
         let (map, counts) = recovery::build_map(
             chosen.checkpoint.as_ref(),
@@ -555,6 +588,7 @@ impl Inner {
                 release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
                 superseded_carry: Default::default(),
             },
+            pending: pending::PendingRecompress::new(geometry.codec, sb.checkpoint_seq),
         };
         Ok(Inner {
             backing,
@@ -569,7 +603,7 @@ impl Inner {
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             counters,
             codec_counters: Default::default(),
-            codec_cores: crate::codec::codec_cores(std::thread::available_parallelism().map_or(1, |n| n.get())),
+            codec_cores,
             failed: AtomicBool::new(false),
             failure: std::sync::OnceLock::new(),
             space_exhausted: AtomicBool::new(false),
@@ -580,6 +614,7 @@ impl Inner {
             gc_cold_bytes_moved: AtomicU64::new(0),
             gc_colder_bytes_moved: AtomicU64::new(0),
             host_backing_reads: AtomicU64::new(0),
+            host_reads_replanned: AtomicU64::new(0),
             host_backing_read_bytes: AtomicU64::new(0),
             logical_size_bytes: AtomicU64::new(logical_size_bytes),
             over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),

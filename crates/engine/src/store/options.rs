@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::codec::{Codec, CodecFallback};
+use crate::codec::{available_cores, check_codec_cores, Codec, CodecFallback};
 #[cfg(feature = "sim")]
 use crate::crypto::cipher::NonceObserver;
 use crate::crypto::keys::KdfParams;
@@ -102,6 +102,12 @@ pub struct OpenOptions {
     /// When host writes may be compressed with LZ4 instead of the store's codec
     /// (`codec.rs`, "Adaptive fallback"). Defaults to `ZDISK_CODEC_FALLBACK`, else `Auto`.
     pub codec_fallback: CodecFallback,
+    /// How many cores the store's codec may keep busy before host writes fall back to LZ4
+    /// (`CodecFallback::Auto`; GC's recompression waits on the same signal): 1 up to the
+    /// cores the process may run on, else open refuses it. None: half the cores, at least
+    /// one (`codec::default_codec_cores`). Defaults to `ZDISK_CODEC_CORES` (measurements),
+    /// else None; `zdisk serve --codec-cores N` sets it.
+    pub codec_cores: Option<usize>,
     /// Pace host writes against GC as free space runs low (`pacing.rs`). On unless
     /// `ZDISK_PACING=off`: at native capacity it cut p99.9 write latency about sevenfold and
     /// raised throughput by a third (docs/space.md, "Pacing").
@@ -161,6 +167,7 @@ impl Default for OpenOptions {
             background: true,
             accept_data_loss: false,
             codec_fallback: CodecFallback::from_env(),
+            codec_cores: codec_cores_from_env(),
             pacing: !std::env::var("ZDISK_PACING").is_ok_and(|v| v == "off"),
             write_concurrency: write_concurrency_from_env(),
             discard_freed: std::env::var("ZDISK_DISCARD_FREED").is_ok_and(|v| v == "on"),
@@ -189,6 +196,38 @@ fn idle_spare_cores_from_env() -> f64 {
         Err(_) => default,
     }
 }
+
+impl OpenOptions {
+    /// The cores the store's codec may keep busy: `codec_cores` checked against the cores the
+    /// process may run on (an `InvalidArgument` error names the range), else the default.
+    pub(crate) fn resolved_codec_cores(&self) -> crate::error::Result<usize> {
+        let available = available_cores();
+        match self.codec_cores {
+            Some(cores) => check_codec_cores(cores, available)
+                .map_err(|e| crate::error::Error::new(crate::error::ErrorKind::InvalidArgument, e)),
+            None => Ok(crate::codec::default_codec_cores(available)),
+        }
+    }
+}
+
+/// `ZDISK_CODEC_CORES` (1 up to the cores the process may run on), else None (the default,
+/// half the cores). A value out of range is warned about and ignored: the variable is for
+/// measurements, and a store should still open.
+fn codec_cores_from_env() -> Option<usize> {
+    let v = std::env::var(CODEC_CORES_ENV).ok()?;
+    let checked =
+        v.parse::<usize>().map_err(|e| e.to_string()).and_then(|cores| check_codec_cores(cores, available_cores()));
+    match checked {
+        Ok(cores) => Some(cores),
+        Err(e) => {
+            tracing::warn!("{CODEC_CORES_ENV}={v:?}: {e}; using the default");
+            None
+        }
+    }
+}
+
+/// The variable that sets `OpenOptions::codec_cores` by default (measurements).
+pub const CODEC_CORES_ENV: &str = "ZDISK_CODEC_CORES";
 
 /// `ZDISK_WRITE_PERMITS` (a number of writers; 0: no limit), else the number of cores.
 fn write_concurrency_from_env() -> usize {

@@ -92,6 +92,8 @@ pub(crate) struct PageCheckpoint {
 #[derive(Default)]
 struct WalkDebt {
     live_bytes: BTreeMap<u32, u64>,
+    /// Of `live_bytes`, the LZ4 fragments' (`pending.rs`).
+    lz4_bytes: BTreeMap<u32, u64>,
     counts: BlockCounts,
     pages: BTreeMap<u32, u64>,
 }
@@ -171,11 +173,13 @@ impl Inner {
                 }
             };
             log.segments.remove_debt(&debt.live_bytes, debt.counts);
+            let log = &mut *log;
+            log.pending.account_walked(&debt.lz4_bytes, |segment| log.segments.get(segment).first_seq);
             debt.remove(&mut cp.usage, &mut cp.counts);
             for (&segment, &bytes) in &debt.pages {
                 *cp.superseded.entry(segment).or_default() += bytes;
             }
-            let mut live = Live { segments: &mut log.segments, geometry: &self.geometry };
+            let mut live = Live::new(log, &self.geometry);
             let mut snapshot =
                 SnapshotAccount { usage: &mut cp.usage, counts: &mut cp.counts, geometry: &self.geometry };
             let old = map.install_rewrite(p, new_pointer, body, &mut live, &mut snapshot);
@@ -203,8 +207,11 @@ impl Inner {
                     for &v in body.iter() {
                         match PackedEntry(v).unpack() {
                             Ok(crate::map::Entry::Stored(s)) => {
-                                *debt.live_bytes.entry(geometry.segment_of(s.offset_bytes).0).or_default() +=
-                                    s.stored_len as u64;
+                                let segment = geometry.segment_of(s.offset_bytes).0;
+                                *debt.live_bytes.entry(segment).or_default() += s.stored_len as u64;
+                                if s.codec == crate::codec::CodecTag::Lz4 {
+                                    *debt.lz4_bytes.entry(segment).or_default() += s.stored_len as u64;
+                                }
                                 debt.counts.stored += 1;
                             }
                             Ok(crate::map::Entry::Zero) => debt.counts.zero += 1,

@@ -9,13 +9,14 @@
 use std::ops::Range;
 
 use super::state::{new_buffer, round_up, AlignedBuf, Inner};
+use crate::cache::FragmentCache;
 use crate::codec::{decompress_block, CodecTag, DictionarySet, NO_DICTIONARIES};
 use crate::crypto::cipher::{Domain, SegmentUse, StoreCipher};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
 use crate::map::{Entry, PackedEntry, Stored};
 use crate::stats::Counters;
-use crate::types::Lba;
+use crate::types::{Lba, SegmentId};
 use crate::BLOCK_SIZE;
 
 /// Whether the read cache may answer and keep what is read (not for `check`, which
@@ -43,6 +44,77 @@ struct DiskFragment {
     stored: Stored,
 }
 
+/// A host read between `Store::plan_read` and `Store::finish_read`: the device reads it
+/// still needs, into buffers it owns.
+pub struct ReadPlan {
+    offset: u64,
+    /// Where the request starts in `blocks`.
+    skip: usize,
+    len: usize,
+    first_lba: Lba,
+    /// The request's whole blocks, those in memory decoded already.
+    blocks: Vec<u8>,
+    on_disk: Vec<DiskFragment>,
+    runs: Vec<ReadRun>,
+    buffers: Vec<AlignedBuf>,
+    /// Each segment read, with its free count when the plan was made.
+    frees: Vec<(SegmentId, u32)>,
+}
+
+impl ReadPlan {
+    fn empty(offset: u64) -> ReadPlan {
+        ReadPlan {
+            offset,
+            skip: 0,
+            len: 0,
+            first_lba: Lba(0),
+            blocks: Vec::new(),
+            on_disk: Vec::new(),
+            runs: Vec::new(),
+            buffers: Vec::new(),
+            frees: Vec::new(),
+        }
+    }
+
+    /// The device reads the plan needs: (backing offset, buffer to fill exactly), aligned to
+    /// the backing's read alignment (O_DIRECT). Empty when memory answered it all.
+    pub fn device_reads(&mut self) -> impl Iterator<Item = (u64, &mut [u8])> {
+        self.runs.iter().zip(self.buffers.iter_mut()).map(|(run, buf)| (run.start_bytes, &mut buf[..]))
+    }
+
+    /// The request's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Fragments the plan decodes after its device reads (the work `finish_read` does).
+    pub fn fragments_to_decode(&self) -> usize {
+        self.on_disk.len()
+    }
+
+    /// How many device reads the plan needs.
+    pub fn device_read_count(&self) -> usize {
+        self.runs.len()
+    }
+}
+
+/// A finished host read: the request's bytes.
+pub struct ReadDone {
+    bytes: Vec<u8>,
+    skip: usize,
+    len: usize,
+}
+
+impl ReadDone {
+    pub fn data(&self) -> &[u8] {
+        &self.bytes[self.skip..self.skip + self.len]
+    }
+}
+
 impl Inner {
     /// Fills `out` (one block per entry) with the blocks' contents, verifying checksums.
     /// `first_lba` is the LBA of `entries[0]` (for error messages).
@@ -54,34 +126,7 @@ impl Inner {
         cache: ReadCache,
     ) -> Result<()> {
         let read_cache = (cache == ReadCache::Use).then_some(&self.read_cache);
-        let mut on_disk: Vec<DiskFragment> = Vec::new();
-        {
-            let buffered = self.buffered.read();
-            for (i, entry) in entries.iter().enumerate() {
-                if *entry == Entry::Lost {
-                    Counters::add(&self.counters.checksum_errors, 1);
-                    let lba = first_lba.plus(i as u64);
-                    return Err(Error::new(ErrorKind::Checksum, format!("block {lba}: lost with damaged metadata")));
-                }
-                let Entry::Stored(s) = entry else { continue };
-                let block = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
-                let lba = first_lba.plus(i as u64);
-                let segment = self.geometry.segment_of(s.offset_bytes);
-                if let Some(buffer) = buffered.iter().find(|b| b.segment == segment) {
-                    let at = (s.offset_bytes - self.geometry.segment_base(segment)) as usize;
-                    self.decode_fragment(*s, &buffer.data.read()[at..at + s.stored_len as usize], block, lba)?;
-                } else if let Some(decoded) = read_cache.and_then(|c| {
-                    c.with_fragment(segment.0, s.offset_bytes, |fragment| {
-                        self.decode_fragment(*s, fragment, block, lba)
-                    })
-                }) {
-                    decoded?;
-                } else {
-                    on_disk.push(DiskFragment { index: i, stored: *s });
-                }
-            }
-        }
-        on_disk.sort_by_key(|f| f.stored.offset_bytes);
+        let on_disk = self.fetch_from_memory(entries, out, first_lba, read_cache)?;
         let runs = self.read_runs(&on_disk);
         // The runs go to the device together (io_uring where there is one): a request
         // whose blocks were scattered by random overwrites waits about one device latency,
@@ -96,9 +141,58 @@ impl Inner {
                 let first = runs.first().map_or(0, |run| run.start_bytes);
                 Error::io(format!("read of {} range(s) from {first}", runs.len()), e)
             })?;
-            Counters::add(&self.host_backing_reads, reads.len() as u64);
-            Counters::add(&self.host_backing_read_bytes, reads.iter().map(|(_, buf)| buf.len() as u64).sum());
         }
+        self.decode_runs(&runs, &buffers, &on_disk, out, first_lba, read_cache)
+    }
+
+    /// Decodes the blocks whose fragments are in memory (a segment buffer not yet written,
+    /// or the read cache) into `out`; returns the others, sorted by address, to be read.
+    fn fetch_from_memory(
+        &self,
+        entries: &[Entry],
+        out: &mut [u8],
+        first_lba: Lba,
+        read_cache: Option<&FragmentCache>,
+    ) -> Result<Vec<DiskFragment>> {
+        let mut on_disk: Vec<DiskFragment> = Vec::new();
+        let buffered = self.buffered.read();
+        for (i, entry) in entries.iter().enumerate() {
+            if *entry == Entry::Lost {
+                Counters::add(&self.counters.checksum_errors, 1);
+                let lba = first_lba.plus(i as u64);
+                return Err(Error::new(ErrorKind::Checksum, format!("block {lba}: lost with damaged metadata")));
+            }
+            let Entry::Stored(s) = entry else { continue };
+            let block = &mut out[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+            let lba = first_lba.plus(i as u64);
+            let segment = self.geometry.segment_of(s.offset_bytes);
+            if let Some(buffer) = buffered.iter().find(|b| b.segment == segment) {
+                let at = (s.offset_bytes - self.geometry.segment_base(segment)) as usize;
+                self.decode_fragment(*s, &buffer.data.read()[at..at + s.stored_len as usize], block, lba)?;
+            } else if let Some(decoded) = read_cache.and_then(|c| {
+                c.with_fragment(segment.0, s.offset_bytes, |fragment| self.decode_fragment(*s, fragment, block, lba))
+            }) {
+                decoded?;
+            } else {
+                on_disk.push(DiskFragment { index: i, stored: *s });
+            }
+        }
+        on_disk.sort_by_key(|f| f.stored.offset_bytes);
+        Ok(on_disk)
+    }
+
+    /// Decodes and checks the fragments `runs` read into `buffers`; caches the good ones.
+    fn decode_runs(
+        &self,
+        runs: &[ReadRun],
+        buffers: &[AlignedBuf],
+        on_disk: &[DiskFragment],
+        out: &mut [u8],
+        first_lba: Lba,
+        read_cache: Option<&FragmentCache>,
+    ) -> Result<()> {
+        Counters::add(&self.host_backing_reads, runs.len() as u64);
+        Counters::add(&self.host_backing_read_bytes, buffers.iter().map(|b| b.len() as u64).sum());
         for (run, raw) in runs.iter().zip(buffers) {
             for f in &on_disk[run.fragments.clone()] {
                 let at = (f.stored.offset_bytes - run.start_bytes) as usize;
@@ -112,6 +206,64 @@ impl Inner {
             }
         }
         Ok(())
+    }
+
+    /// The first half of a host read for a caller that reads the device itself (an event
+    /// loop with the reads of many requests in flight: `ReadQueue`): checks the request,
+    /// looks its blocks up and decodes those in memory. No lock is held when it returns, so
+    /// a segment the plan reads may be freed and reused before the device read; the plan
+    /// notes how often each was freed so far, and `finish_read` redoes a read whose
+    /// segment was freed since (see `UseCell::frees`).
+    pub(crate) fn plan_read(&self, offset: u64, len: usize) -> Result<ReadPlan> {
+        let skip = (offset % BLOCK_SIZE as u64) as usize;
+        let Some((first_lba, block_count)) = self.read_blocks_of(offset, len)? else {
+            return Ok(ReadPlan::empty(offset));
+        };
+        let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
+        let map = self.map.read();
+        let entries = self.read_entries(&map, first_lba, block_count)?;
+        let on_disk = self.fetch_from_memory(&entries, &mut blocks, first_lba, Some(&self.read_cache))?;
+        // Under the map's read lock: a segment freed after this was freed after the lock
+        // (`free_cleaned_locked` takes the write lock first), so its count has not moved yet.
+        let mut frees: Vec<(SegmentId, u32)> = Vec::new();
+        for f in &on_disk {
+            let segment = self.geometry.segment_of(f.stored.offset_bytes);
+            if frees.last().is_none_or(|&(last, _)| last != segment) {
+                frees.push((segment, self.segment_frees(segment)));
+            }
+        }
+        drop(map);
+        let runs = self.read_runs(&on_disk);
+        let buffers = runs.iter().map(|run| new_buffer((run.end_bytes - run.start_bytes) as usize)).collect();
+        Ok(ReadPlan { offset, skip, len, first_lba, blocks, on_disk, runs, buffers, frees })
+    }
+
+    /// The second half: decodes and checks what the caller read into the plan's buffers
+    /// (`ReadPlan::device_reads`) and returns the request's bytes. A plan whose segments
+    /// were freed meanwhile is read again the synchronous way (rare: GC frees a segment
+    /// only after every block in it moved, so the map no longer points there).
+    pub(crate) fn finish_read(&self, mut plan: ReadPlan) -> Result<ReadDone> {
+        if plan.frees.iter().any(|&(segment, frees)| self.segment_frees(segment) != frees) {
+            Counters::add(&self.host_reads_replanned, 1);
+            let mut data = vec![0u8; plan.len];
+            self.read(plan.offset, &mut data)?;
+            return Ok(ReadDone { bytes: data, skip: 0, len: plan.len });
+        }
+        self.decode_runs(
+            &plan.runs,
+            &plan.buffers,
+            &plan.on_disk,
+            &mut plan.blocks,
+            plan.first_lba,
+            Some(&self.read_cache),
+        )?;
+        Counters::add(&self.counters.host_read_bytes, plan.len as u64);
+        Ok(ReadDone { bytes: plan.blocks, skip: plan.skip, len: plan.len })
+    }
+
+    /// How many times `segment` was freed (`UseCell::frees`).
+    fn segment_frees(&self, segment: SegmentId) -> u32 {
+        self.segment_uses.get(segment.index()).map_or(0, |u| u.frees())
     }
 
     /// Coalesces fragments (sorted by address) whose sectors touch into runs of at most

@@ -272,7 +272,7 @@ impl Inner {
     ) -> Result<()> {
         for record in group.drain(..) {
             let header = &record.header;
-            let mut live = Live { segments: &mut log.segments, geometry: &self.geometry };
+            let mut live = Live::new(log, &self.geometry);
             let format = header.version.fragment_format();
             apply_record(map, &mut live, self, &header.body, format, record.payload_offset_bytes)?;
             if let Some(degraded) = findings.degraded.as_mut() {
@@ -321,7 +321,7 @@ impl Inner {
     fn settle_owed_at_open(&self, map: &PagedMap, log: &mut Log) -> Result<()> {
         for leaves in map.unsettled_leaves().chunks(SETTLE_BATCH_LEAVES) {
             map.pin_loaded(leaves, self)?;
-            map.settle(leaves, &mut Live { segments: &mut log.segments, geometry: &self.geometry });
+            map.settle(leaves, &mut Live::new(log, &self.geometry));
             map.unpin(leaves);
         }
         Ok(())

@@ -20,11 +20,11 @@ use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::space::SpaceClass;
 use super::state::{round_up, Inner};
-use crate::codec::{write_codec, Codec, CodecTag};
+use crate::codec::{skips_codec, store_raw, write_codec, Codec, CodecTag};
 use crate::crypto::cipher::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
-use crate::map::{Entry, PackedEntry, WalkItem};
+use crate::map::{Entry, PackedEntry, PagedMap, WalkItem};
 use crate::stats::{Compressing, Counters};
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
@@ -57,14 +57,27 @@ impl Inner {
     }
 
     pub(crate) fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let Some((first_lba, block_count)) = self.read_blocks_of(offset, buf.len())? else { return Ok(()) };
+        let map = self.map.read();
+        let entries = self.read_entries(&map, first_lba, block_count)?;
+        let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
+        self.fetch_blocks(&entries, &mut blocks, first_lba, ReadCache::Use)?;
+        drop(map);
+        let skip = (offset % BLOCK_SIZE as u64) as usize;
+        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
+        Counters::add(&self.counters.host_read_bytes, buf.len() as u64);
+        Ok(())
+    }
+
+    /// A host read's checks (range, damage); its first block and block count (None: empty).
+    pub(crate) fn read_blocks_of(&self, offset: u64, len: usize) -> Result<Option<(Lba, usize)>> {
         Counters::add(&self.counters.read_ops, 1);
-        self.validate_range(offset, buf.len() as u64)?;
-        if buf.is_empty() {
-            return Ok(());
+        self.validate_range(offset, len as u64)?;
+        if len == 0 {
+            return Ok(None);
         }
         let first_lba = Lba::of_byte(offset);
-        let last_lba = Lba::of_byte(offset + buf.len() as u64 - 1);
-        let block_count = (last_lba.0 - first_lba.0 + 1) as usize;
+        let last_lba = Lba::of_byte(offset + len as u64 - 1);
         if let Some(degraded) = self.degraded() {
             if let Some(lba) = (first_lba.0..=last_lba.0).map(Lba).find(|&lba| !degraded.is_newer(lba)) {
                 Counters::add(&self.counters.checksum_errors, 1);
@@ -77,27 +90,23 @@ impl Inner {
                 ));
             }
         }
-        let map = self.map.read();
-        if last_lba.0 >= map.block_count() {
+        Ok(Some((first_lba, (last_lba.0 - first_lba.0 + 1) as usize)))
+    }
+
+    /// The map entries of a host read, under the caller's map read lock.
+    pub(crate) fn read_entries(&self, map: &PagedMap, first_lba: Lba, block_count: usize) -> Result<Vec<Entry>> {
+        if first_lba.0 + block_count as u64 > map.block_count() {
             return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
         }
-        let entries: Vec<Entry> = map
-            .get_range(first_lba, last_lba.0 - first_lba.0 + 1, self)?
-            .into_iter()
-            .map(|e| e.unpack())
-            .collect::<Result<_>>()?;
-        let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
-        self.fetch_blocks(&entries, &mut blocks, first_lba, ReadCache::Use)?;
-        drop(map);
-        let skip = (offset % BLOCK_SIZE as u64) as usize;
-        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
-        Counters::add(&self.counters.host_read_bytes, buf.len() as u64);
-        Ok(())
+        map.get_range(first_lba, block_count as u64, self)?.into_iter().map(|e| e.unpack()).collect()
     }
 
     /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
     /// already compressing or busy with other writers' CPU work (`codec::write_codec`,
-    /// `permits.rs`); counts the choice.
+    /// `permits.rs`); counts the choice. A block that looks incompressible does not go
+    /// through the store's (slow) codec: it is stored raw (`codec::skips_codec`). LZ4, when
+    /// the fallback picks it, runs on every block: it gives up on random data as fast as
+    /// the estimate would run, and compressible blocks under load then pay no estimate.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codec_counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
@@ -106,11 +115,17 @@ impl Inner {
         let busy = compressing_before.max(self.write_permits.load_besides_holder());
         let configured = self.geometry.codec;
         let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
-        let block = self.compress_with(codec, block, lba, scratch)?;
+        let skipped = skips_codec(codec, block);
+        let block = match skipped {
+            true => self.compress_fragment(block, lba, scratch, store_raw)?,
+            false => self.compress_with(codec, block, lba, scratch)?,
+        };
         drop(compressing);
         if !block.entry.is_zero_block(FragmentFormat::V3) {
             Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
-            if codec != configured {
+            if skipped {
+                Counters::add(&counters.incompressible_skipped_blocks, 1);
+            } else if codec != configured {
                 Counters::add(&counters.fallback_blocks, 1);
             }
         }

@@ -14,7 +14,7 @@
 //! map pages in it that a retained checkpoint references; a free segment's hint is zero.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::codec::CodecTag;
@@ -110,11 +110,25 @@ pub(crate) struct SegmentTable {
 pub(crate) struct UseCell {
     seq: AtomicU64,
     nonce_epoch: AtomicU16,
+    /// How many times the segment was freed since open. Raised after the map's write lock
+    /// (no reader holds an entry into it) and before it is discarded or reused: a read
+    /// that looked its entries up under the map's read lock and finds the count unchanged
+    /// after its device read read bytes nobody overwrote (`Inner::finish_read`).
+    frees: AtomicU32,
 }
 
 impl UseCell {
     fn new(seq: u64, nonce_epoch: u16) -> UseCell {
-        UseCell { seq: AtomicU64::new(seq), nonce_epoch: AtomicU16::new(nonce_epoch) }
+        UseCell { seq: AtomicU64::new(seq), nonce_epoch: AtomicU16::new(nonce_epoch), frees: AtomicU32::new(0) }
+    }
+
+    /// The segment is being freed (see `frees`).
+    pub fn note_freed(&self) {
+        self.frees.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn frees(&self) -> u32 {
+        self.frees.load(Ordering::SeqCst)
     }
 
     /// The epoch is stored first: a reader that sees the sequence number sees its epoch.

@@ -161,6 +161,7 @@ impl Inner {
         let physical_size = live + page_bytes + log.epochs.image_bytes * 2 + 2 * SUPERBLOCK_SLOT_BYTES as u64;
         let logical_size = (log.segments.counts.stored + log.segments.counts.zero) * BLOCK_SIZE as u64;
         let counts = log.segments.counts;
+        let pending_recompress_bytes = log.pending.bytes();
         let segments_free = log.segments.free_count() as u64;
         drop(log);
         let map = self.map.read().stats();
@@ -202,7 +203,7 @@ impl Inner {
             padding_bytes: Counters::get(&c.padding_bytes),
             metadata_bytes: Counters::get(&c.metadata_bytes),
             data_bytes: Counters::get(&c.data_bytes),
-            codec: self.codec_stats(),
+            codec: self.codec_stats(pending_recompress_bytes),
             checksum_errors: Counters::get(&c.checksum_errors),
             gc_bytes_moved: Counters::get(&c.gc_bytes_moved),
             gc_segments_cleaned: Counters::get(&c.gc_segments_cleaned),
@@ -245,6 +246,7 @@ impl Inner {
             gc_colder_bytes_moved: Counters::get(&self.gc_colder_bytes_moved),
             host_backing_reads: Counters::get(&self.host_backing_reads),
             host_backing_read_bytes: Counters::get(&self.host_backing_read_bytes),
+            host_reads_replanned: Counters::get(&self.host_reads_replanned),
             paced_writes: self.pacer.paced_writes(),
             paced_wait_ns: self.pacer.paced_wait_ns(),
         }
@@ -287,8 +289,15 @@ impl Inner {
     }
 
     /// Codec choices since open, and the dictionary table as it is now.
-    fn codec_stats(&self) -> crate::stats::CodecStats {
+    /// The codec statistics, with `pending_recompress_bytes` read from the log's count.
+    fn codec_stats(&self, pending_recompress_bytes: u64) -> crate::stats::CodecStats {
         let mut codec = self.codec_counters.snapshot();
+        codec.pending_recompress_bytes = pending_recompress_bytes;
+        codec.pending_recompress_saving_bytes = super::pending::recompress_saving_bytes(
+            pending_recompress_bytes,
+            Counters::get(&self.codec_counters.lz4_recompress_tried_bytes),
+            Counters::get(&self.codec_counters.lz4_recompress_kept_bytes),
+        );
         let dictionaries = self.dictionaries.read();
         codec.dictionary_count = dictionaries.table.len() as u64;
         codec.dictionary_bytes = dictionaries.table.iter().map(|d| d.bytes.len() as u64).sum();

@@ -139,7 +139,7 @@ pub(crate) struct Inner {
     /// Codec choices and recompression since open, and the fallback's load signal.
     pub codec_counters: CodecCounters,
     /// Cores the store's codec may keep busy before host writes fall back to LZ4
-    /// (`codec::codec_cores`, read once at open).
+    /// (`OpenOptions::codec_cores`, checked at open, else `codec::default_codec_cores`).
     pub codec_cores: usize,
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
@@ -151,6 +151,8 @@ pub(crate) struct Inner {
     /// Backing reads (coalesced runs) for host reads, and their bytes, since open.
     pub host_backing_reads: AtomicU64,
     pub host_backing_read_bytes: AtomicU64,
+    /// Asynchronous reads redone because a segment they read was freed meanwhile.
+    pub host_reads_replanned: AtomicU64,
     pub failed: AtomicBool,
     /// Why the store failed (the first failure; set with `failed`).
     pub failure: std::sync::OnceLock<Failure>,

@@ -462,3 +462,25 @@ fn a_victim_owed_a_racing_overwrite_is_cleaned_or_waits_for_a_checkpoint_never_k
         assert!(report.problems.is_empty(), "{why}: {:?}", report.problems);
     }
 }
+
+/// `OpenOptions::codec_cores` (`zdisk serve --codec-cores`) is the threshold the write path
+/// and GC read; 0 and more than the process's cores are refused at open, None is the default.
+#[test]
+fn the_codec_cores_option_reaches_the_store_and_bad_values_are_refused() {
+    let available = crate::codec::available_cores();
+    let options = |codec_cores| OpenOptions { background: false, codec_cores, ..OpenOptions::default() };
+    let (disk, store) = small_store_with(61, options(Some(1)));
+    assert_eq!(store.inner.codec_cores, 1);
+    store.close().unwrap();
+    let store = Store::open_backing(disk.clone(), &options(Some(available))).unwrap();
+    assert_eq!(store.inner.codec_cores, available);
+    store.close().unwrap();
+    let store = Store::open_backing(disk.clone(), &options(None)).unwrap();
+    assert_eq!(store.inner.codec_cores, crate::codec::default_codec_cores(available));
+    store.close().unwrap();
+    for refused in [0, available + 1] {
+        let err = Store::open_backing(disk.clone(), &options(Some(refused))).err().expect("refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{refused}: {err}");
+        assert!(err.to_string().contains(&format!("1..={available}")), "{err}");
+    }
+}

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use zdisk_engine::{Stats, StoreInfo};
 
-/// The request kinds the plugin serves.
+/// The request kinds a front end serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     Read,

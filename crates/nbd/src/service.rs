@@ -248,16 +248,16 @@ fn live_loop(shared: &Shared, stop: &AtomicBool, live: &Path, control: &Path, li
         match listener.accept() {
             Ok((stream, _)) => {
                 if let Err(e) = serve_control(shared, control, stream) {
-                    nbdkit::debug!("zdisk: control request failed: {e}");
+                    tracing::debug!("zdisk: control request failed: {e}");
                 }
                 continue;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => nbdkit::debug!("zdisk: control accept failed: {e}"),
+            Err(e) => tracing::debug!("zdisk: control accept failed: {e}"),
         }
         if Instant::now() >= next_write {
             if let Err(e) = write_live_file(live, &snapshot(shared, control)) {
-                nbdkit::debug!("zdisk: cannot write {}: {e}", live.display());
+                tracing::debug!("zdisk: cannot write {}: {e}", live.display());
             }
             next_write = Instant::now() + LIVE_PERIOD;
         }
@@ -330,12 +330,12 @@ fn metrics_loop(shared: &Shared, stop: &AtomicBool, listener: &TcpListener) {
         match listener.accept() {
             Ok((stream, _)) => {
                 if let Err(e) = serve_http(shared, stream) {
-                    nbdkit::debug!("zdisk: metrics request failed: {e}");
+                    tracing::debug!("zdisk: metrics request failed: {e}");
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(STEP),
             Err(e) => {
-                nbdkit::debug!("zdisk: metrics accept failed: {e}");
+                tracing::debug!("zdisk: metrics accept failed: {e}");
                 std::thread::sleep(STEP);
             }
         }
