@@ -268,3 +268,26 @@ fn a_user_other_than_root_serves_with_its_own_runtime_dir() {
     let status = common::wait_timeout(&mut server, Duration::from_secs(60));
     assert!(status.success(), "serve as nobody did not stop cleanly: {status}");
 }
+
+/// A client that connects and never finishes its handshake does not hold the stop: the
+/// native server closes it with the rest, closes the store and exits 0 at once (before, its
+/// handshake thread kept the store for its 30 s timeout and the stop failed with "the store
+/// is still in use").
+#[test]
+fn a_client_stuck_in_its_handshake_does_not_hold_the_stop() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("stuck-handshake");
+    let store = s.format("s.zdisk", "64M", "1x", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut stuck = std::os::unix::net::UnixStream::connect(&server.socket).unwrap();
+    let mut greeting = [0u8; 18];
+    std::io::Read::read_exact(&mut stuck, &mut greeting).unwrap();
+    let started = std::time::Instant::now();
+    server.stop();
+    assert!(started.elapsed() < Duration::from_secs(10), "the stop took {:?}", started.elapsed());
+    drop(stuck);
+    let check = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(check.contains("clean"), "{check}");
+}

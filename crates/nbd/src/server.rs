@@ -37,9 +37,10 @@
 //! user of the session (parse requests, send replies, over a non-blocking socket it polls) and
 //! `TLS_WORKERS` workers serve its requests with the engine's blocking calls, at most
 //! `TLS_REQUESTS_IN_FLIGHT_MAX` at once. The same checks, limits, metrics and drain refusal
-//! apply (`proto::validate`, `serve_now`). With TLS configured, every accepted connection is
-//! tracked from accept until it is handed to a loop or closed, so `Server::stop` shuts the TLS
-//! ones too and waits for their threads.
+//! apply (`proto::validate`, `serve_now`). Every accepted connection is tracked from accept
+//! until it is handed to a loop or closed, so `Server::stop` shuts those still in their
+//! handshake (or served over TLS) too and waits for their threads: none of them holds the
+//! store once it returns.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, IoSlice, Read, Write};
@@ -118,7 +119,7 @@ pub struct Server {
     loops: Vec<(JoinHandle<()>, Arc<Inbox>)>,
     workers: Arc<Workers>,
     worker_threads: Vec<JoinHandle<()>>,
-    /// With TLS: the connections not handed to a loop (handshakes, TLS connections).
+    /// The connections not handed to a loop (handshakes, TLS connections).
     sessions: Option<Arc<Sessions>>,
 }
 
@@ -143,7 +144,9 @@ impl Server {
             loops.push((thread, inbox));
         }
         let inboxes: Vec<Arc<Inbox>> = loops.iter().map(|(_, inbox)| inbox.clone()).collect();
-        let sessions = config.tls.as_ref().map(|_| Arc::new(Sessions::default()));
+        // A client still in its handshake holds the store through its thread: tracked, so
+        // that `stop` can close it rather than leave the store in use for its timeout.
+        let sessions = Some(Arc::new(Sessions::default()));
         let acceptor = {
             let (stop, sessions) = (stop.clone(), sessions.clone());
             std::thread::Builder::new()
@@ -1109,7 +1112,7 @@ impl Sessions {
             let now = Instant::now();
             if now >= deadline {
                 tracing::warn!(
-                    "NBD server: {} TLS connections still busy {} s after they were closed",
+                    "NBD server: {} connections (handshakes or TLS) still busy {} s after they were closed",
                     state.sockets.len(),
                     SESSIONS_CLOSE_WAIT.as_secs()
                 );
