@@ -6,7 +6,7 @@
 //!   read request    → ReadQueue::submit; replied when the ring completes it, out of order
 //!                     (decoded on the loop, or on a worker when it has ≥ 4 fragments)
 //!   write/trim/zero → the engine, on the loop — or on a worker when the client has others
-//!                     in flight and the workers have fewer than the other cores' worth
+//!                     in flight and the workers hold fewer jobs than there are cores
 //!   flush, FUA      → a worker, which replies itself (they wait for the device)
 //! ```
 //!
@@ -975,17 +975,21 @@ impl EventLoop {
                 let work = Work::Request { request, payload: Vec::new() };
                 self.workers.push(Job { connection: connection.clone(), work, started })
             }
-            // A write beside others goes to a worker while fewer than the other cores' worth
-            // are there, and runs here otherwise: each hand-off costs a wake-up (measured:
-            // 4K random writes at QD32 took 18.3 µs of server CPU each with every one handed
-            // on, 13.0 µs in nbdkit), so the loop keeps a core's share of them. While GC
+            // A write beside others goes to a worker while the workers hold fewer jobs than
+            // there are cores, and runs here otherwise: each hand-off costs a wake-up, so
+            // the loop keeps a share. One writer more than the cores is what lets a writer
+            // wait for a write permit, the write path's load signal for its LZ4 fallback
+            // (`store/permits.rs`): with only as many writers as cores no permit was ever
+            // waited for, 50–65% of blocks got zstd:1 and 128K sequential writes ran at
+            // 197–325 MB/s with 286 µs of CPU each; with one more, 424–581 MB/s, 186 µs, 1–20%
+            // zstd:1 (nbdkit's 8 threads: 334–498 MB/s). While GC
             // paces writes they wait rather than compute: every one goes to a worker, so
-            // one that sleeps holds up neither the loop nor the others (at native capacity
-            // under GC, 6.6k IOPS with the loop's share, nbdkit's 16 threads 14.5k).
+            // one that sleeps for its slot holds up neither the loop's reads nor the other
+            // writes (nbdkit has a thread per request in flight for the same reason).
             Command::Write | Command::Trim | Command::WriteZeroes
                 if fua
                     || (!alone
-                        && (self.workers.busy.load(Ordering::SeqCst) + 1 < self.cores
+                        && (self.workers.busy.load(Ordering::SeqCst) < self.cores
                             || self.shared.store.host_writes_may_wait())) =>
             {
                 let work = Work::Request { request, payload: payload.to_vec() };
