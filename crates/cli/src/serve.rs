@@ -500,11 +500,17 @@ pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
     Ok(nbdkit)
 }
 
-pub fn run(args: &ServeArgs) -> Result<()> {
+/// A flag SIGINT, SIGTERM and SIGHUP set: the request to stop cleanly.
+fn stop_flag() -> Result<Arc<AtomicBool>> {
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM, signal_hook::consts::SIGHUP] {
         signal_hook::flag::register(signal, stop.clone()).context("installing signal handlers")?;
     }
+    Ok(stop)
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let stop = stop_flag()?;
     if args.frontend == Frontend::Native {
         return crate::serve_native::run(args, &stop);
     }

@@ -223,6 +223,16 @@ pub fn payload_bytes(request: &Request, limits: &Limits) -> Result<usize, Protoc
     Ok(request.length as usize)
 }
 
+/// The whole request at the front of `received`: its header and the length of the payload
+/// that follows it; None while part of either has yet to arrive. An error closes the
+/// connection (see [`parse_request`], [`payload_bytes`]).
+pub fn next_request(received: &[u8], limits: &Limits) -> Result<Option<(Request, usize)>, ProtocolError> {
+    let Some(header) = received.first_chunk::<REQUEST_HEADER_BYTES>() else { return Ok(None) };
+    let request = parse_request(header)?;
+    let payload_bytes = payload_bytes(&request, limits)?;
+    Ok((received.len() >= REQUEST_HEADER_BYTES + payload_bytes).then_some((request, payload_bytes)))
+}
+
 /// Checks a request before the server acts on it; `Err` is the NBD error to reply with (the
 /// connection stays up, and a write's payload must still be consumed, see [`payload_bytes`]).
 ///
@@ -511,6 +521,22 @@ mod tests {
         assert_eq!(payload_bytes(&request(Command::Write, 0, 0, 1 << 25), &small), Ok(1 << 25));
         let error = payload_bytes(&request(Command::Write, 0, 0, (1 << 25) + 1), &small).unwrap_err();
         assert_eq!(error, ProtocolError::WritePayloadTooLarge { length_bytes: (1 << 25) + 1, cap_bytes: 1 << 25 });
+    }
+
+    #[test]
+    fn next_request_waits_for_the_whole_header_and_payload() {
+        let limits = limits();
+        let mut wire = vec![0u8; REQUEST_HEADER_BYTES];
+        wire[..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());
+        wire[6..8].copy_from_slice(&Command::Write.to_wire().to_be_bytes());
+        wire[24..28].copy_from_slice(&100u32.to_be_bytes());
+        assert_eq!(next_request(&wire[..27], &limits), Ok(None), "a partial header");
+        assert_eq!(next_request(&wire, &limits), Ok(None), "the payload has not arrived");
+        wire.extend_from_slice(&[7; 100]);
+        let (request, payload) = next_request(&wire, &limits).unwrap().unwrap();
+        assert_eq!((request.command, payload), (Command::Write, 100));
+        wire[0] = 0;
+        assert!(next_request(&wire, &limits).is_err(), "a bad magic closes the connection");
     }
 
     #[test]

@@ -186,7 +186,7 @@ impl Inner {
             free_space,
             physical_size,
             logical_size,
-            comp_ratio: if logical_size == 0 { 1.0 } else { logical_size as f64 / physical_size as f64 },
+            comp_ratio: ratio_or(logical_size, physical_size, logical_size == 0, 1.0),
             provisioned_cap,
             native_capacity: native.bytes,
             over_provision_percent: over_provision_ppm as f64 / 10_000.0,
@@ -194,11 +194,7 @@ impl Inner {
             host_write_bytes,
             host_read_bytes: Counters::get(&c.host_read_bytes),
             backing_write_bytes,
-            write_amplification: if host_write_bytes == 0 {
-                0.0
-            } else {
-                backing_write_bytes as f64 / host_write_bytes as f64
-            },
+            write_amplification: ratio_or(backing_write_bytes, host_write_bytes, host_write_bytes == 0, 0.0),
             garbage_bytes: garbage,
             padding_bytes: Counters::get(&c.padding_bytes),
             metadata_bytes: Counters::get(&c.metadata_bytes),
@@ -234,11 +230,7 @@ impl Inner {
             map_pending_changes: map.pending_changes,
             map_cache_hits: map.hits,
             map_cache_misses: map.misses,
-            map_cache_hit_rate: if map.hits + map.misses == 0 {
-                1.0
-            } else {
-                map.hits as f64 / (map.hits + map.misses) as f64
-            },
+            map_cache_hit_rate: ratio_or(map.hits, map.hits + map.misses, map.hits + map.misses == 0, 1.0),
             map_damaged_pages: map.damaged_pages,
             map_page_bytes: page_bytes,
             map_write_bytes: Counters::get(&self.map_write_bytes),
@@ -354,4 +346,13 @@ fn segment_totals(segments: &super::segments::SegmentTable, segment_size: u64) -
         }
     }
     t
+}
+
+/// `numerator / denominator`, or `if_empty` when there is nothing to divide yet.
+fn ratio_or(numerator: u64, denominator: u64, empty: bool, if_empty: f64) -> f64 {
+    if empty {
+        if_empty
+    } else {
+        numerator as f64 / denominator as f64
+    }
 }
