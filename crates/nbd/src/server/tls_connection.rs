@@ -260,24 +260,15 @@ pub(super) fn tls_io(
             }
         }
 
-        let mut write_blocked = false;
-        while let Some(front) = output.front() {
-            match stream.ssl_write(&front[sent_bytes..]) {
-                Ok(n) => {
-                    sent_bytes += n;
+        let write_blocked = match send_replies(stream, &mut output, &mut sent_bytes) {
+            Ok(Sent { progressed, blocked }) => {
+                if progressed {
                     blocked_since = None;
-                    if sent_bytes == front.len() {
-                        output.pop_front();
-                        sent_bytes = 0;
-                    }
                 }
-                Err(e) if matches!(e.code(), ErrorCode::WANT_WRITE | ErrorCode::WANT_READ) => {
-                    write_blocked = true;
-                    break;
-                }
-                Err(e) => return Some(format!("sending a reply failed: {e}")),
+                blocked
             }
-        }
+            Err(why) => return Some(why),
+        };
         if disconnecting && in_flight == 0 && output.is_empty() {
             return None;
         }
@@ -318,6 +309,42 @@ pub(super) fn tls_io(
         let mut counter = [0u8; 8];
         let _ = rustix::io::read(&done.wake, &mut counter);
     }
+}
+
+/// What one `send_replies` pass did.
+struct Sent {
+    /// Some bytes went out (the client is reading).
+    progressed: bool,
+    /// Replies are left that the session would not take now.
+    blocked: bool,
+}
+
+/// Sends the finished replies in order, as far as the session takes them now, or says why
+/// the connection must close. `sent_bytes` is how much of the front reply went out already.
+fn send_replies(
+    stream: &mut openssl::ssl::SslStream<Stream>,
+    output: &mut VecDeque<Vec<u8>>,
+    sent_bytes: &mut usize,
+) -> Result<Sent, String> {
+    use openssl::ssl::ErrorCode;
+    let mut progressed = false;
+    while let Some(front) = output.front() {
+        match stream.ssl_write(&front[*sent_bytes..]) {
+            Ok(n) => {
+                progressed = true;
+                *sent_bytes += n;
+                if *sent_bytes == front.len() {
+                    output.pop_front();
+                    *sent_bytes = 0;
+                }
+            }
+            Err(e) if matches!(e.code(), ErrorCode::WANT_WRITE | ErrorCode::WANT_READ) => {
+                return Ok(Sent { progressed, blocked: true });
+            }
+            Err(e) => return Err(format!("sending a reply failed: {e}")),
+        }
+    }
+    Ok(Sent { progressed, blocked: false })
 }
 
 /// Hands the whole requests in `received` to the workers, in order, while there is room (the
