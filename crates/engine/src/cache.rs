@@ -127,6 +127,28 @@ impl FragmentCache {
     }
 }
 
+/// The read side of an open store: the fragment cache, and what host reads cost the
+/// device since open.
+pub(crate) struct Reads {
+    pub cache: FragmentCache,
+    /// Backing reads (coalesced runs) for host reads, and their bytes.
+    pub backing_reads: AtomicU64,
+    pub backing_read_bytes: AtomicU64,
+    /// Asynchronous reads redone because a segment they read was freed meanwhile.
+    pub replanned: AtomicU64,
+}
+
+impl Reads {
+    pub fn new(cache: FragmentCache) -> Reads {
+        Reads {
+            cache,
+            backing_reads: AtomicU64::new(0),
+            backing_read_bytes: AtomicU64::new(0),
+            replanned: AtomicU64::new(0),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,6 +39,14 @@ impl PageId {
         (PageId { level: 0, index: lba.0 >> SLOT_BITS }, (lba.0 as usize) & (PAGE_SLOTS - 1))
     }
 
+    /// The leaves that hold `lbas`' entries, ascending, each once.
+    pub fn leaves_of(lbas: impl Iterator<Item = Lba>) -> Vec<PageId> {
+        let mut leaves: Vec<PageId> = lbas.map(|lba| PageId::leaf_of(lba).0).collect();
+        leaves.sort_unstable();
+        leaves.dedup();
+        leaves
+    }
+
     /// The parent page and the slot that points here.
     pub fn parent(self) -> (PageId, usize) {
         (PageId { level: self.level + 1, index: self.index >> SLOT_BITS }, (self.index as usize) & (PAGE_SLOTS - 1))

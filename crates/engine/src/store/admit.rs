@@ -10,10 +10,10 @@
 
 use std::sync::atomic::Ordering;
 
+use super::capacity::{Reserves, SpaceClass};
 use super::gc::GcMode;
-use super::log::{Appended, Attempt, Log};
+use super::log::{Appended, Attempt, LogGuard, MapTarget, WRITE_OUT_THRESHOLD_BYTES};
 use super::op::{metadata_only, Op};
-use super::space::SpaceClass;
 use super::state::Inner;
 use super::writeout::WriteOut;
 use crate::error::{Error, ErrorKind, Result};
@@ -80,6 +80,50 @@ enum RoundOutcome {
 }
 
 impl Inner {
+    /// One append attempt: appends the group and publishes its map entries if the log has
+    /// room for it beyond its class's reserve, else says how much it lacks; then starts the
+    /// write-out its backlog calls for. GC and checkpoints call this directly; host
+    /// requests go through `admit`, which makes room.
+    pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
+        let mut log = self.log.lock();
+        self.check_writable()?;
+        let map = self.map.read();
+        let target = MapTarget { map: &map, pages: self };
+        if !expectations_hold(target, ops)? {
+            return Ok(Attempt::Conflict);
+        }
+        let reserves = self.reserves();
+        let appended = match log.append(ops, class, &reserves, target)? {
+            Attempt::Appended(appended) => appended,
+            other => return Ok(other),
+        };
+        drop(map);
+        self.space.publish_host_slack(log.host_slack(&reserves));
+        if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
+            self.space.exhausted.store(false, Ordering::Relaxed);
+        }
+        let unwritten = log.appender.unwritten_bytes();
+        let sealed = log.appender.sealed_unwritten.len();
+        let backlog_bytes = (unwritten + log.appender.sealed_unwritten_bytes()) as u64;
+        drop(log);
+        let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
+        let behind_max = self.options.write_behind_bytes_max;
+        if sealed >= sealed_max || !self.options.background && sealed > 0 {
+            self.write_out(WriteOut::WholeSectors)?;
+        } else if behind_max > 0 && backlog_bytes > behind_max {
+            self.write_out_behind(behind_max)?;
+        } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
+            self.kick_writer();
+        }
+        Ok(Attempt::Appended(appended))
+    }
+
+    /// Every class's reserve as of now (they grow with the logical size and the
+    /// dictionary table).
+    pub(crate) fn reserves(&self) -> Reserves {
+        self.space.reserves(self.codecs.dictionaries.read().table_bytes_max())
+    }
+
     /// Appends a host request's group, making room with foreground GC when it lacks it.
     /// A trim or zero that GC could not make room for may still go below the metadata
     /// reserve (`SpaceClass::TrimWhileFull`).
@@ -121,12 +165,12 @@ impl Inner {
     /// once, and one preempted while holding it stalled the rest (docs/space.md,
     /// "Yielding locks").
     pub(crate) fn pace_host_write(&self, bytes: u64) {
-        if !self.options.pacing || self.pacer.gc_ps_per_byte() == 0 {
+        if !self.options.pacing || self.space.pacer.gc_ps_per_byte() == 0 {
             return;
         }
-        let slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed);
+        let slack_bytes = self.space.host_slack_bytes.load(Ordering::Relaxed);
         let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
-        let wait = self.pacer.wait_for(bytes, slack_bytes, band_bytes);
+        let wait = self.space.pacer.wait_for(bytes, slack_bytes, band_bytes);
         if !wait.is_zero() {
             std::thread::sleep(wait);
         }
@@ -135,11 +179,11 @@ impl Inner {
     /// Whether host writes may wait now (free space in the pacing band, where GC cleans
     /// beside them): a front end then runs them where a waiting one holds up nothing else.
     pub(crate) fn host_writes_may_wait(&self) -> bool {
-        if !self.options.pacing || self.pacer.gc_ps_per_byte() == 0 {
+        if !self.options.pacing || self.space.pacer.gc_ps_per_byte() == 0 {
             return false;
         }
         let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
-        self.host_slack_bytes.load(Ordering::Relaxed) < band_bytes
+        self.space.host_slack_bytes.load(Ordering::Relaxed) < band_bytes
     }
 
     /// When the map's changes reached their memory limit (the background checkpoint fell
@@ -164,9 +208,9 @@ impl Inner {
     /// then the writer retries.
     fn foreground_gc_round(&self, short: Short, stalled_rounds: &mut u32) -> Result<RoundOutcome> {
         let Short { shortfall_bytes, available_bytes: available_when_refused } = short;
-        let round_generation = self.foreground_rounds.load(Ordering::Acquire);
-        let _round = self.foreground_gc.lock();
-        if self.foreground_rounds.load(Ordering::Acquire) != round_generation {
+        let round_generation = self.background.foreground_rounds.load(Ordering::Acquire);
+        let _round = self.background.foreground_gc.lock();
+        if self.background.foreground_rounds.load(Ordering::Acquire) != round_generation {
             return Ok(RoundOutcome::Retry); // another writer just ran a round: retry the append first
         }
         // The background worker's step borrows free segments for its victims' relocations
@@ -175,18 +219,18 @@ impl Inner {
         // soon as the request fits, whoever gave the room back; cleaning a segment's worth
         // regardless (~10 victims, ~100 ms at 10% OP) stalled every writer (docs/space.md,
         // "The worst write").
-        let fits = || self.available_bytes(&self.log.lock()) >= available_when_refused + shortfall_bytes;
+        let fits = || self.log.lock().available_bytes() >= available_when_refused + shortfall_bytes;
         let freed_first = self.free_cleaned()?;
         if fits() {
             if freed_first > 0 {
-                self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+                self.background.foreground_rounds.fetch_add(1, Ordering::AcqRel);
             }
             return Ok(RoundOutcome::RoomBack);
         }
         let (available_before, unused_before) = {
             let log = self.log.lock();
-            self.trace_round(&log, shortfall_bytes);
-            (self.available_bytes(&log), self.unused_bytes(&log))
+            log.trace_round(shortfall_bytes, &self.reserves(), self.space.host_slack_bytes.load(Ordering::Relaxed));
+            (log.available_bytes(), log.unused_bytes())
         };
         let host_written_before = Counters::get(&self.counters.host_write_bytes);
         let worker_before = self.gc_and_checkpoint_count();
@@ -197,14 +241,14 @@ impl Inner {
         let Checkpointing { checkpoints, freed: freed_by_checkpoints, failed: checkpoint_failed } =
             self.checkpoint_for_cleaned(available_before + shortfall_bytes)?;
         freed += freed_by_checkpoints;
-        self.foreground_rounds.fetch_add(1, Ordering::AcqRel);
+        self.background.foreground_rounds.fetch_add(1, Ordering::AcqRel);
         // Progress is judged by the space not holding records (free and cleaned segments,
         // the open segment's room), not by this round's own work: the background worker may
         // have freed the segments this round cleaned, and relocating a victim may take a
         // new segment while giving back only part of one.
         let (available_after, unused_after) = {
             let log = self.log.lock();
-            (self.available_bytes(&log), self.unused_bytes(&log))
+            (log.available_bytes(), log.unused_bytes())
         };
         if available_after >= available_before + shortfall_bytes || unused_after > unused_before {
             return Ok(RoundOutcome::Retry);
@@ -237,7 +281,7 @@ impl Inner {
                  {available_before}; unused {unused_before} -> {unused_after}); {}{checkpoint})",
                 log.segments.free_count(),
                 log.segments.cleaned_count(),
-                self.available_bytes(&log),
+                log.available_bytes(),
                 log.segments.victim_census(&unwritten),
             ))
         };
@@ -260,7 +304,7 @@ impl Inner {
             let (short, waiting) = {
                 let log = self.log.lock();
                 let waiting = log.segments.has_cleaned() || log.segments.has_awaiting_checkpoint();
-                (self.available_bytes(&log) < enough_bytes, waiting)
+                (log.available_bytes() < enough_bytes, waiting)
             };
             if !short || !waiting {
                 break;
@@ -276,22 +320,6 @@ impl Inner {
             done.freed += self.free_cleaned()?;
         }
         Ok(done)
-    }
-
-    /// Why a round was needed, next to the worker's steps (`ZDISK_LOG=zdisk_engine::gc=debug`).
-    fn trace_round(&self, log: &Log, shortfall_bytes: u64) {
-        tracing::debug!(
-            target: "zdisk_engine::gc",
-            shortfall_bytes,
-            available_bytes = self.available_bytes(log),
-            host_reserve_bytes = self.reserve_bytes(log, SpaceClass::Host),
-            published_slack_bytes = self.host_slack_bytes.load(Ordering::Relaxed),
-            free = log.segments.free_count(),
-            cleaned = log.segments.cleaned_count(),
-            awaiting_checkpoint = log.segments.has_awaiting_checkpoint(),
-            since_checkpoint_bytes = log.epochs.bytes_since_checkpoint,
-            "foreground round"
-        );
     }
 
     /// Segments GC cleaned and checkpoints written since open, by anyone.
@@ -348,4 +376,39 @@ impl Inner {
         freed += self.free_cleaned()?;
         Ok(Cleaning { cleaned, freed, relocation_short })
     }
+}
+
+impl LogGuard<'_> {
+    /// Why a foreground round was needed, next to the worker's steps
+    /// (`ZDISK_LOG=zdisk_engine::gc=debug`).
+    fn trace_round(&self, shortfall_bytes: u64, reserves: &Reserves, published_slack_bytes: u64) {
+        tracing::debug!(
+            target: "zdisk_engine::gc",
+            shortfall_bytes,
+            available_bytes = self.available_bytes(),
+            host_reserve_bytes = reserves.of(SpaceClass::Host),
+            published_slack_bytes,
+            free = self.segments.free_count(),
+            cleaned = self.segments.cleaned_count(),
+            awaiting_checkpoint = self.segments.has_awaiting_checkpoint(),
+            since_checkpoint_bytes = self.epochs.bytes_since_checkpoint,
+            "foreground round"
+        );
+    }
+}
+
+/// Whether every block the group read-modify-writes still holds the map entry it was read
+/// with. (Checked under the log lock, so no other group can publish in between; the pages
+/// are usually cached: the request just read these blocks.)
+fn expectations_hold(target: MapTarget<'_>, ops: &[Op]) -> Result<bool> {
+    for op in ops {
+        if let Op::Write { expected, .. } = op {
+            for &(lba, entry) in expected {
+                if lba.0 >= target.map.block_count() || target.map.get(lba, target.pages)? != entry {
+                    return Ok(false);
+                }
+            }
+        }
+    }
+    Ok(true)
 }

@@ -13,11 +13,10 @@
 //! map's end are skipped: the request path checks ranges before it appends, and replay may
 //! meet records written before a shrink.
 
-use super::log::Log;
+use super::geometry::Geometry;
 use super::op::RangeKind;
 use super::pending::PendingRecompress;
 use super::segments::{account_entry, BlockCounts, SegmentTable};
-use super::state::Geometry;
 use crate::error::Result;
 use crate::format::{FragmentFormat, RecordBody, SegmentUsage};
 use crate::map::{Accounting, Delta, PackedEntry, PageSource, PagedMap};
@@ -44,13 +43,6 @@ pub(crate) struct Live<'a> {
     pub segments: &'a mut SegmentTable,
     pub pending: &'a mut PendingRecompress,
     pub geometry: &'a Geometry,
-}
-
-impl<'a> Live<'a> {
-    /// The accounting of the log lock's table.
-    pub fn new(log: &'a mut Log, geometry: &'a Geometry) -> Live<'a> {
-        Live { segments: &mut log.segments, pending: &mut log.pending, geometry }
-    }
 }
 
 impl Accounting for Live<'_> {

@@ -15,10 +15,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex as StdMutex;
 
+use super::geometry::{new_buffer, round_up, AlignedBuf};
 use super::options::{CheckReport, DamageReport};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, FoundRecord, RecordContext};
-use super::state::{new_buffer, round_up, AlignedBuf, Inner};
+use super::state::Inner;
 use crate::error::Result;
 use crate::format::{RecordKind, SegmentState, SegmentUsage};
 use crate::map::page::PageId;
@@ -147,7 +148,7 @@ impl Inner {
             {
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(batch, &mut super::apply::Live::new(&mut log, &self.geometry));
+                map.settle(batch, &mut log.live(&self.geometry));
             }
             self.map.read().unpin(batch);
         }
@@ -184,7 +185,7 @@ impl Inner {
 
     /// What recovery found damaged.
     fn report_recovery(&self, report: &mut CheckReport) {
-        for damaged in self.recovery.get().map_or(&[][..], |r| &r.damaged[..]) {
+        for damaged in self.health.recovery.get().map_or(&[][..], |r| &r.damaged[..]) {
             if damaged.torn_tail || damaged.maps_nothing {
                 let why = match damaged.torn_tail {
                     true => "a record written after the last flush was torn by a crash",
@@ -205,7 +206,7 @@ impl Inner {
             return;
         };
         for sb in std::iter::once(best).chain(other) {
-            if let Err(e) = super::checkpoint::load_checkpoint(self.backing.as_ref(), &sb, self.cipher.as_deref()) {
+            if let Err(e) = super::checkpoint::load_checkpoint(self.backing.as_ref(), &sb, self.log.cipher.as_deref()) {
                 let at = sb.checkpoint_chunks.first().map_or(0, |c| c.offset_bytes);
                 report.problem(at, format!("checkpoint {} does not load: {e}", sb.generation), Vec::new());
             }
@@ -285,7 +286,7 @@ impl Inner {
         let context = RecordContext {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
-            cipher: self.cipher.as_deref(),
+            cipher: self.log.cipher.as_deref(),
             use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let (records, damaged) = parse_segment(image, base, &context);

@@ -22,12 +22,13 @@
 
 use std::sync::atomic::Ordering;
 
+use super::capacity::SpaceClass;
+use super::geometry::{round_up, Geometry};
 use super::lock::MutexGuard;
 use super::log::Attempt;
 use super::op::Op;
 use super::pages::PageCheckpoint;
-use super::space::SpaceClass;
-use super::state::{round_up, Geometry, Inner};
+use super::state::Inner;
 use super::writeout::WriteOut;
 use crate::backing::Backing;
 use crate::crypto::cipher::StoreCipher;
@@ -92,8 +93,8 @@ impl Inner {
             zero_blocks: pages.counts.zero,
             superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
             legacy_map: Vec::new(),
-            dictionaries: self.dictionaries.read().entries(self.cipher.as_deref())?,
-            nonce_epochs: self.cipher.as_deref().is_some_and(StoreCipher::short_nonces),
+            dictionaries: self.codecs.dictionaries.read().entries(self.log.cipher.as_deref())?,
+            nonce_epochs: self.log.cipher.as_deref().is_some_and(StoreCipher::short_nonces),
         };
         let encoded = image.encode();
         let appended = match self.try_append(&[Op::Checkpoint { bytes: encoded.clone() }], SpaceClass::Internal)? {
@@ -106,7 +107,7 @@ impl Inner {
         }
         self.write_out(WriteOut::Flush)?;
         let mut sb = Superblock {
-            format_version: Superblock::version_for(self.cipher.is_some()),
+            format_version: Superblock::version_for(self.log.cipher.is_some()),
             generation: snapshot.generation,
             logical_size_bytes: snapshot.logical_size_bytes,
             checkpoint_seq: snapshot.seq,
@@ -123,7 +124,7 @@ impl Inner {
                 | if image.dictionaries.is_empty() { 0 } else { FEATURE_DICTIONARIES },
             ..durable_sb.clone()
         };
-        if let Some(cipher) = &self.cipher {
+        if let Some(cipher) = &self.log.cipher {
             sb.mac = cipher.mac(&[&sb.mac_input(), &encoded]);
         }
         let slot = (sb.generation % 2) * SUPERBLOCK_SLOT_BYTES as u64;
@@ -159,7 +160,7 @@ impl Inner {
     /// are released the moment this one is durable.
     fn snapshot(&self) -> (Snapshot, PageCheckpoint) {
         let mut log = self.log.lock();
-        self.close_batch(&mut log);
+        log.close_batch();
         log.epochs.snapshot_generation += 1;
         let map = self.map.read();
         map.freeze();
@@ -214,7 +215,7 @@ impl Inner {
     pub(crate) fn free_cleaned_locked(&self, _checkpoint_held: &MutexGuard<'_, Superblock>) -> Result<usize> {
         // GC must not be working on a segment while it is freed (it would mark it cleaned
         // after it was reused).
-        let _gc = self.gc_lock.lock();
+        let _gc = self.background.gc_lock.lock();
         let unwritten = self.unwritten_segments();
         let (freeable, emptied_seq) = {
             let mut log = self.log.lock();
@@ -246,7 +247,7 @@ impl Inner {
         self.flush_upto(emptied_seq)?;
         drop(self.map.write());
         for &id in &freeable {
-            self.segment_uses[id.index()].note_freed();
+            self.log.segment_uses[id.index()].note_freed();
         }
         // Off by default: the log reuses the segment soon, and a file's punched blocks must
         // be allocated again under the flushes that follow (docs/format.md).
@@ -265,13 +266,13 @@ impl Inner {
             let usage = log.segments.get(id);
             assert!(usage.last_seq <= horizon, "freeing segment {id} before the reuse horizon passed it");
             assert!(
-                usage.cleaned_seq <= self.durable_seq.load(Ordering::Acquire),
+                usage.cleaned_seq <= self.log.durable_seq.load(Ordering::Acquire),
                 "freeing segment {id} before what emptied it is durable"
             );
             log.segments.release(id);
-            self.read_cache.forget_segment(id.0);
+            self.reads.cache.forget_segment(id.0);
         }
-        self.publish_host_slack(&log);
+        self.space.publish_host_slack(log.host_slack(&self.reserves()));
         Ok(freeable.len())
     }
 

@@ -9,6 +9,7 @@ use std::io::Read;
 use std::path::Path;
 
 use super::capacity::{native_capacity_for, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
+use super::geometry::{default_segment_size, segment_size_is_valid};
 use super::options::{Allocation, FormatOptions, StoreInfo};
 use super::recovery::read_superblocks;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
@@ -22,13 +23,8 @@ use crate::format::{
 };
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
-const SEGMENT_BYTES_MIN: u64 = 64 << 10;
-const SEGMENT_BYTES_MAX: u64 = 256 << 20;
-const SEGMENT_BYTES_DEFAULT: u64 = 4 << 20;
 /// A store has at least this many segments (GC needs room to move).
 const SEGMENTS_MIN: u64 = 8;
-/// The default segment size shrinks on small stores until there are this many.
-const SEGMENTS_PREFERRED: u64 = 64;
 
 const FORMAT_OPEN: BackingOptions =
     BackingOptions { access: Access::ReadWrite, direct_io: false, lock: Lock::Exclusive };
@@ -64,21 +60,6 @@ pub(crate) fn info_from(sb: &Superblock) -> StoreInfo {
         .bytes,
         encrypted: sb.encrypted(),
     }
-}
-
-/// Whether a store can be formatted with segments of this size.
-pub(crate) fn segment_size_is_valid(segment_size_bytes: u64) -> bool {
-    (SEGMENT_BYTES_MIN..=SEGMENT_BYTES_MAX).contains(&segment_size_bytes)
-        && segment_size_bytes.is_multiple_of(SEGMENT_BYTES_MIN)
-}
-
-/// Default segment size: 4 MiB, smaller on small stores so there are at least 64 segments.
-pub(crate) fn default_segment_size(physical_size_bytes: u64) -> u64 {
-    let mut size = SEGMENT_BYTES_DEFAULT;
-    while size > SEGMENT_BYTES_MIN && physical_size_bytes.saturating_sub(DATA_START_BYTES) / size < SEGMENTS_PREFERRED {
-        size /= 2;
-    }
-    size
 }
 
 /// Checks a logical size a store may have.

@@ -28,15 +28,14 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
+use super::capacity::SpaceClass;
 use super::gc::{RecompressReport, RecompressTarget};
+use super::geometry::{new_buffer, round_up};
 use super::op::{Block, LiveFragment};
-use super::space::SpaceClass;
-use super::state::{new_buffer, round_up, Inner};
+use super::state::Inner;
 use crate::codec::CodecTag;
 use crate::codec::{Dictionary, DictionarySet, DICTIONARIES_MAX, DICTIONARY_BYTES_DEFAULT};
-use crate::crypto::cipher::{Domain, StoreCipher, SEAL_OVERHEAD_BYTES};
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::DictionaryEntry;
 use crate::format::FragmentEntry;
 use crate::map::{Entry, PackedEntry, Stored, WalkItem};
 use crate::types::{Lba, SegmentId};
@@ -75,82 +74,6 @@ impl Default for DictionaryOptions {
 /// — too much for GC, which recompresses at this level in the background on every move.
 pub const DICTIONARY_LEVEL_DEFAULT: i32 = 3;
 
-#[derive(Debug, Default)]
-pub(crate) struct DictionaryState {
-    /// What the next checkpoint carries, ascending by id.
-    pub table: Vec<Arc<Dictionary>>,
-    /// The dictionary GC compresses with: the newest in the table, once both retained
-    /// checkpoints carry it.
-    pub newest: Option<Arc<Dictionary>>,
-    /// Every dictionary a fragment may name: the table and those dropped from it since open.
-    pub known: Arc<DictionarySet>,
-    /// The id the next trained dictionary gets.
-    pub next_id: u32,
-    /// The log's next sequence number when `newest` became GC's (and every GC that began
-    /// before had finished): a segment first used from then on holds no fragment of an
-    /// older dictionary, but a damaged one GC moved as it is (which reads fail anyway).
-    /// Carried by the checkpoint, so a later run need not look at the segments written
-    /// since. 0: not known (yet) — then every segment may hold an older one's fragments.
-    pub newest_since_seq: u64,
-    /// The `since_seq` each dictionary of the table had when loaded (0: not known).
-    pub loaded_since_seq: std::collections::BTreeMap<u32, u64>,
-}
-
-impl DictionaryState {
-    /// The state a checkpoint's table gives at open. The newest dictionary is not usable
-    /// until a checkpoint written by this run carries it too (`Store::open_backing`).
-    /// The table a checkpoint carried (an encrypted store's dictionaries sealed: a trained
-    /// dictionary is made of the store's own data).
-    pub fn recovered(entries: &[DictionaryEntry], cipher: Option<&StoreCipher>) -> Result<DictionaryState> {
-        let table = entries
-            .iter()
-            .map(|e| {
-                let bytes = match cipher {
-                    Some(c) => c.open(Domain::Dictionary, e.id as u64, 0, &e.bytes, 0)?,
-                    None => e.bytes.clone(),
-                };
-                Dictionary::new(e.id, e.level, bytes).map(Arc::new)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let next_id = table.last().map_or(1, |d| d.id + 1);
-        let known = Arc::new(DictionarySet::new(table.clone()));
-        let loaded_since_seq = entries.iter().map(|e| (e.id, e.since_seq)).collect();
-        Ok(DictionaryState { table, newest: None, known, next_id, newest_since_seq: 0, loaded_since_seq })
-    }
-
-    /// Bytes the table takes in a checkpoint, at most.
-    pub fn table_bytes_max(&self) -> u64 {
-        crate::format::dictionary_table_bytes_max(self.table.iter().map(|d| d.bytes.len()))
-    }
-
-    /// The table as the checkpoint writes it (sealed in an encrypted store).
-    pub fn entries(&self, cipher: Option<&StoreCipher>) -> Result<Vec<DictionaryEntry>> {
-        self.table
-            .iter()
-            .map(|d| {
-                let bytes = match cipher {
-                    Some(c) => {
-                        let mut sealed = Vec::with_capacity(d.bytes.len() + SEAL_OVERHEAD_BYTES);
-                        c.seal(Domain::Dictionary, d.id as u64, 0, &d.bytes, &mut sealed)?;
-                        sealed
-                    }
-                    None => d.bytes.clone(),
-                };
-                Ok(DictionaryEntry { id: d.id, level: d.level, since_seq: self.since_seq_of(d.id), bytes })
-            })
-            .collect()
-    }
-
-    /// The sequence number from which segments hold no fragment of a dictionary older than
-    /// `id` (0: not known).
-    pub fn since_seq_of(&self, id: u32) -> u64 {
-        match &self.newest {
-            Some(newest) if newest.id == id => self.newest_since_seq,
-            _ => self.loaded_since_seq.get(&id).copied().unwrap_or(0),
-        }
-    }
-}
-
 /// What a recompression into a new dictionary did to the table.
 #[derive(Debug, Clone, Default)]
 pub struct DictionaryReport {
@@ -167,12 +90,12 @@ pub struct DictionaryReport {
 impl Inner {
     /// Every dictionary a fragment of this store may name (for decoding).
     pub(crate) fn dictionary_set(&self) -> Arc<DictionarySet> {
-        Arc::clone(&self.dictionaries.read().known)
+        Arc::clone(&self.codecs.dictionaries.read().known)
     }
 
     /// The dictionary GC recompresses into, if any.
     pub(crate) fn newest_dictionary(&self) -> Option<Arc<Dictionary>> {
-        self.dictionaries.read().newest.clone()
+        self.codecs.dictionaries.read().newest.clone()
     }
 
     /// Up to `blocks_max` blocks picked evenly across the stored blocks of the map (not
@@ -223,14 +146,14 @@ impl Inner {
     fn check_room_for_dictionary(&self, dictionary_bytes_max: usize) -> Result<()> {
         let log = self.log.lock();
         let added_bytes = {
-            let state = self.dictionaries.read();
+            let state = self.codecs.dictionaries.read();
             let lengths = state.table.iter().map(|d| d.bytes.len());
             crate::format::dictionary_table_bytes_max(lengths.chain([dictionary_bytes_max])) - state.table_bytes_max()
         };
-        let needed_bytes = self.reserve_bytes(&log, SpaceClass::Host)
+        let needed_bytes = self.reserves().of(SpaceClass::Host)
             + 2 * added_bytes
-            + 2 * (self.checkpoint_room_bytes(&log) + added_bytes);
-        let available_bytes = self.available_bytes(&log);
+            + 2 * (self.reserves().checkpoint_room_bytes() + added_bytes);
+        let available_bytes = log.available_bytes();
         if available_bytes < needed_bytes {
             return Err(Error::new(
                 ErrorKind::NoSpace,
@@ -257,12 +180,12 @@ impl Inner {
                 format!("{} stored blocks: too few to train a dictionary on", samples.len()),
             ));
         }
-        if self.dictionaries.read().table.len() >= DICTIONARIES_MAX {
+        if self.codecs.dictionaries.read().table.len() >= DICTIONARIES_MAX {
             // Runs cut short left their dictionaries behind: free those nothing names.
             self.free_unnamed_dictionaries()?;
         }
         let id = {
-            let state = self.dictionaries.read();
+            let state = self.codecs.dictionaries.read();
             if state.table.len() >= DICTIONARIES_MAX {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
@@ -275,7 +198,7 @@ impl Inner {
         let dictionary = Arc::new(Dictionary::train(&samples, id, options.level, options.size_bytes)?);
         let training_ms = started.elapsed().as_millis() as u64;
         {
-            let mut state = self.dictionaries.write();
+            let mut state = self.codecs.dictionaries.write();
             state.next_id = id + 1;
             state.table.push(Arc::clone(&dictionary));
             let mut known: Vec<_> = state.known.iter().cloned().collect();
@@ -288,7 +211,7 @@ impl Inner {
         {
             // Its since number is not known until the GC rounds below have finished: 0 (a
             // checkpoint in between must not give it the previous dictionary's).
-            let mut state = self.dictionaries.write();
+            let mut state = self.codecs.dictionaries.write();
             state.newest = Some(Arc::clone(&dictionary));
             state.newest_since_seq = 0;
         }
@@ -296,7 +219,7 @@ impl Inner {
         // lock is free (GC holds it throughout): from here on, every GC uses `newest`.
         drop(self.checkpoint.lock());
         let since_seq = self.log.lock().appender.next_seq;
-        self.dictionaries.write().newest_since_seq = since_seq;
+        self.codecs.dictionaries.write().newest_since_seq = since_seq;
         let report = DictionaryReport {
             id,
             size_bytes: dictionary.bytes.len() as u64,
@@ -345,7 +268,7 @@ impl Inner {
     /// `free_unnamed_dictionaries` but the checkpoint.
     fn drop_unnamed_dictionaries(&self) -> Result<Vec<u32>> {
         let (newest, start_seq) = {
-            let state = self.dictionaries.read();
+            let state = self.codecs.dictionaries.read();
             match &state.newest {
                 // (0: not known yet — every segment may hold an older one's fragments.)
                 Some(newest) if state.table.iter().any(|d| d.id != newest.id) => {
@@ -356,7 +279,7 @@ impl Inner {
         };
         let newest = &newest;
         let _checkpoint = self.checkpoint.lock();
-        let _gc = self.gc_lock.lock();
+        let _gc = self.background.gc_lock.lock();
         // Every fragment the map points at is on disk from here on: the host's writes
         // (which make no dictionary fragment) are the only appends while the locks are held.
         self.flush()?;
@@ -419,7 +342,7 @@ impl Inner {
                 Err(e) => return Err(e),
             }
         }
-        let mut state = self.dictionaries.write();
+        let mut state = self.codecs.dictionaries.write();
         let freed: Vec<u32> = state.table.iter().map(|d| d.id).filter(|&id| id != newest.id).collect();
         state.table.retain(|d| d.id == newest.id);
         Ok(freed)

@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use super::log::Log;
+use super::log::LogGuard;
 use super::op::{Block, LiveFragment, Op};
 use super::options::OpenOptions;
 use super::recovery::read_superblocks;
@@ -68,7 +68,7 @@ pub(crate) fn unlock(
     Ok(Some(Arc::new(cipher)))
 }
 
-impl Inner {
+impl LogGuard<'_> {
     /// Holds a group bound for the log (under the log lock) to the rule of short nonces:
     /// every sealed fragment of a segment's use has the use's nonce epoch. When the nonce
     /// source (or a fragment) has moved to a newer epoch, the open segments are sealed and
@@ -78,23 +78,24 @@ impl Inner {
     /// that does not open is damaged and moves as it is, still EIO). Returns the group with
     /// such fragments resealed, or `None` when it holds to the rule as it is. Epochs only
     /// grow, so this settles within a lease or two.
-    pub(crate) fn hold_to_one_epoch(&self, log: &mut Log, ops: &[Op]) -> Result<Option<Vec<Op>>> {
-        let Some(cipher) = self.cipher.as_deref().filter(|c| c.short_nonces()) else { return Ok(None) };
+    pub(crate) fn hold_to_one_epoch(&mut self, ops: &[Op]) -> Result<Option<Vec<Op>>> {
+        let log = self.log;
+        let Some(cipher) = log.cipher.as_deref().filter(|c| c.short_nonces()) else { return Ok(None) };
         let mut resealed: Option<Vec<Op>> = None;
         loop {
             let group = resealed.as_deref().unwrap_or(ops);
             let newest = group.iter().flat_map(Op::nonce_epochs).chain([cipher.current_epoch()]).max();
-            if let Some(newest) = newest.filter(|&e| e > log.appender.nonce_epoch) {
-                self.begin_nonce_epoch(log, newest)?;
+            if let Some(newest) = newest.filter(|&e| e > self.appender.nonce_epoch) {
+                self.begin_nonce_epoch(newest)?;
             }
-            let epoch = log.appender.nonce_epoch;
+            let epoch = self.appender.nonce_epoch;
             if group.iter().flat_map(Op::nonce_epochs).all(|e| e == epoch) {
                 return Ok(resealed);
             }
             let owned = resealed.get_or_insert_with(|| ops.to_vec());
             for op in owned.iter_mut() {
                 for (domain, tag, block) in op.sealed_blocks_mut() {
-                    if block.nonce_epoch.is_some_and(|e| e != epoch) && !self.reseal(domain, tag, block)? {
+                    if block.nonce_epoch.is_some_and(|e| e != epoch) && !reseal(cipher, domain, tag, block)? {
                         block.nonce_epoch = None; // damaged: moves as it is
                     }
                 }
@@ -102,16 +103,27 @@ impl Inner {
         }
     }
 
+    /// Seals both streams' open segments and makes `epoch` the appender's: the next
+    /// segment opened begins a use of it.
+    fn begin_nonce_epoch(&mut self, epoch: u16) -> Result<()> {
+        tracing::info!("nonce epoch {} begins: the open segments are sealed", epoch);
+        self.seal_open_segments()?;
+        self.appender.nonce_epoch = epoch;
+        Ok(())
+    }
+}
+
+impl Inner {
     /// The nonce epoch of a sealed fragment read at byte `address` (a short-nonce store's:
     /// its segment's use's).
     pub(crate) fn nonce_epoch_at(&self, address: u64) -> Option<u16> {
-        self.cipher.as_deref().filter(|c| c.short_nonces()).map(|_| self.segment_use(address).nonce_epoch)
+        self.log.cipher.as_deref().filter(|c| c.short_nonces()).map(|_| self.segment_use(address).nonce_epoch)
     }
 
     /// GC's copies sealed under an older nonce epoch than the current one, sealed again
     /// here, before the log lock is taken (the log reseals any left: `hold_to_one_epoch`).
     pub(crate) fn reseal_older_epochs(&self, live: &mut [LiveFragment]) -> Result<()> {
-        let Some(current) = self.cipher.as_deref().filter(|c| c.short_nonces()).map(|c| c.current_epoch()) else {
+        let Some(current) = self.log.cipher.as_deref().filter(|c| c.short_nonces()).map(|c| c.current_epoch()) else {
             return Ok(());
         };
         for f in live.iter_mut().filter(|f| !f.keeps_guard && f.block.nonce_epoch.is_some_and(|e| e < current)) {
@@ -123,26 +135,26 @@ impl Inner {
     /// Seals `block` (of `domain`, reference tag `tag`) again under the current nonce
     /// epoch if it was sealed under another; false if it does not open (damaged).
     pub(crate) fn reseal(&self, domain: Domain, tag: u64, block: &mut Block) -> Result<bool> {
-        let (Some(cipher), Some(epoch)) = (self.cipher.as_deref(), block.nonce_epoch) else { return Ok(true) };
-        let packed = block.entry.packed();
-        match cipher.reseal(domain, tag, packed, &block.bytes[PI_BYTES..], epoch)? {
-            Some((sealed, epoch)) => {
-                block.bytes.truncate(PI_BYTES);
-                block.bytes.extend_from_slice(&sealed);
-                block.nonce_epoch = Some(epoch);
-                Ok(true)
-            }
-            None => Ok(false),
+        match self.log.cipher.as_deref() {
+            Some(cipher) => reseal(cipher, domain, tag, block),
+            None => Ok(true),
         }
     }
+}
 
-    /// Seals both streams' open segments and makes `epoch` the appender's: the next
-    /// segment opened begins a use of it.
-    fn begin_nonce_epoch(&self, log: &mut Log, epoch: u16) -> Result<()> {
-        tracing::info!("nonce epoch {} begins: the open segments are sealed", epoch);
-        self.seal_open_segments_locked(log)?;
-        log.appender.nonce_epoch = epoch;
-        Ok(())
+/// Seals `block` (of `domain`, reference tag `tag`) again under `cipher`'s current nonce
+/// epoch if it was sealed under another; false if it does not open (damaged).
+fn reseal(cipher: &StoreCipher, domain: Domain, tag: u64, block: &mut Block) -> Result<bool> {
+    let Some(epoch) = block.nonce_epoch else { return Ok(true) };
+    let packed = block.entry.packed();
+    match cipher.reseal(domain, tag, packed, &block.bytes[PI_BYTES..], epoch)? {
+        Some((sealed, epoch)) => {
+            block.bytes.truncate(PI_BYTES);
+            block.bytes.extend_from_slice(&sealed);
+            block.nonce_epoch = Some(epoch);
+            Ok(true)
+        }
+        None => Ok(false),
     }
 }
 

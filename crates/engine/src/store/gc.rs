@@ -40,13 +40,13 @@
 //!   older dictionary is replaced even when the new one is not smaller; one that fails its
 //!   check is moved as it is and counted (`older_dictionary_fragments_kept`).
 
-use super::apply::Live;
+use super::capacity::SpaceClass;
+use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
 use super::op::{gc_copy_bytes, group_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, RecordContext};
-use super::space::SpaceClass;
-use super::state::{new_buffer, round_up, Inner};
+use super::state::Inner;
 use std::sync::Arc;
 
 use crate::codec::{recompresses, recompresses_into_dictionary, Codec, CodecFallback, CodecTag, Dictionary};
@@ -148,11 +148,19 @@ pub(super) struct Victim {
 }
 
 impl Inner {
+    /// Seals every stream's open segment, so GC may take everything written so far (an
+    /// explicit recompression; the cost is their unused room).
+    pub(crate) fn seal_open_segments(&self) -> Result<()> {
+        let mut log = self.log.lock();
+        self.check_writable()?;
+        log.seal_open_segments()
+    }
+
     /// Cleans one victim segment. Returns the bytes it gives back once freed (segment size
     /// less what was relocated), or None when no segment is worth cleaning.
     pub(crate) fn gc_once(&self, mode: GcMode) -> Result<Option<u64>> {
         let _checkpoint = self.checkpoint.lock();
-        let _gc = self.gc_lock.lock();
+        let _gc = self.background.gc_lock.lock();
         self.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
         let target = self.gc_recompress_target();
@@ -163,8 +171,8 @@ impl Inner {
     /// one, else the store's codec; when the fallback is automatic and every core is
     /// compressing now, nothing — or only older dictionaries' fragments (module comment).
     fn gc_recompress_target(&self) -> Option<RecompressTarget> {
-        let busy = self.codec_counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
-        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codec_cores.max(1);
+        let busy = self.codecs.counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
+        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codecs.cores.max(1);
         match (self.newest_dictionary(), saturated) {
             (Some(dictionary), saturated) => Some(RecompressTarget::dictionary(dictionary, saturated)),
             (None, false) => Some(RecompressTarget::codec(self.geometry.codec, false)),
@@ -188,7 +196,7 @@ impl Inner {
         }
         // Relocating costs the live fragments plus an entry each. It must fit one fresh
         // segment (see the module comment).
-        let extra = self.record_extra_bytes();
+        let extra = self.log.record_extra_bytes();
         let relocated_bytes = gc_copy_bytes(&verbatim, extra) + gc_copy_bytes(&recompressed, extra);
         if relocated_bytes > self.geometry.segment_capacity() {
             return Ok(None);
@@ -263,7 +271,7 @@ impl Inner {
             {
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(batch, &mut Live::new(&mut log, &self.geometry));
+                map.settle(batch, &mut log.live(&self.geometry));
             }
             self.map.read().unpin(batch);
         }
@@ -334,7 +342,7 @@ impl Inner {
     /// in it gets smaller.
     pub(crate) fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
         let _checkpoint = self.checkpoint.lock();
-        let _gc = self.gc_lock.lock();
+        let _gc = self.background.gc_lock.lock();
         self.check_writable()?;
         let victim = {
             let log = self.log.lock();
@@ -353,7 +361,7 @@ impl Inner {
     /// Into a dictionary: a dictionary fragment in a segment first used since that
     /// dictionary became GC's is one of its own (`dictionaries.rs`), so not a reason.
     pub(crate) fn segments_holding(&self, target: &RecompressTarget) -> Result<Vec<SegmentId>> {
-        let since_seq = target.dictionary.as_ref().map_or(0, |d| self.dictionaries.read().since_seq_of(d.id));
+        let since_seq = target.dictionary.as_ref().map_or(0, |d| self.codecs.dictionaries.read().since_seq_of(d.id));
         let first_seqs: Vec<u64> = {
             let log = self.log.lock();
             (0..self.geometry.segment_count).map(|s| log.segments.get(SegmentId(s as u32)).first_seq).collect()
@@ -407,8 +415,8 @@ impl Inner {
         let foreground = mode != GcMode::Background;
         // In the background only segments worth it; when a writer waits, or space is
         // short, anything whose relocation fits one segment.
-        let short = (log.segments.free_count() as u64) < self.host_reserve_segments(&log) + 2;
-        let separated = self.cold_stream;
+        let short = (log.segments.free_count() as u64) < self.reserves().host_segments() + 2;
+        let separated = self.log.cold_stream;
         // (The bound leaves room for relocation entries; a victim whose relocation still
         // does not fit one segment is given up after it is read.)
         let capacity = self.geometry.segment_capacity() as f64;
@@ -458,7 +466,7 @@ impl Inner {
         let context = RecordContext {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
-            cipher: self.cipher.as_deref(),
+            cipher: self.log.cipher.as_deref(),
             use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let (records, _) = parse_segment(&image, base, &context);
@@ -509,7 +517,7 @@ impl Inner {
                 // The owed removals of these leaves' changes (some point into the victim).
                 let mut log = self.log.lock();
                 let map = self.map.read();
-                map.settle(leaves, &mut Live::new(&mut log, &self.geometry));
+                map.settle(leaves, &mut log.live(&self.geometry));
             }
             self.map.read().unpin(leaves);
             checked?;
@@ -521,7 +529,7 @@ impl Inner {
     /// encrypted store's guard; a plain store's fragments always do: true). One that does
     /// not is moved with its guard as it is (`LiveFragment::keeps_guard`).
     pub(crate) fn placed_at(&self, fragment: &[u8], address: u64) -> bool {
-        let Some(cipher) = self.cipher.as_deref() else { return true };
+        let Some(cipher) = self.log.cipher.as_deref() else { return true };
         match Protection::decode(&fragment[..PI_BYTES]) {
             Ok(pi) => {
                 pi.entry.is_zero_block(FragmentFormat::V3)
@@ -556,7 +564,7 @@ impl Inner {
         if !live.iter().any(|f| target.takes(f.block.entry.codec, named(f))) {
             return (live, Vec::new());
         }
-        let counters = &self.codec_counters;
+        let counters = &self.codecs.counters;
         let compressing = Compressing::enter(&counters.compressing);
         let cpu_before = thread_cpu_ns();
         let (mut verbatim, mut recompressed) = (Vec::new(), Vec::new());
@@ -649,14 +657,14 @@ impl Inner {
             Attempt::Short { shortfall_bytes, .. } => {
                 // The terms, for the operator (and for a test that fails).
                 let log = self.log.lock();
-                let bytes = group_bytes(&ops, self.geometry.segment_capacity(), self.record_extra_bytes());
+                let bytes = group_bytes(&ops, self.geometry.segment_capacity(), self.log.record_extra_bytes());
                 Err(Error::new(
                     ErrorKind::NoSpace,
                     format!(
                         "physical space is exhausted (GC's relocation of {bytes} bytes lacks {shortfall_bytes} with \
                          its reserve of {}; {} available)",
-                        self.reserve_bytes(&log, class),
-                        self.available_bytes(&log)
+                        self.reserves().of(class),
+                        log.available_bytes()
                     ),
                 ))
             }
@@ -667,15 +675,7 @@ impl Inner {
 
 /// The map leaves that hold the entries of `fragments`, ascending, each once.
 pub(crate) fn leaves_of(fragments: &[LiveFragment]) -> Vec<PageId> {
-    leaves_of_lbas(fragments.iter().map(|f| f.lba))
-}
-
-/// The map leaves that hold `lbas`' entries, ascending, each once.
-pub(crate) fn leaves_of_lbas(lbas: impl Iterator<Item = Lba>) -> Vec<PageId> {
-    let mut leaves: Vec<PageId> = lbas.map(|lba| PageId::leaf_of(lba).0).collect();
-    leaves.sort_unstable();
-    leaves.dedup();
-    leaves
+    PageId::leaves_of(fragments.iter().map(|f| f.lba))
 }
 
 /// A version 2 fragment (guard, compressed bytes) as a version 3 one: the same guard and

@@ -1,7 +1,7 @@
 //! Idle work (docs/space.md, "Idle work"): what the worker does once the host has left the
 //! store alone for `OpenOptions::idle_after` — the capacity the write path left behind.
 //!
-//! - **The first dictionary**: a zstd store that holds `AUTO_DICTIONARY_BLOCKS_MIN` stored
+//! - **The first dictionary**: a zstd store that holds `options::AUTO_DICTIONARY_BLOCKS_MIN` stored
 //!   blocks and has never had a dictionary trains one on a sample of its blocks and installs
 //!   it (`dictionaries.rs`: durable in both retained checkpoints before anything uses it);
 //!   then every segment holding a compressed fragment is queued, found by one walk of the
@@ -36,7 +36,7 @@
 //! victim a step) and free what they cleaned (`idle_make_room`); background GC alone stops
 //! at its cushion, so on a store in steady use idle work would otherwise never run.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::dictionaries::DictionaryOptions;
 use super::gc::RecompressTarget;
@@ -46,11 +46,6 @@ use crate::codec::{Codec, CodecTag};
 use crate::error::Result;
 use crate::stats::Counters;
 use crate::types::SegmentId;
-
-/// Stored blocks a store holds before it trains its first dictionary on its own (unless
-/// told): 16 MiB, four times the most `sample_blocks` reads, so the sample is spread over
-/// the data rather than being all of it.
-pub const AUTO_DICTIONARY_BLOCKS_MIN: u64 = 4096;
 
 /// Blocks recompressed with the newest dictionary before their ratio is compared with its
 /// baseline (8 MiB: enough that one odd file does not retrain the store).
@@ -67,9 +62,6 @@ const AUTO_DICTIONARIES_MAX: usize = 4;
 
 /// Blocks the baseline is measured on.
 const BASELINE_SAMPLE_BLOCKS: usize = 256;
-
-/// How long the host must have been away before idle work starts, unless told.
-pub const IDLE_AFTER_DEFAULT: Duration = Duration::from_secs(2);
 
 /// Segments idle recompression cleans, at least, before two checkpoints free them: the
 /// space they held comes back in steps (`idle_free_due` asks for more where checkpoints are
@@ -169,7 +161,7 @@ impl Inner {
                     return Ok(false);
                 }
             };
-            Counters::add(&self.codec_counters.dictionaries_trained_idle, 1);
+            Counters::add(&self.codecs.counters.dictionaries_trained_idle, 1);
             tracing::info!(
                 "trained dictionary {} ({} bytes) on {} blocks in {} ms while idle",
                 report.id,
@@ -198,7 +190,7 @@ impl Inner {
                 }
                 self.log.lock().segments.clear_hint(segment);
                 if cleaned {
-                    Counters::add(&self.codec_counters.idle_segments_recompressed, 1);
+                    Counters::add(&self.codecs.counters.idle_segments_recompressed, 1);
                     watch.cleaned_unfreed += 1;
                     if self.idle_free_due(watch.cleaned_unfreed, IDLE_FREE_AFTER_SEGMENTS) {
                         self.make_cleaned_free()?;
@@ -247,17 +239,17 @@ impl Inner {
     fn idle_make_room(&self) -> Result<bool> {
         let (free, cleaned, needed) = {
             let log = self.log.lock();
-            let needed = self.host_reserve_segments(&log) + self.cushion_segments() + 2;
+            let needed = self.reserves().host_segments() + self.cushion_segments() + 2;
             (log.segments.free_count() as u64, log.segments.cleaned_count() as u64, needed)
         };
         if cleaned > 0 && free + cleaned >= needed {
             self.make_cleaned_free()?;
-            Counters::add(&self.codec_counters.idle_room_steps, 1);
+            Counters::add(&self.codecs.counters.idle_room_steps, 1);
             return Ok(true);
         }
         let cleaned_one = self.gc_once(super::gc::GcMode::Background)?.is_some();
         if cleaned_one {
-            Counters::add(&self.codec_counters.idle_room_steps, 1);
+            Counters::add(&self.codecs.counters.idle_room_steps, 1);
         }
         Ok(cleaned_one)
     }
@@ -291,7 +283,7 @@ impl Inner {
     /// Whether free space leaves idle work room to move into beyond what GC keeps.
     fn idle_has_room(&self) -> bool {
         let log = self.log.lock();
-        let needed = self.host_reserve_segments(&log) + self.cushion_segments() + 2;
+        let needed = self.reserves().host_segments() + self.cushion_segments() + 2;
         log.segments.free_count() as u64 >= needed
     }
 
@@ -301,11 +293,11 @@ impl Inner {
         // A store older zdisk versions can still open stays so: only stores formatted since
         // the log got its second stream (2026-11-25, which those versions refuse anyway)
         // get a dictionary unasked. Older ones get one from `recompress --train`.
-        if !self.cold_stream || !matches!(self.geometry.codec, Codec::Zstd { .. }) {
+        if !self.log.cold_stream || !matches!(self.geometry.codec, Codec::Zstd { .. }) {
             return false;
         }
         let never_had_one = {
-            let state = self.dictionaries.read();
+            let state = self.codecs.dictionaries.read();
             state.table.is_empty() && state.next_id == 1
         };
         never_had_one && self.log.lock().segments.counts.stored >= blocks_min
@@ -315,10 +307,10 @@ impl Inner {
     /// the baseline first if it is not known (once per dictionary and run).
     fn wants_retraining(&self, watch: &mut IdleWork) -> Result<bool> {
         let Some(newest) = self.newest_dictionary() else { return Ok(false) };
-        if self.options.auto_dictionary_blocks.is_none() || !self.cold_stream {
+        if self.options.auto_dictionary_blocks.is_none() || !self.log.cold_stream {
             return Ok(false);
         }
-        if self.dictionaries.read().table.len() >= AUTO_DICTIONARIES_MAX {
+        if self.codecs.dictionaries.read().table.len() >= AUTO_DICTIONARIES_MAX {
             // Freeing older ones rewrites every fragment still naming them in one pass: an
             // operator's `zdisk recompress --train`, not idle work's.
             return Ok(false);
@@ -355,7 +347,7 @@ impl Inner {
     /// one, and the bytes it made of them.
     fn dictionary_trials(&self) -> (u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
-        let c = &self.codec_counters;
+        let c = &self.codecs.counters;
         (c.dictionary_trial_blocks.load(Relaxed), c.dictionary_trial_bytes.load(Relaxed))
     }
 
@@ -370,7 +362,7 @@ impl Inner {
             return Ok(None);
         }
         let overhead = crate::format::PI_BYTES
-            + self.cipher.as_deref().map_or(0, crate::crypto::cipher::StoreCipher::fragment_overhead_bytes);
+            + self.log.cipher.as_deref().map_or(0, crate::crypto::cipher::StoreCipher::fragment_overhead_bytes);
         let mut out = Vec::new();
         let mut stored_bytes = 0;
         for block in &samples {

@@ -15,37 +15,117 @@
 //!   GC's output to the cold stream's, with a jump record between them (`streams.rs`).
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use super::apply::{apply_record, Live};
+use super::background::Wakeups;
+use super::capacity::Reserves;
+use super::capacity::SpaceClass;
+use super::geometry::{AlignedBuf, Geometry, SegmentBuffer, FRAGMENT_END_WASTE_BYTES};
+use super::health::Health;
+use super::lock::{Mutex, MutexGuard, Rank, RwLock};
 use super::op::{Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
-use super::segments::SegmentTable;
-use super::space::SpaceClass;
-use super::state::{AlignedBuf, Inner, SegmentBuffer};
+use super::proof::ProofState;
+use super::segments::{SegmentTable, UseCell};
 use super::streams::{ParkedStream, Stream};
-use super::writeout::WriteOut;
+use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     BatchEntry, ChunkRef, EncodedRecord, FragmentFormat, Protection, RecordBody, RecordHeader, RecordVersion,
-    BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MIN_BYTES,
-    TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES, PI_BYTES, RECORD_MAC_BYTES,
+    RECORD_MIN_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
 };
 use crate::map::page::PageId;
+use crate::map::PageSource;
 use crate::map::PagedMap;
+use crate::stats::CodecCounters;
 use crate::stats::Counters;
 use crate::types::{Lba, SegmentId};
 
 /// Buffered log bytes past which the writer thread is woken.
 pub(crate) const WRITE_OUT_THRESHOLD_BYTES: usize = 1 << 20;
 
-/// Everything the log lock guards.
+/// The log: its state behind the log lock, and what appending needs besides — the store's
+/// geometry, its cipher, the counters it keeps, the health it fails when a record cannot
+/// be applied, the wake-ups of the threads that write it out. Nothing outside reaches into
+/// an append: the store hands it the map to apply to and the reserves to keep
+/// (`LogGuard::append`).
 pub(crate) struct Log {
+    /// Rank 5: the appender, the segment table, checkpoint epochs.
+    state: Mutex<LogState>,
+    /// Rank 4: serialises backing writes of log data, so a flush knows every earlier write
+    /// is done; holds what the last flush proof said (`proof.rs`).
+    pub io: Mutex<ProofState>,
+    /// Rank 8: the segment buffers readers may find data in (the open segments and sealed
+    /// ones not yet written out).
+    pub buffered: RwLock<Vec<Arc<SegmentBuffer>>>,
+    /// Only grows; every record up to it is on stable media.
+    pub durable_seq: AtomicU64,
+    pub geometry: Geometry,
+    /// An encrypted store's keys (`crypto/`): fragments are sealed after compression and
+    /// opened before decompression, placed where they land; records and checkpoints carry
+    /// a MAC.
+    pub cipher: Option<Arc<StoreCipher>>,
+    /// Each segment's use, shared with the segment table (`SegmentTable::uses`): what an
+    /// encrypted store's placement tags bind besides the address, read without the log lock.
+    pub segment_uses: Arc<[UseCell]>,
+    /// GC's output may go to the cold streams (`streams.rs`): the store was formatted with
+    /// them (superblock feature flag `FEATURE_LOG_JUMPS`; its native capacity counts the
+    /// second open segment).
+    pub cold_stream: bool,
+    pub counters: Arc<Counters>,
+    pub codec_counters: Arc<CodecCounters>,
+    /// Bytes of map pages appended since open (the map's share of write amplification;
+    /// not persisted, unlike `counters`).
+    pub map_write_bytes: AtomicU64,
+    /// Bytes GC moved into the GC streams since open (not persisted).
+    pub gc_cold_bytes_moved: AtomicU64,
+    /// Of those, bytes GC moved into the colder stream.
+    pub gc_colder_bytes_moved: AtomicU64,
+    pub(super) health: Arc<Health>,
+    pub(super) wakeups: Arc<Wakeups>,
+}
+
+/// What the store shares with its log when it opens.
+pub(crate) struct LogParts {
+    pub geometry: Geometry,
+    pub cipher: Option<Arc<StoreCipher>>,
+    pub cold_stream: bool,
+    pub counters: Arc<Counters>,
+    pub codec_counters: Arc<CodecCounters>,
+    pub health: Arc<Health>,
+    pub wakeups: Arc<Wakeups>,
+}
+
+/// The log lock held: the log's state, and the methods that append to it.
+pub(crate) struct LogGuard<'a> {
+    pub(super) log: &'a Log,
+    pub(super) state: MutexGuard<'a, LogState>,
+}
+
+/// The map a group's records are applied to, and where its pages are read from.
+#[derive(Clone, Copy)]
+pub(crate) struct MapTarget<'a> {
+    pub map: &'a PagedMap,
+    pub pages: &'a dyn PageSource,
+}
+
+/// Everything the log lock guards.
+pub(crate) struct LogState {
     pub appender: Appender,
     pub segments: SegmentTable,
     pub epochs: CheckpointEpochs,
     /// The live LZ4 fragments written since open, for the statistics (`pending.rs`).
     pub pending: super::pending::PendingRecompress,
+}
+
+impl LogState {
+    /// The segment table (and the pending recompression it feeds) as the map's accounting.
+    pub fn live<'a>(&'a mut self, geometry: &'a Geometry) -> Live<'a> {
+        Live { segments: &mut self.segments, pending: &mut self.pending, geometry }
+    }
 }
 
 /// Where the next record goes and what it chains to.
@@ -54,7 +134,7 @@ pub(crate) struct Appender {
     pub prev_crc: u32,
     pub session: u32,
     /// The nonce epoch of the segment uses begun now, which every record's head carries: a
-    /// short-nonce store's sealed fragments must have it (`Inner::hold_to_one_epoch`).
+    /// short-nonce store's sealed fragments must have it (`LogGuard::hold_to_one_epoch`).
     pub nonce_epoch: u16,
     pub open: Option<OpenSegment>,
     /// The batch record growing in the open segment, if any.
@@ -180,484 +260,44 @@ fn fragments_fitting(room: usize, entry_bytes: usize, sizes: impl Iterator<Item 
     take
 }
 
-impl Inner {
-    /// One append attempt: appends the group and publishes its map entries if the log has
-    /// room for it beyond its class's reserve, else says how much it lacks. GC and
-    /// checkpoints call this directly; host requests go through `admit`, which makes room.
-    pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
-        let mut log = self.log.lock();
-        self.check_writable()?;
-        if !self.expectations_hold(ops)? {
-            return Ok(Attempt::Conflict);
-        }
-        let resealed = self.hold_to_one_epoch(&mut log, ops)?;
-        let ops = resealed.as_deref().unwrap_or(ops);
-        self.retire_colder_when_short(&mut log);
-        let stream = self.stream_for(&log, ops, class);
-        let shortfall_bytes = self.shortfall_bytes(&log, ops, class, stream);
-        if shortfall_bytes > 0 {
-            return Ok(Attempt::Short { shortfall_bytes, available_bytes: self.available_bytes(&log) });
-        }
-        let appended = self.append_locked(&mut log, ops, stream)?;
-        self.publish_host_slack(&log);
-        if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
-            self.space_exhausted.store(false, Ordering::Relaxed);
-        }
-        let unwritten = log.appender.unwritten_bytes();
-        let sealed = log.appender.sealed_unwritten.len();
-        let backlog_bytes = (unwritten + log.appender.sealed_unwritten_bytes()) as u64;
-        drop(log);
-        let sealed_max = (self.options.cache_bytes_max / self.geometry.segment_size_bytes).max(2) as usize;
-        let behind_max = self.options.write_behind_bytes_max;
-        if sealed >= sealed_max || !self.options.background && sealed > 0 {
-            self.write_out(WriteOut::WholeSectors)?;
-        } else if behind_max > 0 && backlog_bytes > behind_max {
-            self.write_out_behind(behind_max)?;
-        } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
-            self.kick_writer();
-        }
-        Ok(Attempt::Appended(appended))
-    }
-
-    /// Whether every block the group read-modify-writes still holds the map entry it was
-    /// read with. (Checked under the log lock, so no other group can publish in between;
-    /// the pages are usually cached: the request just read these blocks.)
-    fn expectations_hold(&self, ops: &[Op]) -> Result<bool> {
-        let map = self.map.read();
-        for op in ops {
-            if let Op::Write { expected, .. } = op {
-                for &(lba, entry) in expected {
-                    if lba.0 >= map.block_count() || map.get(lba, self)? != entry {
-                        return Ok(false);
-                    }
-                }
-            }
-        }
-        Ok(true)
-    }
-
-    /// Appends a group whose space was checked, and publishes its map entries.
-    fn append_locked(&self, log: &mut Log, ops: &[Op], stream: Stream) -> Result<Appended> {
-        let map = self.map.read();
-        for (start_lba, count) in ops.iter().filter_map(Op::lba_range) {
-            if start_lba.0 + count > map.block_count() {
-                return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
-            }
-        }
-        self.switch_stream(log, stream)?;
-        let appended =
-            |log: &Log, chunks, page_offsets| Appended { last_seq: log.appender.next_seq - 1, chunks, page_offsets };
-        if let [Op::Write { start_lba, blocks, .. }] = ops {
-            if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
-                self.append_to_batch(log, &map, *start_lba, blocks)?;
-                return Ok(appended(log, Vec::new(), Vec::new()));
-            }
-        }
-        self.close_batch(log);
-        let mut flags = GroupFlags { first: true };
-        let mut chunks = Vec::new();
-        let mut page_offsets = Vec::new();
-        for (i, op) in ops.iter().enumerate() {
-            let last_op = i + 1 == ops.len();
-            match op {
-                Op::Write { start_lba, blocks, .. } => {
-                    for (j, piece) in blocks.chunks(RECORD_BLOCKS_MAX).enumerate() {
-                        let last_piece = last_op && (j + 1) * RECORD_BLOCKS_MAX >= blocks.len();
-                        let piece_lba = start_lba.plus((j * RECORD_BLOCKS_MAX) as u64);
-                        self.append_write_records(log, &map, piece_lba, piece, &mut flags, last_piece)?;
-                    }
-                }
-                Op::Range { kind, start_lba, block_count } => {
-                    self.ensure_room(log, RECORD_MIN_BYTES)?;
-                    let body = match kind {
-                        RangeKind::Trim => RecordBody::Trim { start_lba: *start_lba, block_count: *block_count },
-                        RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
-                    };
-                    let (payload_at, body) = self.put_record(log, flags.next(last_op), body, &[], &[]);
-                    self.apply(log, &map, &body, payload_at)?;
-                }
-                Op::Relocate { fragments } => self.append_gc_copies(log, &map, fragments, &mut flags, false)?,
-                Op::Recompress { fragments } => self.append_gc_copies(log, &map, fragments, &mut flags, true)?,
-                Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(log, bytes, &mut flags)?),
-                Op::MapPages { pages } => page_offsets.extend(self.append_page_records(log, pages, &mut flags)?),
-            }
-        }
-        Ok(appended(log, chunks, page_offsets))
-    }
-
-    /// Applies an appended record to the map. A map page that cannot be read leaves the
-    /// map behind the log: the store fails (read-only; reopening replays the record).
-    fn apply(&self, log: &mut Log, map: &PagedMap, body: &RecordBody, payload_at: u64) -> Result<u64> {
-        let mut live = Live::new(log, &self.geometry);
-        match apply_record(map, &mut live, self, body, FragmentFormat::V3, payload_at) {
-            Ok(applied) => Ok(applied.relocated_bytes),
-            Err(e) => Err(self.fail(e)),
+impl Log {
+    pub fn new(state: LogState, parts: LogParts) -> Log {
+        let segment_uses = state.segments.uses();
+        Log {
+            state: Mutex::new(Rank::Log, state),
+            io: Mutex::new(Rank::Io, ProofState::default()),
+            buffered: RwLock::new(Rank::Buffered, Vec::new()),
+            durable_seq: AtomicU64::new(0),
+            map_write_bytes: AtomicU64::new(0),
+            gc_cold_bytes_moved: AtomicU64::new(0),
+            gc_colder_bytes_moved: AtomicU64::new(0),
+            geometry: parts.geometry,
+            segment_uses,
+            cipher: parts.cipher,
+            cold_stream: parts.cold_stream,
+            counters: parts.counters,
+            codec_counters: parts.codec_counters,
+            health: parts.health,
+            wakeups: parts.wakeups,
         }
     }
 
-    /// Write records for up to `RECORD_BLOCKS_MAX` blocks: as many records as the segment
-    /// ends make it.
-    fn append_write_records(
-        &self,
-        log: &mut Log,
-        map: &PagedMap,
-        start_lba: Lba,
-        blocks: &[Block],
-        flags: &mut GroupFlags,
-        last_piece: bool,
-    ) -> Result<()> {
-        let mut done = 0;
-        while done < blocks.len() {
-            let sizes = blocks[done..].iter().map(|b| b.bytes.len());
-            let take = fragments_fitting(self.room(log), WRITE_ENTRY_BYTES, sizes);
-            if take == 0 {
-                self.open_new_segment(log)?;
-                continue;
-            }
-            let part = &blocks[done..done + take];
-            let body = RecordBody::Write {
-                start_lba: start_lba.plus(done as u64),
-                fragments: part.iter().map(|b| b.entry).collect(),
-            };
-            let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
-            let record_flags = flags.next(last_piece && done + take == blocks.len());
-            let (payload_at, body) = self.put_record(log, record_flags, body, &payload, &vec![true; payload.len()]);
-            self.apply(log, map, &body, payload_at)?;
-            let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
-            Counters::add(&self.counters.data_bytes, data_bytes as u64);
-            done += take;
-        }
-        Ok(())
-    }
-
-    /// Batch records for GC's copies (moved as they were, or `recompressed`), each a group
-    /// of its own. A fragment goes in only if the map still points at its old place —
-    /// checked here, under the log lock, so nothing changes the entry before the record is
-    /// applied: a concurrent overwrite wins. Replay applies batch records unconditionally, in
-    /// log order, which is the order these checks were made in; so a copy needs no old
-    /// address for a compare-and-swap, and its entry is a batch's 8 bytes, once — where the
-    /// relocate records written until 2026-11-27 held 14 bytes twice (docs/format.md).
-    fn append_gc_copies(
-        &self,
-        log: &mut Log,
-        map: &PagedMap,
-        fragments: &[LiveFragment],
-        flags: &mut GroupFlags,
-        recompressed: bool,
-    ) -> Result<()> {
-        // The copies' leaves stay loaded from the check to the apply, a record's worth of
-        // copies at a time (at most 512 leaves pinned, 2 MiB; and no more records than
-        // `gc_copy_bytes` counts): so each copy removes the entry it replaces at once,
-        // instead of owing the removal of a victim's fragment — a map cache smaller than
-        // the map evicts between the two (docs/space.md, "GC and the map cache").
-        let mut fragments: Vec<&LiveFragment> = fragments.iter().filter(|f| f.lba.0 < map.block_count()).collect();
-        fragments.sort_unstable_by_key(|f| f.lba);
-        for group in fragments.chunks(RECORD_BLOCKS_MAX) {
-            let leaves = super::gc::leaves_of_lbas(group.iter().map(|f| f.lba));
-            map.pin_loaded(&leaves, self)?;
-            let appended = self.append_current_gc_copies(log, map, group, flags, recompressed);
-            map.unpin(&leaves);
-            appended?;
-        }
-        Ok(())
-    }
-
-    /// [`Inner::append_gc_copies`] for copies whose leaves are pinned.
-    fn append_current_gc_copies(
-        &self,
-        log: &mut Log,
-        map: &PagedMap,
-        fragments: &[&LiveFragment],
-        flags: &mut GroupFlags,
-        recompressed: bool,
-    ) -> Result<()> {
-        let mut current = Vec::with_capacity(fragments.len());
-        for &fragment in fragments {
-            if map.get(fragment.lba, self)? == fragment.old {
-                current.push(fragment);
-            }
-        }
-        let mut done = 0;
-        while done < current.len() {
-            let sizes = current[done..].iter().take(RECORD_BLOCKS_MAX).map(|f| f.block.bytes.len());
-            let take = fragments_fitting(self.room(log), BATCH_ENTRY_BYTES, sizes);
-            if take == 0 {
-                self.open_new_segment(log)?;
-                continue;
-            }
-            let part = &current[done..done + take];
-            let entries = part.iter().map(|f| BatchEntry { lba: f.lba, fragment: f.block.entry }).collect();
-            let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
-            // (A copy whose guard did not vouch for its old place keeps it: EIO still.)
-            let placed: Vec<bool> = part.iter().map(|f| recompressed || !f.keeps_guard).collect();
-            let (payload_at, body) =
-                self.put_record(log, flags.alone(), RecordBody::Batch { entries }, &payload, &placed);
-            self.apply(log, map, &body, payload_at)?;
-            let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
-            self.count_gc_moved(log, new_bytes);
-            done += take;
-            if !recompressed {
-                continue;
-            }
-            let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
-            Counters::add(&self.codec_counters.recompressed_fragments, take as u64);
-            let with_dictionary =
-                part.iter().filter(|f| f.block.entry.codec == crate::codec::CodecTag::ZstdDict).count();
-            Counters::add(&self.codec_counters.recompressed_fragments_dictionary, with_dictionary as u64);
-            Counters::add(&self.codec_counters.recompress_saved_bytes, old_bytes.saturating_sub(new_bytes));
-        }
-        Ok(())
-    }
-
-    /// Counts bytes GC moved (and, into a GC stream, `gc_cold_bytes_moved`; into the
-    /// colder one, `gc_colder_bytes_moved` too).
-    fn count_gc_moved(&self, log: &Log, bytes: u64) {
-        Counters::add(&self.counters.gc_bytes_moved, bytes);
-        if log.appender.stream.is_gc() {
-            Counters::add(&self.gc_cold_bytes_moved, bytes);
-        }
-        if log.appender.stream == Stream::Colder {
-            Counters::add(&self.gc_colder_bytes_moved, bytes);
+    /// Bytes a record of this store carries beyond a plain one: an encrypted store's MAC.
+    pub fn record_extra_bytes(&self) -> u64 {
+        if self.cipher.is_some() {
+            RECORD_MAC_BYTES as u64
+        } else {
+            0
         }
     }
 
-    /// Checkpoint-chunk records holding `bytes`; returns where the chunks went.
-    fn append_checkpoint_records(&self, log: &mut Log, bytes: &[u8], flags: &mut GroupFlags) -> Result<Vec<ChunkRef>> {
-        let mut chunks = Vec::new();
-        let mut done = 0;
-        while done < bytes.len() {
-            let room = self.room(log).saturating_sub(RECORD_MIN_BYTES);
-            if room < 512.min(bytes.len() - done) {
-                self.open_new_segment(log)?;
-                continue;
-            }
-            let take = room.min(bytes.len() - done);
-            let part = &bytes[done..done + take];
-            let (payload_at, _) = self.put_record(log, flags.alone(), RecordBody::Checkpoint, &[part], &[]);
-            chunks.push(ChunkRef { offset_bytes: payload_at, length_bytes: take as u32, crc: crc32c::crc32c(part) });
-            done += take;
+    /// `FRAGMENT_END_WASTE_BYTES` for this store: an encrypted one's largest fragment is
+    /// larger by its seal, and its record by its MAC.
+    pub fn fragment_end_waste_bytes(&self) -> u64 {
+        match self.cipher {
+            Some(ref c) => FRAGMENT_END_WASTE_BYTES + (c.fragment_overhead_bytes() + RECORD_MAC_BYTES) as u64,
+            None => FRAGMENT_END_WASTE_BYTES,
         }
-        Ok(chunks)
-    }
-
-    /// Map-pages records for a checkpoint's pages (each a group of its own); returns where
-    /// each page's fragment went.
-    fn append_page_records(
-        &self,
-        log: &mut Log,
-        pages: &[(PageId, Block)],
-        flags: &mut GroupFlags,
-    ) -> Result<Vec<u64>> {
-        let mut offsets = Vec::with_capacity(pages.len());
-        let mut done = 0;
-        while done < pages.len() {
-            let sizes = pages[done..].iter().take(RECORD_BLOCKS_MAX).map(|(_, b)| b.bytes.len());
-            let take = fragments_fitting(self.room(log), BATCH_ENTRY_BYTES, sizes);
-            if take == 0 {
-                self.open_new_segment(log)?;
-                continue;
-            }
-            let part = &pages[done..done + take];
-            let entries = part.iter().map(|(id, b)| BatchEntry { lba: id.tag(), fragment: b.entry }).collect();
-            let payload: Vec<&[u8]> = part.iter().map(|(_, b)| b.bytes.as_slice()).collect();
-            let placed = vec![true; payload.len()];
-            let (mut at, _) = self.put_record(log, flags.alone(), RecordBody::MapPages { entries }, &payload, &placed);
-            for (_, b) in part {
-                offsets.push(at);
-                at += b.bytes.len() as u64;
-            }
-            let page_bytes = part.iter().map(|(_, b)| b.bytes.len() as u64).sum();
-            Counters::add(&self.counters.metadata_bytes, page_bytes);
-            Counters::add(&self.map_write_bytes, page_bytes);
-            done += take;
-        }
-        Ok(offsets)
-    }
-
-    /// Appends host blocks to the open batch record, first closing it (and opening a new
-    /// segment) when they do not fit. All of them go into one record: a request is atomic.
-    fn append_to_batch(&self, log: &mut Log, map: &PagedMap, start_lba: Lba, blocks: &[Block]) -> Result<()> {
-        debug_assert!(blocks.len() <= BATCH_WRITE_BLOCKS_MAX);
-        debug_assert!(start_lba.0 + (blocks.len() as u64) < BATCH_LBA_LIMIT);
-        let payload_bytes: usize = blocks.iter().map(|b| b.bytes.len()).sum();
-        let added = payload_bytes + blocks.len() * BATCH_ENTRY_BYTES;
-        let fits = log
-            .appender
-            .batch
-            .as_ref()
-            .is_some_and(|b| b.entries.len() + blocks.len() <= RECORD_BLOCKS_MAX && self.room(log) >= added);
-        if !fits {
-            self.open_batch(log, added)?;
-        }
-        // (The open batch is a record of this segment's use: its first is known.)
-        let use_seq = log.segments.get(log.appender.open.as_ref().expect("an open segment").buffer.segment).first_seq;
-        debug_assert_ne!(use_seq, 0, "a batch's segment has a first record");
-        let appender = &mut log.appender;
-        let open = appender.open.as_mut().expect("an open segment");
-        let batch = appender.batch.as_mut().expect("an open batch");
-        let segment = open.buffer.segment;
-        let payload_at = self.geometry.segment_base(segment) + open.append_offset_bytes as u64;
-        let mut at = open.append_offset_bytes;
-        let mut entries = Vec::with_capacity(blocks.len());
-        {
-            let mut data = open.buffer.data.write();
-            for (i, block) in blocks.iter().enumerate() {
-                let place = &mut data[at..at + block.bytes.len()];
-                place.copy_from_slice(&block.bytes);
-                self.place_fragment(place, self.geometry.segment_base(segment) + at as u64, use_seq);
-                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, place);
-                entries.push(BatchEntry { lba: start_lba.plus(i as u64), fragment: block.entry });
-                at += block.bytes.len();
-            }
-        }
-        batch.entries.extend_from_slice(&entries);
-        batch.payload_len += payload_bytes;
-        open.append_offset_bytes = at;
-        log.segments.note_append(segment, at as u64, None);
-        log.epochs.bytes_since_checkpoint += payload_bytes as u64;
-        let body = RecordBody::Batch { entries };
-        self.apply(log, map, &body, payload_at)?;
-        Counters::add(&self.counters.data_bytes, payload_bytes as u64);
-        Ok(())
-    }
-
-    /// Closes the open batch and opens a new one with room for `added` bytes of fragments
-    /// and entries (in a new segment if this one lacks it). The batch takes its sequence
-    /// number now.
-    fn open_batch(&self, log: &mut Log, added: usize) -> Result<()> {
-        self.close_batch(log);
-        if log.appender.open.is_none() || self.room(log) < RECORD_MIN_BYTES + added {
-            self.open_new_segment(log)?;
-        }
-        let appender = &mut log.appender;
-        let open = appender.open.as_mut().expect("an open segment");
-        let record_offset_bytes = open.append_offset_bytes;
-        open.append_offset_bytes += HEAD_BYTES;
-        let segment = open.buffer.segment;
-        appender.batch = Some(OpenBatch {
-            record_offset_bytes,
-            seq: appender.next_seq,
-            prev_crc: appender.prev_crc,
-            entries: Vec::new(),
-            payload_len: 0,
-            payload_crc: 0,
-        });
-        let end = open.append_offset_bytes as u64;
-        log.segments.note_append(segment, end, Some((appender.next_seq, appender.nonce_epoch)));
-        appender.next_seq += 1;
-        Ok(())
-    }
-
-    /// Closes the open batch record, if any: appends its tail after its fragments and fills
-    /// in its head. Until then nothing of it is written out, so the head is never
-    /// rewritten on disk.
-    pub(crate) fn close_batch(&self, log: &mut Log) {
-        let appender = &mut log.appender;
-        let Some(batch) = appender.batch.take() else { return };
-        let header = RecordHeader {
-            version: RecordVersion::V3,
-            flags: FLAG_FIRST | FLAG_LAST,
-            seq: batch.seq,
-            durable_seq: self.durable_seq.load(Ordering::Acquire),
-            prev_crc: batch.prev_crc,
-            session: appender.session,
-            store_tag: self.geometry.store_tag,
-            nonce_epoch: appender.nonce_epoch,
-            payload_len: batch.payload_len as u32,
-            payload_crc: batch.payload_crc,
-            body: RecordBody::Batch { entries: batch.entries },
-        };
-        let encoded = self.encode_record(&header);
-        let open = appender.open.as_mut().expect("a batch lives in the open segment");
-        let record_at = batch.record_offset_bytes;
-        assert_eq!(open.append_offset_bytes, record_at + HEAD_BYTES + batch.payload_len);
-        assert!(open.written_offset_bytes <= record_at, "part of an open batch was written out");
-        let tail_at = open.append_offset_bytes;
-        debug_assert!(tail_at + encoded.tail.len() <= self.geometry.segment_size_bytes as usize);
-        {
-            let mut data = open.buffer.data.write();
-            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
-            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
-        }
-        open.append_offset_bytes += encoded.tail.len();
-        let (segment, end) = (open.buffer.segment, open.append_offset_bytes as u64);
-        appender.prev_crc = encoded.crc;
-        log.segments.note_append(segment, end, None);
-        log.epochs.bytes_since_checkpoint += encoded.tail.len() as u64;
-        Counters::add(&self.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
-    }
-
-    /// Writes one record into the open segment (which has room for it). Returns the
-    /// physical byte address of its payload, and its body back. The payload parts `placed`
-    /// marks are fragments: in an encrypted store each gets the placement tag of where it
-    /// lands (`place_fragment`) before the payload's CRC is taken.
-    pub(super) fn put_record(
-        &self,
-        log: &mut Log,
-        flags: u8,
-        body: RecordBody,
-        payload: &[&[u8]],
-        placed: &[bool],
-    ) -> (u64, RecordBody) {
-        debug_assert!(placed.is_empty() || placed.len() == payload.len());
-        // The segment's use: this record begins it if it is the segment's first.
-        let segment = log.appender.open.as_ref().expect("an open segment").buffer.segment;
-        let use_seq = match log.segments.get(segment).first_seq {
-            0 => log.appender.next_seq,
-            first => first,
-        };
-        let appender = &mut log.appender;
-        debug_assert!(appender.batch.is_none(), "a record appended while a batch is open");
-        let payload_len: usize = payload.iter().map(|p| p.len()).sum();
-        let open = appender.open.as_mut().expect("an open segment");
-        let segment = open.buffer.segment;
-        let record_at = open.append_offset_bytes;
-        let base = self.geometry.segment_base(segment);
-        let tail_at = record_at + HEAD_BYTES + payload_len;
-        // The payload goes in first (its CRC is of the placed fragments); the buffer's lock
-        // is not held while the head and tail are encoded (an encrypted store's MAC). Nothing
-        // past the append offset is read or written out meanwhile.
-        let payload_crc = {
-            let mut data = open.buffer.data.write();
-            let mut at = record_at + HEAD_BYTES;
-            for (i, part) in payload.iter().enumerate() {
-                let place = &mut data[at..at + part.len()];
-                place.copy_from_slice(part);
-                if placed.get(i) == Some(&true) {
-                    self.place_fragment(place, base + at as u64, use_seq);
-                }
-                at += part.len();
-            }
-            crc32c::crc32c(&data[record_at + HEAD_BYTES..tail_at])
-        };
-        let header = RecordHeader {
-            version: RecordVersion::V3,
-            flags,
-            seq: appender.next_seq,
-            durable_seq: self.durable_seq.load(Ordering::Acquire),
-            prev_crc: appender.prev_crc,
-            session: appender.session,
-            store_tag: self.geometry.store_tag,
-            nonce_epoch: appender.nonce_epoch,
-            payload_len: payload_len as u32,
-            payload_crc,
-            body,
-        };
-        let encoded = self.encode_record(&header);
-        let total = HEAD_BYTES + payload_len + encoded.tail.len();
-        assert!(record_at + total <= self.geometry.segment_size_bytes as usize, "record past the segment end");
-        {
-            let mut data = open.buffer.data.write();
-            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
-            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
-        }
-        open.append_offset_bytes += total;
-        log.segments.note_append(segment, (record_at + total) as u64, Some((appender.next_seq, appender.nonce_epoch)));
-        appender.prev_crc = encoded.crc;
-        appender.next_seq += 1;
-        log.epochs.bytes_since_checkpoint += total as u64;
-        Counters::add(&self.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
-        (base + (record_at + HEAD_BYTES) as u64, header.body)
     }
 
     /// Sets, in an encrypted store, the guard of a sealed fragment just put at byte `address`
@@ -674,19 +314,490 @@ impl Inner {
         fragment[..PI_BYTES].copy_from_slice(&Protection { guard, ..pi }.encode());
     }
 
-    /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
-    pub(super) fn ensure_room(&self, log: &mut Log, bytes: usize) -> Result<()> {
-        if log.appender.open.is_none() || self.room(log) < bytes {
-            self.open_new_segment(log)?;
-        }
-        Ok(())
-    }
-
     /// A record's head and tail: with a MAC in an encrypted store (`docs/format.md`).
     fn encode_record(&self, header: &RecordHeader) -> EncodedRecord {
         match self.cipher.as_deref() {
             Some(cipher) => header.encode_authenticated(&|parts| cipher.mac(parts)),
             None => header.encode(),
         }
+    }
+
+    /// Takes the log lock (rank 5).
+    pub fn lock(&self) -> LogGuard<'_> {
+        LogGuard { log: self, state: self.state.lock() }
+    }
+}
+
+impl Deref for LogGuard<'_> {
+    type Target = LogState;
+    fn deref(&self) -> &LogState {
+        &self.state
+    }
+}
+
+impl DerefMut for LogGuard<'_> {
+    fn deref_mut(&mut self) -> &mut LogState {
+        &mut self.state
+    }
+}
+
+impl LogGuard<'_> {
+    /// Appends the group and publishes its map entries if the log has room for it beyond
+    /// its class's reserve (`reserves`), else says how much it lacks. The caller checked
+    /// that the store is writable and the group's expectations hold, under this lock.
+    pub(crate) fn append(
+        &mut self,
+        ops: &[Op],
+        class: SpaceClass,
+        reserves: &Reserves,
+        map: MapTarget<'_>,
+    ) -> Result<Attempt> {
+        let resealed = self.hold_to_one_epoch(ops)?;
+        let ops = resealed.as_deref().unwrap_or(ops);
+        self.retire_colder_when_short(reserves);
+        let stream = self.stream_for(ops, class, reserves);
+        let shortfall_bytes = self.shortfall_bytes(ops, class, stream, reserves);
+        if shortfall_bytes > 0 {
+            return Ok(Attempt::Short { shortfall_bytes, available_bytes: self.available_bytes() });
+        }
+        Ok(Attempt::Appended(self.append_checked(ops, stream, map)?))
+    }
+
+    /// Appends a group whose space was checked, and publishes its map entries.
+    fn append_checked(&mut self, ops: &[Op], stream: Stream, map: MapTarget<'_>) -> Result<Appended> {
+        for (start_lba, count) in ops.iter().filter_map(Op::lba_range) {
+            if start_lba.0 + count > map.map.block_count() {
+                return Err(Error::new(ErrorKind::OutOfRange, "request past the end (resized)"));
+            }
+        }
+        self.switch_stream(stream)?;
+        let appended = |state: &LogState, chunks, page_offsets| Appended {
+            last_seq: state.appender.next_seq - 1,
+            chunks,
+            page_offsets,
+        };
+        if let [Op::Write { start_lba, blocks, .. }] = ops {
+            if blocks.len() <= BATCH_WRITE_BLOCKS_MAX {
+                self.append_to_batch(map, *start_lba, blocks)?;
+                return Ok(appended(&self.state, Vec::new(), Vec::new()));
+            }
+        }
+        self.close_batch();
+        let mut flags = GroupFlags { first: true };
+        let mut chunks = Vec::new();
+        let mut page_offsets = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            let last_op = i + 1 == ops.len();
+            match op {
+                Op::Write { start_lba, blocks, .. } => {
+                    for (j, piece) in blocks.chunks(RECORD_BLOCKS_MAX).enumerate() {
+                        let last_piece = last_op && (j + 1) * RECORD_BLOCKS_MAX >= blocks.len();
+                        let piece_lba = start_lba.plus((j * RECORD_BLOCKS_MAX) as u64);
+                        self.append_write_records(map, piece_lba, piece, &mut flags, last_piece)?;
+                    }
+                }
+                Op::Range { kind, start_lba, block_count } => {
+                    self.ensure_room(RECORD_MIN_BYTES)?;
+                    let body = match kind {
+                        RangeKind::Trim => RecordBody::Trim { start_lba: *start_lba, block_count: *block_count },
+                        RangeKind::Zero => RecordBody::Zero { start_lba: *start_lba, block_count: *block_count },
+                    };
+                    let (payload_at, body) = self.put_record(flags.next(last_op), body, &[], &[]);
+                    self.apply(map, &body, payload_at)?;
+                }
+                Op::Relocate { fragments } => self.append_gc_copies(map, fragments, &mut flags, false)?,
+                Op::Recompress { fragments } => self.append_gc_copies(map, fragments, &mut flags, true)?,
+                Op::Checkpoint { bytes } => chunks.extend(self.append_checkpoint_records(bytes, &mut flags)?),
+                Op::MapPages { pages } => page_offsets.extend(self.append_page_records(pages, &mut flags)?),
+            }
+        }
+        Ok(appended(&self.state, chunks, page_offsets))
+    }
+
+    /// Applies an appended record to the map. A map page that cannot be read leaves the
+    /// map behind the log: the store fails (read-only; reopening replays the record).
+    fn apply(&mut self, map: MapTarget<'_>, body: &RecordBody, payload_at: u64) -> Result<u64> {
+        let log = self.log;
+        let mut live = self.state.live(&log.geometry);
+        match apply_record(map.map, &mut live, map.pages, body, FragmentFormat::V3, payload_at) {
+            Ok(applied) => Ok(applied.relocated_bytes),
+            Err(e) => Err(log.health.fail(e)),
+        }
+    }
+
+    /// Write records for up to `RECORD_BLOCKS_MAX` blocks: as many records as the segment
+    /// ends make it.
+    fn append_write_records(
+        &mut self,
+        map: MapTarget<'_>,
+        start_lba: Lba,
+        blocks: &[Block],
+        flags: &mut GroupFlags,
+        last_piece: bool,
+    ) -> Result<()> {
+        let mut done = 0;
+        while done < blocks.len() {
+            let sizes = blocks[done..].iter().map(|b| b.bytes.len());
+            let take = fragments_fitting(self.room(), WRITE_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment()?;
+                continue;
+            }
+            let part = &blocks[done..done + take];
+            let body = RecordBody::Write {
+                start_lba: start_lba.plus(done as u64),
+                fragments: part.iter().map(|b| b.entry).collect(),
+            };
+            let payload: Vec<&[u8]> = part.iter().map(|b| b.bytes.as_slice()).collect();
+            let record_flags = flags.next(last_piece && done + take == blocks.len());
+            let (payload_at, body) = self.put_record(record_flags, body, &payload, &vec![true; payload.len()]);
+            self.apply(map, &body, payload_at)?;
+            let data_bytes: usize = part.iter().map(|b| b.bytes.len()).sum();
+            Counters::add(&self.log.counters.data_bytes, data_bytes as u64);
+            done += take;
+        }
+        Ok(())
+    }
+
+    /// Batch records for GC's copies (moved as they were, or `recompressed`), each a group
+    /// of its own. A fragment goes in only if the map still points at its old place —
+    /// checked here, under the log lock, so nothing changes the entry before the record is
+    /// applied: a concurrent overwrite wins. Replay applies batch records unconditionally, in
+    /// log order, which is the order these checks were made in; so a copy needs no old
+    /// address for a compare-and-swap, and its entry is a batch's 8 bytes, once — where the
+    /// relocate records written until 2026-11-27 held 14 bytes twice (docs/format.md).
+    fn append_gc_copies(
+        &mut self,
+        map: MapTarget<'_>,
+        fragments: &[LiveFragment],
+        flags: &mut GroupFlags,
+        recompressed: bool,
+    ) -> Result<()> {
+        // The copies' leaves stay loaded from the check to the apply, a record's worth of
+        // copies at a time (at most 512 leaves pinned, 2 MiB; and no more records than
+        // `gc_copy_bytes` counts): so each copy removes the entry it replaces at once,
+        // instead of owing the removal of a victim's fragment — a map cache smaller than
+        // the map evicts between the two (docs/space.md, "GC and the map cache").
+        let mut fragments: Vec<&LiveFragment> = fragments.iter().filter(|f| f.lba.0 < map.map.block_count()).collect();
+        fragments.sort_unstable_by_key(|f| f.lba);
+        for group in fragments.chunks(RECORD_BLOCKS_MAX) {
+            let leaves = PageId::leaves_of(group.iter().map(|f| f.lba));
+            map.map.pin_loaded(&leaves, map.pages)?;
+            let appended = self.append_current_gc_copies(map, group, flags, recompressed);
+            map.map.unpin(&leaves);
+            appended?;
+        }
+        Ok(())
+    }
+
+    /// [`LogGuard::append_gc_copies`] for copies whose leaves are pinned.
+    fn append_current_gc_copies(
+        &mut self,
+        map: MapTarget<'_>,
+        fragments: &[&LiveFragment],
+        flags: &mut GroupFlags,
+        recompressed: bool,
+    ) -> Result<()> {
+        let mut current = Vec::with_capacity(fragments.len());
+        for &fragment in fragments {
+            if map.map.get(fragment.lba, map.pages)? == fragment.old {
+                current.push(fragment);
+            }
+        }
+        let mut done = 0;
+        while done < current.len() {
+            let sizes = current[done..].iter().take(RECORD_BLOCKS_MAX).map(|f| f.block.bytes.len());
+            let take = fragments_fitting(self.room(), BATCH_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment()?;
+                continue;
+            }
+            let part = &current[done..done + take];
+            let entries = part.iter().map(|f| BatchEntry { lba: f.lba, fragment: f.block.entry }).collect();
+            let payload: Vec<&[u8]> = part.iter().map(|f| f.block.bytes.as_slice()).collect();
+            // (A copy whose guard did not vouch for its old place keeps it: EIO still.)
+            let placed: Vec<bool> = part.iter().map(|f| recompressed || !f.keeps_guard).collect();
+            let (payload_at, body) = self.put_record(flags.alone(), RecordBody::Batch { entries }, &payload, &placed);
+            self.apply(map, &body, payload_at)?;
+            let new_bytes: u64 = part.iter().map(|f| f.block.bytes.len() as u64).sum();
+            self.count_gc_moved(new_bytes);
+            done += take;
+            if !recompressed {
+                continue;
+            }
+            let old_bytes: u64 = part.iter().map(|f| f.old_stored_len()).sum();
+            Counters::add(&self.log.codec_counters.recompressed_fragments, take as u64);
+            let with_dictionary =
+                part.iter().filter(|f| f.block.entry.codec == crate::codec::CodecTag::ZstdDict).count();
+            Counters::add(&self.log.codec_counters.recompressed_fragments_dictionary, with_dictionary as u64);
+            Counters::add(&self.log.codec_counters.recompress_saved_bytes, old_bytes.saturating_sub(new_bytes));
+        }
+        Ok(())
+    }
+
+    /// Counts bytes GC moved (and, into a GC stream, `gc_cold_bytes_moved`; into the
+    /// colder one, `gc_colder_bytes_moved` too).
+    fn count_gc_moved(&self, bytes: u64) {
+        Counters::add(&self.log.counters.gc_bytes_moved, bytes);
+        if self.state.appender.stream.is_gc() {
+            Counters::add(&self.log.gc_cold_bytes_moved, bytes);
+        }
+        if self.state.appender.stream == Stream::Colder {
+            Counters::add(&self.log.gc_colder_bytes_moved, bytes);
+        }
+    }
+
+    /// Checkpoint-chunk records holding `bytes`; returns where the chunks went.
+    fn append_checkpoint_records(&mut self, bytes: &[u8], flags: &mut GroupFlags) -> Result<Vec<ChunkRef>> {
+        let mut chunks = Vec::new();
+        let mut done = 0;
+        while done < bytes.len() {
+            let room = self.room().saturating_sub(RECORD_MIN_BYTES);
+            if room < 512.min(bytes.len() - done) {
+                self.open_new_segment()?;
+                continue;
+            }
+            let take = room.min(bytes.len() - done);
+            let part = &bytes[done..done + take];
+            let (payload_at, _) = self.put_record(flags.alone(), RecordBody::Checkpoint, &[part], &[]);
+            chunks.push(ChunkRef { offset_bytes: payload_at, length_bytes: take as u32, crc: crc32c::crc32c(part) });
+            done += take;
+        }
+        Ok(chunks)
+    }
+
+    /// Map-pages records for a checkpoint's pages (each a group of its own); returns where
+    /// each page's fragment went.
+    fn append_page_records(&mut self, pages: &[(PageId, Block)], flags: &mut GroupFlags) -> Result<Vec<u64>> {
+        let mut offsets = Vec::with_capacity(pages.len());
+        let mut done = 0;
+        while done < pages.len() {
+            let sizes = pages[done..].iter().take(RECORD_BLOCKS_MAX).map(|(_, b)| b.bytes.len());
+            let take = fragments_fitting(self.room(), BATCH_ENTRY_BYTES, sizes);
+            if take == 0 {
+                self.open_new_segment()?;
+                continue;
+            }
+            let part = &pages[done..done + take];
+            let entries = part.iter().map(|(id, b)| BatchEntry { lba: id.tag(), fragment: b.entry }).collect();
+            let payload: Vec<&[u8]> = part.iter().map(|(_, b)| b.bytes.as_slice()).collect();
+            let placed = vec![true; payload.len()];
+            let (mut at, _) = self.put_record(flags.alone(), RecordBody::MapPages { entries }, &payload, &placed);
+            for (_, b) in part {
+                offsets.push(at);
+                at += b.bytes.len() as u64;
+            }
+            let page_bytes = part.iter().map(|(_, b)| b.bytes.len() as u64).sum();
+            Counters::add(&self.log.counters.metadata_bytes, page_bytes);
+            Counters::add(&self.log.map_write_bytes, page_bytes);
+            done += take;
+        }
+        Ok(offsets)
+    }
+
+    /// Appends host blocks to the open batch record, first closing it (and opening a new
+    /// segment) when they do not fit. All of them go into one record: a request is atomic.
+    fn append_to_batch(&mut self, map: MapTarget<'_>, start_lba: Lba, blocks: &[Block]) -> Result<()> {
+        debug_assert!(blocks.len() <= BATCH_WRITE_BLOCKS_MAX);
+        debug_assert!(start_lba.0 + (blocks.len() as u64) < BATCH_LBA_LIMIT);
+        let payload_bytes: usize = blocks.iter().map(|b| b.bytes.len()).sum();
+        let added = payload_bytes + blocks.len() * BATCH_ENTRY_BYTES;
+        let fits = self
+            .state
+            .appender
+            .batch
+            .as_ref()
+            .is_some_and(|b| b.entries.len() + blocks.len() <= RECORD_BLOCKS_MAX && self.room() >= added);
+        if !fits {
+            self.open_batch(added)?;
+        }
+        // (The open batch is a record of this segment's use: its first is known.)
+        let use_seq = self
+            .state
+            .segments
+            .get(self.state.appender.open.as_ref().expect("an open segment").buffer.segment)
+            .first_seq;
+        debug_assert_ne!(use_seq, 0, "a batch's segment has a first record");
+        let state = &mut *self.state;
+        let appender = &mut state.appender;
+        let open = appender.open.as_mut().expect("an open segment");
+        let batch = appender.batch.as_mut().expect("an open batch");
+        let segment = open.buffer.segment;
+        let payload_at = self.log.geometry.segment_base(segment) + open.append_offset_bytes as u64;
+        let mut at = open.append_offset_bytes;
+        let mut entries = Vec::with_capacity(blocks.len());
+        {
+            let mut data = open.buffer.data.write();
+            for (i, block) in blocks.iter().enumerate() {
+                let place = &mut data[at..at + block.bytes.len()];
+                place.copy_from_slice(&block.bytes);
+                self.log.place_fragment(place, self.log.geometry.segment_base(segment) + at as u64, use_seq);
+                batch.payload_crc = crc32c::crc32c_append(batch.payload_crc, place);
+                entries.push(BatchEntry { lba: start_lba.plus(i as u64), fragment: block.entry });
+                at += block.bytes.len();
+            }
+        }
+        batch.entries.extend_from_slice(&entries);
+        batch.payload_len += payload_bytes;
+        open.append_offset_bytes = at;
+        state.segments.note_append(segment, at as u64, None);
+        state.epochs.bytes_since_checkpoint += payload_bytes as u64;
+        let body = RecordBody::Batch { entries };
+        self.apply(map, &body, payload_at)?;
+        Counters::add(&self.log.counters.data_bytes, payload_bytes as u64);
+        Ok(())
+    }
+
+    /// Closes the open batch and opens a new one with room for `added` bytes of fragments
+    /// and entries (in a new segment if this one lacks it). The batch takes its sequence
+    /// number now.
+    fn open_batch(&mut self, added: usize) -> Result<()> {
+        self.close_batch();
+        if self.state.appender.open.is_none() || self.room() < RECORD_MIN_BYTES + added {
+            self.open_new_segment()?;
+        }
+        let state = &mut *self.state;
+        let appender = &mut state.appender;
+        let open = appender.open.as_mut().expect("an open segment");
+        let record_offset_bytes = open.append_offset_bytes;
+        open.append_offset_bytes += HEAD_BYTES;
+        let segment = open.buffer.segment;
+        appender.batch = Some(OpenBatch {
+            record_offset_bytes,
+            seq: appender.next_seq,
+            prev_crc: appender.prev_crc,
+            entries: Vec::new(),
+            payload_len: 0,
+            payload_crc: 0,
+        });
+        let end = open.append_offset_bytes as u64;
+        state.segments.note_append(segment, end, Some((appender.next_seq, appender.nonce_epoch)));
+        appender.next_seq += 1;
+        Ok(())
+    }
+
+    /// Closes the open batch record, if any: appends its tail after its fragments and fills
+    /// in its head. Until then nothing of it is written out, so the head is never
+    /// rewritten on disk.
+    pub(crate) fn close_batch(&mut self) {
+        let state = &mut *self.state;
+        let appender = &mut state.appender;
+        let Some(batch) = appender.batch.take() else { return };
+        let header = RecordHeader {
+            version: RecordVersion::V3,
+            flags: FLAG_FIRST | FLAG_LAST,
+            seq: batch.seq,
+            durable_seq: self.log.durable_seq.load(Ordering::Acquire),
+            prev_crc: batch.prev_crc,
+            session: appender.session,
+            store_tag: self.log.geometry.store_tag,
+            nonce_epoch: appender.nonce_epoch,
+            payload_len: batch.payload_len as u32,
+            payload_crc: batch.payload_crc,
+            body: RecordBody::Batch { entries: batch.entries },
+        };
+        let encoded = self.log.encode_record(&header);
+        let open = appender.open.as_mut().expect("a batch lives in the open segment");
+        let record_at = batch.record_offset_bytes;
+        assert_eq!(open.append_offset_bytes, record_at + HEAD_BYTES + batch.payload_len);
+        assert!(open.written_offset_bytes <= record_at, "part of an open batch was written out");
+        let tail_at = open.append_offset_bytes;
+        debug_assert!(tail_at + encoded.tail.len() <= self.log.geometry.segment_size_bytes as usize);
+        {
+            let mut data = open.buffer.data.write();
+            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
+            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
+        }
+        open.append_offset_bytes += encoded.tail.len();
+        let (segment, end) = (open.buffer.segment, open.append_offset_bytes as u64);
+        appender.prev_crc = encoded.crc;
+        state.segments.note_append(segment, end, None);
+        state.epochs.bytes_since_checkpoint += encoded.tail.len() as u64;
+        Counters::add(&self.log.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
+    }
+
+    /// Writes one record into the open segment (which has room for it). Returns the
+    /// physical byte address of its payload, and its body back. The payload parts `placed`
+    /// marks are fragments: in an encrypted store each gets the placement tag of where it
+    /// lands (`place_fragment`) before the payload's CRC is taken.
+    pub(super) fn put_record(
+        &mut self,
+        flags: u8,
+        body: RecordBody,
+        payload: &[&[u8]],
+        placed: &[bool],
+    ) -> (u64, RecordBody) {
+        debug_assert!(placed.is_empty() || placed.len() == payload.len());
+        // The segment's use: this record begins it if it is the segment's first.
+        let segment = self.state.appender.open.as_ref().expect("an open segment").buffer.segment;
+        let use_seq = match self.state.segments.get(segment).first_seq {
+            0 => self.state.appender.next_seq,
+            first => first,
+        };
+        let state = &mut *self.state;
+        let appender = &mut state.appender;
+        debug_assert!(appender.batch.is_none(), "a record appended while a batch is open");
+        let payload_len: usize = payload.iter().map(|p| p.len()).sum();
+        let open = appender.open.as_mut().expect("an open segment");
+        let segment = open.buffer.segment;
+        let record_at = open.append_offset_bytes;
+        let base = self.log.geometry.segment_base(segment);
+        let tail_at = record_at + HEAD_BYTES + payload_len;
+        // The payload goes in first (its CRC is of the placed fragments); the buffer's lock
+        // is not held while the head and tail are encoded (an encrypted store's MAC). Nothing
+        // past the append offset is read or written out meanwhile.
+        let payload_crc = {
+            let mut data = open.buffer.data.write();
+            let mut at = record_at + HEAD_BYTES;
+            for (i, part) in payload.iter().enumerate() {
+                let place = &mut data[at..at + part.len()];
+                place.copy_from_slice(part);
+                if placed.get(i) == Some(&true) {
+                    self.log.place_fragment(place, base + at as u64, use_seq);
+                }
+                at += part.len();
+            }
+            crc32c::crc32c(&data[record_at + HEAD_BYTES..tail_at])
+        };
+        let header = RecordHeader {
+            version: RecordVersion::V3,
+            flags,
+            seq: appender.next_seq,
+            durable_seq: self.log.durable_seq.load(Ordering::Acquire),
+            prev_crc: appender.prev_crc,
+            session: appender.session,
+            store_tag: self.log.geometry.store_tag,
+            nonce_epoch: appender.nonce_epoch,
+            payload_len: payload_len as u32,
+            payload_crc,
+            body,
+        };
+        let encoded = self.log.encode_record(&header);
+        let total = HEAD_BYTES + payload_len + encoded.tail.len();
+        assert!(record_at + total <= self.log.geometry.segment_size_bytes as usize, "record past the segment end");
+        {
+            let mut data = open.buffer.data.write();
+            data[record_at..record_at + HEAD_BYTES].copy_from_slice(&encoded.head);
+            data[tail_at..tail_at + encoded.tail.len()].copy_from_slice(&encoded.tail);
+        }
+        open.append_offset_bytes += total;
+        state.segments.note_append(
+            segment,
+            (record_at + total) as u64,
+            Some((appender.next_seq, appender.nonce_epoch)),
+        );
+        appender.prev_crc = encoded.crc;
+        appender.next_seq += 1;
+        state.epochs.bytes_since_checkpoint += total as u64;
+        Counters::add(&self.log.counters.metadata_bytes, (HEAD_BYTES + encoded.tail.len()) as u64);
+        (base + (record_at + HEAD_BYTES) as u64, header.body)
+    }
+
+    /// Makes sure the open segment has `bytes` of room, opening a new one if needed.
+    pub(super) fn ensure_room(&mut self, bytes: usize) -> Result<()> {
+        if self.state.appender.open.is_none() || self.room() < bytes {
+            self.open_new_segment()?;
+        }
+        Ok(())
     }
 }

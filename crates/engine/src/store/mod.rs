@@ -4,27 +4,35 @@
 //! |---|---|
 //! | `options` | what callers pass in and get back besides data |
 //! | `create` | format, and reading a superblock without opening |
-//! | `state` | `Inner`, the state shared by request and background threads |
-//! | `lock` | the lock order, written down and checked in debug builds |
+//! | `state` | `Inner`: the open store as a composition of the components below |
+//! | `geometry` | the fixed facts of a store, segment buffers, the segment size rules |
+//! | `health` | read-only, the first failure, what recovery found |
+//! | `background` | the background threads' wake-ups, GC's locks |
+//! | `codecs` | the dictionary table, codec counters and cores |
+//! | `lock` | the lock order, written down and checked in debug and CI builds |
 //! | `request` | read / write / trim / zero / block status |
 //! | `read` | fetching and verifying blocks |
 //! | `op` | the operations a record group carries |
-//! | `admit` | a host request's wait for space and foreground GC |
+//! | `admit` | one append attempt; a host request's wait for space and foreground GC |
+//! | `space` | when host writers wait: stripes, permits, pacing, reserves as of now |
+//! | `capacity` | space classes, reserve arithmetic, native capacity |
 //! | `pacing` | host writes slowed to GC's pace as free space runs low |
-//! | `space` | space classes, reserves, space statistics |
-//! | `log` | one append attempt; records and batches |
+//! | `log` | the log component: its state, lock and append (`LogGuard::append`) |
+//! | `streams` | the log's streams and room |
 //! | `apply` | the one rule for what a record does to the map |
 //! | `segments` | the segment table and its state transitions |
-//! | `writeout` | write-out and flush |
+//! | `writeout` | write-out, flush, the flush proof |
 //! | `checkpoint` | checkpoints and the reuse rule |
 //! | `pages` | map pages on the store: reading them, a checkpoint writing them |
 //! | `gc` | victim choice, live collection, relocation |
 //! | `pending` | the LZ4 fallback's live bytes, what recompression would take (statistics) |
 //! | `dictionaries` | trained zstd dictionaries: training, installing, freeing |
 //! | `worker` | the background threads |
-//! | `recovery` | choose checkpoint, rebuild, replay, settle |
+//! | `recovery` | `recovery::open`: choose checkpoint, build, replay, settle, the open policy |
+//! | `replay` | replaying the records after the checkpoint into the log's state |
 //! | `scan` | reading records back from segment images |
 //! | `check` | verifying the whole store |
+//! | `statistics` | `Stats` |
 //!
 //! Invariants of the whole (asserted where cheap; `docs/guarantees.md` lists where each is
 //! tested): map order is log order; a request is one record group, all-or-nothing across a
@@ -34,13 +42,17 @@
 
 mod admit;
 mod apply;
+mod background;
 pub(crate) mod capacity;
 mod check;
 mod checkpoint;
+mod codecs;
 mod create;
 pub(crate) mod dictionaries;
 mod encryption;
 mod gc;
+mod geometry;
+mod health;
 mod idle;
 pub(crate) mod lock;
 mod log;
@@ -61,6 +73,7 @@ mod segments;
 mod space;
 mod spare_cpu;
 mod state;
+mod statistics;
 mod streams;
 #[cfg(test)]
 mod tests;
@@ -76,29 +89,20 @@ pub use options::{
 pub use read::{ReadDone, ReadPlan};
 pub use read_queue::{ReadQueue, Reaped};
 
-use std::collections::VecDeque;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use lock::{Mutex, Rank, RwLock};
-use log::{Appender, CheckpointEpochs, Log};
 use op::RangeKind;
-use request::{Durability, BLOCK_LOCK_STRIPES};
-use segments::SegmentTable;
-use state::{Geometry, Inner, WorkerSignal};
-use std::sync::Condvar;
-use streams::Stream;
+use request::Durability;
+use state::Inner;
 
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
-use crate::cache::FragmentCache;
 use crate::codec::Codec;
-use crate::crypto::cipher::StoreCipher;
 use crate::crypto::keys::SlotInfo;
 use crate::crypto::Secret;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{SegmentUsage, FEATURE_LOG_JUMPS, FORMAT_VERSION};
 use crate::stats::{Counters, Stats};
 use crate::BLOCK_SIZE;
 
@@ -184,103 +188,13 @@ impl Store {
 
     /// [`Store::checkpoint_stats`] on any backing (the simulator in tests).
     pub fn checkpoint_stats_of(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<(StoreInfo, Stats)> {
-        let chosen = recovery::choose_checkpoint(backing.as_ref(), None)?;
-        let info = create::info_from(&chosen.superblock);
-        let inner = Inner::from_checkpoint(backing, options, None, &chosen)?;
-        // As an open would free them (read-only: nothing is written).
-        inner.settle_segments(&mut inner.log.lock(), &chosen)?;
-        Ok((info, inner.stats()))
+        recovery::checkpoint_stats(backing, options)
     }
 
     /// Opens and recovers a store on any backing (the simulator in tests).
     pub fn open_backing(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Store> {
-        // Wrong options are refused before a key derivation or a replay spends time on them.
-        options.resolved_codec_cores()?;
-        let (newest, _) = recovery::read_superblocks(backing.as_ref())?;
-        let cipher = encryption::unlock(&backing, &newest, options)?;
-        let chosen = recovery::choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
-        let sb = chosen.superblock.clone();
-        let inner = Inner::from_checkpoint(backing, options, cipher, &chosen)?;
-        let flush_proof = inner.read_flush_proof();
-        let broken_link;
-        let unlinked;
-        let torn_applied;
-        {
-            let mut log = inner.log.lock();
-            let findings = inner.replay(&mut log, &sb, &flush_proof)?;
-            let continue_in = findings.continue_in;
-            torn_applied = findings.damaged.iter().any(|d| d.torn_tail);
-            inner.recovery.set(findings).expect("recovery runs once");
-            inner.settle_segments(&mut log, &chosen)?;
-            // The next run goes on where the last segment's link points, so a later
-            // recovery from an older checkpoint follows the log across this restart.
-            log.appender.next_segment = continue_in.filter(|&s| log.segments.is_free(s));
-            inner.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
-            broken_link = continue_in.is_some() && log.appender.next_segment.is_none();
-            unlinked = continue_in.is_none() && log.appender.next_seq > sb.checkpoint_seq + 1;
-        }
+        let inner = Arc::new(recovery::open(backing, options)?);
         let writable = !options.read_only && inner.degraded().is_none();
-        if writable {
-            inner.prove_at_open(&flush_proof)?;
-        }
-        if writable && unlinked {
-            // The log ended in a segment that names none to go on in (a cold segment, or
-            // none was free when it opened): a later recovery from the retained checkpoints
-            // would have to read every segment's start to find this run's records. A
-            // checkpoint now spares it that; on a full store, it may wait.
-            match inner.checkpoint_now() {
-                Err(e) if e.kind() == ErrorKind::NoSpace => tracing::warn!("checkpoint at open: {e}"),
-                other => other?,
-            }
-        }
-        if writable && broken_link {
-            // The segment the last link names is not free: the log goes on elsewhere, where
-            // replay from the retained checkpoints would not look. Checkpoint past the break.
-            tracing::warn!("the segment the log's last link names is in use; checkpointing past it");
-            inner.checkpoint_now()?;
-        }
-        if writable && torn_applied {
-            // Replay applied a record a crash tore (complete from its other copy). This run's
-            // records will claim it durable, so a later replay would take its damage for
-            // decay of a synced record. Two checkpoints take it out of both slots' replay.
-            for _ in 0..2 {
-                match inner.checkpoint_now() {
-                    Err(e) if e.kind() == ErrorKind::NoSpace => {
-                        tracing::warn!("checkpoint past a torn record at open: {e}");
-                        break;
-                    }
-                    other => other?,
-                }
-            }
-        }
-        if writable && sb.generation > 0 && chosen.older.is_none() {
-            // One retained checkpoint only (a crash tore the other slot's write, or the
-            // newest was damaged): write one now, so damage to either has a fallback again.
-            inner.checkpoint_now()?;
-        }
-        if writable && sb.format_version < FORMAT_VERSION {
-            // Older versions do not know this version's records. Both slots say the new
-            // version before one is written, so an older zdisk refuses the store instead of
-            // ending its replay at the first record it cannot read (which it would take for
-            // the end of the log).
-            inner.checkpoint_now()?;
-            inner.checkpoint_now()?;
-        }
-        if writable && !inner.dictionaries.read().table.is_empty() {
-            // The newest dictionary becomes GC's once both retained checkpoints carry it:
-            // the one loaded does; the older one may not (a crash between the two
-            // checkpoints that installed it). One more checkpoint makes both carry it.
-            if chosen.older.is_some() {
-                inner.checkpoint_now()?;
-            }
-            let next_seq = inner.log.lock().appender.next_seq;
-            let mut state = inner.dictionaries.write();
-            state.newest = state.table.last().cloned();
-            // Known from the run that made it GC's, else from now (nothing ran since open).
-            let loaded = state.newest.as_ref().map_or(0, |d| state.loaded_since_seq.get(&d.id).copied().unwrap_or(0));
-            state.newest_since_seq = if loaded != 0 { loaded } else { next_seq };
-        }
-        let inner = Arc::new(inner);
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
         Ok(Store { inner, workers, closed: false, idle: Default::default() })
     }
@@ -303,7 +217,7 @@ impl Store {
                 ));
             }
             self.inner.map.write().resize(new_blocks);
-            self.inner.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
+            self.inner.space.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
         }
         self.inner.checkpoint_now()
     }
@@ -320,7 +234,7 @@ impl Store {
             geometry.segment_count,
             over_provision_ppm,
             geometry.encrypted,
-            self.inner.cold_stream,
+            self.inner.log.cold_stream,
         );
         let stored = self.inner.stats().physical_size;
         if stored > native.bytes {
@@ -334,7 +248,7 @@ impl Store {
             ));
         }
         self.inner.checkpoint.lock().over_provision_ppm = over_provision_ppm;
-        self.inner.over_provision_ppm.store(over_provision_ppm, Ordering::Release);
+        self.inner.space.over_provision_ppm.store(over_provision_ppm, Ordering::Release);
         self.inner.checkpoint_now()
     }
 
@@ -345,7 +259,7 @@ impl Store {
     }
 
     pub fn logical_size_bytes(&self) -> u64 {
-        self.inner.logical_size_bytes.load(Ordering::Acquire)
+        self.inner.space.logical_size_bytes.load(Ordering::Acquire)
     }
 
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -492,7 +406,7 @@ impl Store {
     #[doc(hidden)]
     pub fn abandon(mut self) {
         self.closed = true;
-        self.inner.failed.store(true, Ordering::Release);
+        self.inner.health.failed.store(true, Ordering::Release);
         self.stop_workers();
     }
 
@@ -503,11 +417,11 @@ impl Store {
 
     fn stop_workers(&mut self) {
         {
-            let mut signal = self.inner.signal.lock();
+            let mut signal = self.inner.background.wakeups.signal.lock();
             signal.stop = true;
-            self.inner.signal_cv.notify_all();
+            self.inner.background.wakeups.signal_cv.notify_all();
         }
-        self.inner.writer_cv.notify_all();
+        self.inner.background.wakeups.writer_cv.notify_all();
         for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
@@ -519,122 +433,14 @@ impl Store {
         }
         self.closed = true;
         self.stop_workers();
-        if self.inner.read_only || self.inner.failed.load(Ordering::Acquire) || self.inner.degraded().is_some() {
+        if self.inner.health.read_only
+            || self.inner.health.failed.load(Ordering::Acquire)
+            || self.inner.degraded().is_some()
+        {
             return Ok(());
         }
         self.inner.flush()?;
         self.inner.checkpoint_now()
-    }
-}
-
-impl Inner {
-    /// The store's state as its checkpoint `chosen` left it, before replay: what
-    /// `Store::open_backing` recovers from, and all `Store::checkpoint_stats` reads.
-    fn from_checkpoint(
-        backing: Arc<dyn Backing>,
-        options: &OpenOptions,
-        cipher: Option<Arc<StoreCipher>>,
-        chosen: &recovery::Chosen,
-    ) -> Result<Inner> {
-        let sb = chosen.superblock.clone();
-        let geometry = Geometry {
-            store_tag: create::store_tag(&sb.uuid),
-            segment_size_bytes: sb.segment_size_bytes,
-            segment_count: sb.segment_count(),
-            physical_size_bytes: sb.physical_size_bytes,
-            codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
-            encrypted: sb.encrypted(),
-        };
-        let codec_cores = options.resolved_codec_cores()?;
-        let logical_size_bytes = recovery::logical_size_bytes(chosen);
-        let (map, counts) = recovery::build_map(
-            chosen.checkpoint.as_ref(),
-            recovery::block_count(logical_size_bytes),
-            options.map_cache_bytes as usize,
-        )?;
-        let usage = match &chosen.checkpoint {
-            Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
-                return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
-            }
-            Some(cp) => cp.segments.clone(),
-            None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
-        };
-        let mut segments = SegmentTable::recovered(usage);
-        segments.counts = counts;
-        let segment_uses = segments.uses();
-        let counters =
-            chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters));
-        let log = Log {
-            appender: Appender {
-                next_seq: sb.checkpoint_seq + 1,
-                prev_crc: sb.replay_prev_crc,
-                session: create::session_nonce(),
-                nonce_epoch: cipher.as_deref().filter(|c| c.short_nonces()).map_or(0, StoreCipher::current_epoch),
-                open: None,
-                batch: None,
-                sealed_unwritten: VecDeque::new(),
-                buffer_pool: Vec::new(),
-                next_segment: None,
-                stream: Stream::Host,
-                parked: Vec::new(),
-            },
-            segments,
-            epochs: CheckpointEpochs {
-                snapshot_generation: sb.generation,
-                reuse_horizon_seq: 0,
-                bytes_since_checkpoint: 0,
-                checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-                image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-                release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
-                superseded_carry: Default::default(),
-            },
-            pending: pending::PendingRecompress::new(geometry.codec, sb.checkpoint_seq),
-        };
-        Ok(Inner {
-            backing,
-            read_cache: FragmentCache::new(options.read_cache_bytes, geometry.segment_count),
-            geometry,
-            read_only: options.read_only,
-            options: options.clone(),
-            map: RwLock::new(Rank::Map, map),
-            log: Mutex::new(Rank::Log, log),
-            io: Mutex::new(Rank::Io, proof::ProofState::default()),
-            checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
-            buffered: RwLock::new(Rank::Buffered, Vec::new()),
-            counters,
-            codec_counters: Default::default(),
-            codec_cores,
-            failed: AtomicBool::new(false),
-            failure: std::sync::OnceLock::new(),
-            space_exhausted: AtomicBool::new(false),
-            host_slack_bytes: AtomicU64::new(u64::MAX),
-            cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,
-            segment_uses,
-            map_write_bytes: AtomicU64::new(0),
-            gc_cold_bytes_moved: AtomicU64::new(0),
-            gc_colder_bytes_moved: AtomicU64::new(0),
-            host_backing_reads: AtomicU64::new(0),
-            host_reads_replanned: AtomicU64::new(0),
-            host_backing_read_bytes: AtomicU64::new(0),
-            logical_size_bytes: AtomicU64::new(logical_size_bytes),
-            over_provision_ppm: AtomicU32::new(sb.over_provision_ppm),
-            durable_seq: AtomicU64::new(0),
-            block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
-            signal: Mutex::new(Rank::Signal, WorkerSignal { stop: false, kick: false, kick_writer: false }),
-            signal_cv: Condvar::new(),
-            writer_cv: Condvar::new(),
-            gc_lock: Mutex::new(Rank::Gc, ()),
-            foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
-            foreground_rounds: AtomicU64::new(0),
-            pacer: pacing::Pacer::new(),
-            write_permits: permits::WritePermits::new(options.write_concurrency),
-            recovery: std::sync::OnceLock::new(),
-            dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
-                chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
-                cipher.as_deref(),
-            )?),
-            cipher,
-        })
     }
 }
 

@@ -57,6 +57,14 @@ pub struct Encryption {
     pub kdf: KdfParams,
 }
 
+/// Stored blocks a store holds before it trains its first dictionary on its own (unless
+/// told): 16 MiB, four times the most `sample_blocks` reads, so the sample is spread over
+/// the data rather than being all of it.
+pub const AUTO_DICTIONARY_BLOCKS_MIN: u64 = 4096;
+
+/// How long the host must have been away before idle work starts, unless told.
+pub const IDLE_AFTER_DEFAULT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The map cache's default: the map of 128 GiB of logical space stays cached (2 MiB of
 /// pages per GiB), and a checkpoint's worth of changes fits beside it.
 pub const DEFAULT_MAP_CACHE_BYTES: u64 = 256 << 20;
@@ -173,7 +181,7 @@ impl Default for OpenOptions {
             discard_freed: std::env::var("ZDISK_DISCARD_FREED").is_ok_and(|v| v == "on"),
             idle_after: idle_after_from_env(),
             idle_spare_cores: idle_spare_cores_from_env(),
-            auto_dictionary_blocks: Some(super::idle::AUTO_DICTIONARY_BLOCKS_MIN),
+            auto_dictionary_blocks: Some(AUTO_DICTIONARY_BLOCKS_MIN),
             key: None,
             nonce_lease: crate::crypto::cipher::NONCE_LEASE_DEFAULT,
             #[cfg(feature = "sim")]
@@ -249,10 +257,10 @@ fn idle_after_from_env() -> Option<std::time::Duration> {
             Ok(ms) => Some(std::time::Duration::from_millis(ms)),
             Err(_) => {
                 tracing::warn!("ZDISK_IDLE_AFTER_MS={v:?} is not a number of milliseconds; using the default");
-                Some(super::idle::IDLE_AFTER_DEFAULT)
+                Some(IDLE_AFTER_DEFAULT)
             }
         },
-        Err(_) => Some(super::idle::IDLE_AFTER_DEFAULT),
+        Err(_) => Some(IDLE_AFTER_DEFAULT),
     }
 }
 

@@ -9,12 +9,13 @@
 
 use std::collections::BTreeMap;
 
-use super::apply::{Live, SnapshotAccount};
+use super::apply::SnapshotAccount;
+use super::capacity::SpaceClass;
+use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
 use super::op::{Block, Op};
 use super::segments::BlockCounts;
-use super::space::SpaceClass;
-use super::state::{new_buffer, round_up, Inner};
+use super::state::Inner;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::SegmentUsage;
 use crate::map::page::{self, PageId};
@@ -26,7 +27,7 @@ const PAGE_BATCH: usize = 256;
 
 impl PageSource for Inner {
     fn cipher(&self) -> Option<&crate::crypto::cipher::StoreCipher> {
-        self.cipher.as_deref()
+        self.log.cipher.as_deref()
     }
 
     fn segment_use(&self, address: u64) -> crate::crypto::cipher::SegmentUse {
@@ -37,7 +38,7 @@ impl PageSource for Inner {
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); at.len()];
         let mut on_disk = Vec::new();
         {
-            let buffered = self.buffered.read();
+            let buffered = self.log.buffered.read();
             for (i, s) in at.iter().enumerate() {
                 let segment = self.geometry.segment_of(s.offset_bytes);
                 match buffered.iter().find(|b| b.segment == segment) {
@@ -137,7 +138,7 @@ impl Inner {
             debts.push(self.walk_debt(p)?);
             let body = p.merged();
             if uniform_constant(&body).is_none() {
-                let (entry, bytes, nonce_epoch) = page::encode(p.id, &body, self.cipher.as_deref())?;
+                let (entry, bytes, nonce_epoch) = page::encode(p.id, &body, self.log.cipher.as_deref())?;
                 pages.push((p.id, Block { entry, bytes, nonce_epoch }));
             }
             bodies.push(body);
@@ -179,7 +180,7 @@ impl Inner {
             for (&segment, &bytes) in &debt.pages {
                 *cp.superseded.entry(segment).or_default() += bytes;
             }
-            let mut live = Live::new(log, &self.geometry);
+            let mut live = log.live(&self.geometry);
             let mut snapshot =
                 SnapshotAccount { usage: &mut cp.usage, counts: &mut cp.counts, geometry: &self.geometry };
             let old = map.install_rewrite(p, new_pointer, body, &mut live, &mut snapshot);

@@ -15,12 +15,7 @@
 //! - Every writable open writes one (after a sync) before it appends anything, so the
 //!   newest proof is always the latest writable run's, about the history that run recovered.
 
-use std::sync::atomic::Ordering;
-
-use super::state::{new_buffer, Inner};
-use crate::error::{Error, Result};
-use crate::format::{FlushProof, ProofSector, FLUSH_PROOF_BYTES, FLUSH_PROOF_OFFSET_BYTES};
-use crate::stats::Counters;
+use crate::format::ProofSector;
 
 /// What the last proof written said (held under the `io` lock).
 #[derive(Debug, Default)]
@@ -57,51 +52,5 @@ impl Proven {
             )),
             _ => None,
         }
-    }
-}
-
-impl Inner {
-    /// Reads the proof sector (a failed read is damage: what it said is unknown).
-    pub(crate) fn read_flush_proof(&self) -> Proven {
-        let mut sector = new_buffer(FLUSH_PROOF_BYTES);
-        match self.backing.read_at(FLUSH_PROOF_OFFSET_BYTES, &mut sector) {
-            Ok(()) => Proven(ProofSector::decode(&sector, self.geometry.store_tag)),
-            Err(e) => {
-                tracing::error!("reading the flush proof: {e}");
-                Proven(ProofSector::Damaged)
-            }
-        }
-    }
-
-    /// Writes and syncs a proof that every record up to `proven_seq` is durable. The caller
-    /// holds the `io` lock and has synced those records.
-    pub(crate) fn write_flush_proof(&self, state: &mut ProofState, proven_seq: u64) -> Result<()> {
-        debug_assert!(state.session != 0, "a proof before open set the session");
-        debug_assert!(proven_seq < self.log.lock().appender.next_seq, "a proof of records not appended yet");
-        let proof = FlushProof { generation: state.generation + 1, proven_seq, session: state.session };
-        let mut aligned = new_buffer(FLUSH_PROOF_BYTES);
-        aligned.copy_from_slice(&proof.encode_sector(self.geometry.store_tag));
-        self.backing
-            .write_durable_at(FLUSH_PROOF_OFFSET_BYTES, &aligned)
-            .map_err(|e| self.fail(Error::io("write the flush proof", e)))?;
-        Counters::add(&self.counters.backing_write_bytes, FLUSH_PROOF_BYTES as u64);
-        state.generation = proof.generation;
-        state.proven_seq = proven_seq;
-        Ok(())
-    }
-
-    /// At a writable open, before anything is appended: makes what replay found durable and
-    /// proves it, so the newest proof is this run's (an older run's would name sequence
-    /// numbers this run writes again, in another session).
-    pub(crate) fn prove_at_open(&self, found: &Proven) -> Result<()> {
-        let mut state = self.io.lock();
-        state.session = self.log.lock().appender.session;
-        state.generation = match found.0 {
-            ProofSector::Proof(p) => p.generation,
-            ProofSector::Empty | ProofSector::Damaged => 0,
-        };
-        self.backing.sync().map_err(|e| self.fail(Error::io("sync at open", e)))?;
-        let replayed = self.durable_seq.load(Ordering::Acquire);
-        self.write_flush_proof(&mut state, replayed)
     }
 }

@@ -8,7 +8,8 @@
 
 use std::ops::Range;
 
-use super::state::{new_buffer, round_up, AlignedBuf, Inner};
+use super::geometry::{new_buffer, round_up, AlignedBuf};
+use super::state::Inner;
 use crate::cache::FragmentCache;
 use crate::codec::{decompress_block, CodecTag, DictionarySet, NO_DICTIONARIES};
 use crate::crypto::cipher::{Domain, SegmentUse, StoreCipher};
@@ -125,7 +126,7 @@ impl Inner {
         first_lba: Lba,
         cache: ReadCache,
     ) -> Result<()> {
-        let read_cache = (cache == ReadCache::Use).then_some(&self.read_cache);
+        let read_cache = (cache == ReadCache::Use).then_some(&self.reads.cache);
         let on_disk = self.fetch_from_memory(entries, out, first_lba, read_cache)?;
         let runs = self.read_runs(&on_disk);
         // The runs go to the device together (io_uring where there is one): a request
@@ -155,7 +156,7 @@ impl Inner {
         read_cache: Option<&FragmentCache>,
     ) -> Result<Vec<DiskFragment>> {
         let mut on_disk: Vec<DiskFragment> = Vec::new();
-        let buffered = self.buffered.read();
+        let buffered = self.log.buffered.read();
         for (i, entry) in entries.iter().enumerate() {
             if *entry == Entry::Lost {
                 Counters::add(&self.counters.checksum_errors, 1);
@@ -191,8 +192,8 @@ impl Inner {
         first_lba: Lba,
         read_cache: Option<&FragmentCache>,
     ) -> Result<()> {
-        Counters::add(&self.host_backing_reads, runs.len() as u64);
-        Counters::add(&self.host_backing_read_bytes, buffers.iter().map(|b| b.len() as u64).sum());
+        Counters::add(&self.reads.backing_reads, runs.len() as u64);
+        Counters::add(&self.reads.backing_read_bytes, buffers.iter().map(|b| b.len() as u64).sum());
         for (run, raw) in runs.iter().zip(buffers) {
             for f in &on_disk[run.fragments.clone()] {
                 let at = (f.stored.offset_bytes - run.start_bytes) as usize;
@@ -222,7 +223,7 @@ impl Inner {
         let mut blocks = vec![0u8; block_count * BLOCK_SIZE];
         let map = self.map.read();
         let entries = self.read_entries(&map, first_lba, block_count)?;
-        let on_disk = self.fetch_from_memory(&entries, &mut blocks, first_lba, Some(&self.read_cache))?;
+        let on_disk = self.fetch_from_memory(&entries, &mut blocks, first_lba, Some(&self.reads.cache))?;
         // Under the map's read lock: a segment freed after this was freed after the lock
         // (`free_cleaned_locked` takes the write lock first), so its count has not moved yet.
         let mut frees: Vec<(SegmentId, u32)> = Vec::new();
@@ -244,7 +245,7 @@ impl Inner {
     /// only after every block in it moved, so the map no longer points there).
     pub(crate) fn finish_read(&self, mut plan: ReadPlan) -> Result<ReadDone> {
         if plan.frees.iter().any(|&(segment, frees)| self.segment_frees(segment) != frees) {
-            Counters::add(&self.host_reads_replanned, 1);
+            Counters::add(&self.reads.replanned, 1);
             let mut data = vec![0u8; plan.len];
             self.read(plan.offset, &mut data)?;
             return Ok(ReadDone { bytes: data, skip: 0, len: plan.len });
@@ -255,7 +256,7 @@ impl Inner {
             &plan.on_disk,
             &mut plan.blocks,
             plan.first_lba,
-            Some(&self.read_cache),
+            Some(&self.reads.cache),
         )?;
         Counters::add(&self.counters.host_read_bytes, plan.len as u64);
         Ok(ReadDone { bytes: plan.blocks, skip: plan.skip, len: plan.len })
@@ -263,7 +264,7 @@ impl Inner {
 
     /// How many times `segment` was freed (`UseCell::frees`).
     fn segment_frees(&self, segment: SegmentId) -> u32 {
-        self.segment_uses.get(segment.index()).map_or(0, |u| u.frees())
+        self.log.segment_uses.get(segment.index()).map_or(0, |u| u.frees())
     }
 
     /// Coalesces fragments (sorted by address) whose sectors touch into runs of at most
@@ -310,7 +311,7 @@ impl Inner {
     pub(crate) fn named_dictionary(&self, fragment: &[u8], lba: Lba, nonce_epoch: u16) -> Option<u32> {
         let pi = Protection::decode(fragment.get(..PI_BYTES)?).ok()?;
         let output = fragment.get(PI_BYTES..)?;
-        match &self.cipher {
+        match &self.log.cipher {
             Some(cipher) => {
                 let plain = cipher.open(Domain::Block, lba.0, pi.entry.packed(), output, nonce_epoch).ok()?;
                 crate::codec::frame_dictionary_id(&plain)
@@ -345,7 +346,7 @@ impl Inner {
     /// and nonce epoch (`SegmentTable::uses`; no lock taken).
     pub(crate) fn segment_use(&self, address: u64) -> SegmentUse {
         let segment = self.geometry.segment_of(address);
-        let (seq, nonce_epoch) = self.segment_uses.get(segment.index()).map_or((0, 0), |u| u.get());
+        let (seq, nonce_epoch) = self.log.segment_uses.get(segment.index()).map_or((0, 0), |u| u.get());
         SegmentUse { seq, nonce_epoch }
     }
 
@@ -364,7 +365,7 @@ impl Inner {
 
     /// What verifying a fragment at `address` needs of an encrypted store (None: plain).
     pub(crate) fn sealed_at(&self, address: u64) -> Option<Sealed<'_>> {
-        self.cipher.as_deref().map(|cipher| Sealed { cipher, in_use: self.segment_use(address) })
+        self.log.cipher.as_deref().map(|cipher| Sealed { cipher, in_use: self.segment_use(address) })
     }
 }
 

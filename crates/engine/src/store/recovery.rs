@@ -1,95 +1,43 @@
 //! Opening a store: choose the checkpoint, rebuild the map and segment table from it, replay
 //! the records after it, and settle which segments are free — each its own step.
 //!
-//! Step 3, replay, has a room of its own (`replay.rs`).
+//! Step 3, replay, has a room of its own (`replay.rs`). `open` runs the steps and then the
+//! open policy (what a writable open writes before it serves); `inner_from_checkpoint`
+//! builds the store's components from the checkpoint.
 //!
 //! Invariant: recovery reads only the checkpoint and the records after it, following each
 //! segment's link to the next (and, only for an older format, a segment without a readable
 //! link, or a damaged record, one sector per segment and the segments that could hold what
 //! follows). Map pages are read when they are first needed, not at open.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
-use super::log::Log;
-use super::segments::BlockCounts;
+use super::background::{Background, Wakeups};
+use super::codecs::{Codecs, DictionaryState};
+use super::geometry::Geometry;
+use super::health::Health;
+use super::lock::{Mutex, Rank, RwLock};
+use super::log::{Appender, CheckpointEpochs, Log, LogParts, LogState};
+use super::options::{OpenOptions, StoreInfo};
+use super::segments::{BlockCounts, SegmentTable};
+use super::space::{Space, SpaceParts};
 use super::state::Inner;
+use super::streams::Stream;
+use super::{create, encryption, pending};
 use crate::backing::Backing;
+use crate::cache::{FragmentCache, Reads};
+use crate::codec::Codec;
 use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{Checkpoint, Superblock, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{Checkpoint, SegmentUsage, Superblock, FEATURE_LOG_JUMPS, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES};
 use crate::map::page;
 use crate::map::{Entry, PackedEntry, PagedMap};
-use crate::types::{Lba, SegmentId};
+use crate::stats::{CodecCounters, Counters, Stats};
 use crate::BLOCK_SIZE;
 
 use super::checkpoint::{chunk_segments, load_checkpoint};
-
-/// A record recovery found damaged.
-#[derive(Debug, Clone)]
-pub(crate) struct DamagedRecord {
-    /// Where it starts (or where the damage starts, for a lost record).
-    pub offset_bytes: u64,
-    /// What was damaged and what recovery did.
-    pub what: String,
-    /// The LBA ranges (start, blocks) it wrote, where known.
-    pub lbas: Vec<(Lba, u64)>,
-    /// Complete, and no later record proves it durable: what a crash during its write
-    /// leaves (a torn head or tail sector), not decay. Nothing was lost.
-    pub torn_tail: bool,
-    /// A checkpoint chunk or marker: nothing maps to it (a retained checkpoint that needs a
-    /// damaged chunk is reported on its own).
-    pub maps_nothing: bool,
-}
-
-/// A store that lost records: which blocks are provably newer than the loss.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Degraded {
-    pub first_lost_seq: u64,
-    /// Ranges (start → end, exclusive) of LBAs written, trimmed or zeroed after the loss.
-    newer: BTreeMap<u64, u64>,
-}
-
-impl Degraded {
-    pub(super) fn from(first_lost_seq: u64) -> Degraded {
-        Degraded { first_lost_seq, newer: BTreeMap::new() }
-    }
-
-    pub(super) fn note(&mut self, start: Lba, blocks: u64) {
-        let (mut start, mut end) = (start.0, start.0.saturating_add(blocks));
-        // Merge with overlapping or adjacent ranges.
-        if let Some((&s, &e)) = self.newer.range(..=start).next_back() {
-            if e >= start {
-                start = s;
-                end = end.max(e);
-            }
-        }
-        while let Some((&s, &e)) = self.newer.range(start..).next() {
-            if s > end {
-                break;
-            }
-            end = end.max(e);
-            self.newer.remove(&s);
-        }
-        self.newer.insert(start, end);
-    }
-
-    /// Whether block `lba` was written after the loss (so no lost record can be newer).
-    pub fn is_newer(&self, lba: Lba) -> bool {
-        self.newer.range(..=lba.0).next_back().is_some_and(|(_, &end)| lba.0 < end)
-    }
-}
-
-/// What recovery found, for `check` and the statistics.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct RecoveryFindings {
-    pub damaged: Vec<DamagedRecord>,
-    pub degraded: Option<Degraded>,
-    /// The segment the last replayed segment's link names: where the log goes on.
-    pub continue_in: Option<SegmentId>,
-    /// Whether replay had to read every segment's start (an older format, an unreadable
-    /// link, or damage).
-    pub indexed: bool,
-}
 
 /// The checkpoint recovery starts from, with the superblock that points at it.
 pub(crate) struct Chosen {
@@ -197,27 +145,31 @@ pub(crate) fn build_map(
     Ok((map, counts))
 }
 
-impl Inner {
+impl LogState {
     /// Step 4: which segments are pinned by the retained checkpoints, the reuse horizon,
-    /// and which segments are free.
-    pub(crate) fn settle_segments(&self, log: &mut Log, chosen: &Chosen) -> Result<()> {
+    /// and which segments are free. True when sealed segments were freed: the records that
+    /// emptied them were replayed, so they are on disk, and a sync must put them on stable
+    /// media before any of these segments is written again (`sync_settled`).
+    pub(crate) fn settle_at_open(&mut self, geometry: &Geometry, chosen: &Chosen) -> bool {
         let sb = &chosen.superblock;
-        let mut pinned = vec![chunk_segments(&self.geometry, sb)];
-        log.epochs.reuse_horizon_seq = sb.checkpoint_seq;
+        let mut pinned = vec![chunk_segments(geometry, sb)];
+        self.epochs.reuse_horizon_seq = sb.checkpoint_seq;
         if let Some(older) = &chosen.older {
-            pinned.push(chunk_segments(&self.geometry, older));
-            log.epochs.reuse_horizon_seq = log.epochs.reuse_horizon_seq.min(older.checkpoint_seq);
+            pinned.push(chunk_segments(geometry, older));
+            self.epochs.reuse_horizon_seq = self.epochs.reuse_horizon_seq.min(older.checkpoint_seq);
         }
-        log.segments.set_pinned(pinned);
-        let freed_sealed = log.segments.settle_at_open(log.epochs.reuse_horizon_seq);
-        // The records that emptied those sealed segments were replayed, so they are on
-        // disk; the sync makes sure they are on stable media before any of these segments
-        // is written again.
-        if freed_sealed && !self.read_only {
-            self.backing.sync().map_err(|e| Error::io("sync after recovery", e))?;
-        }
-        Ok(())
+        self.segments.set_pinned(pinned);
+        self.segments.settle_at_open(self.epochs.reuse_horizon_seq)
     }
+}
+
+/// The sync `LogState::settle_at_open` asks for when it freed sealed segments (none on a
+/// read-only open, which writes nothing).
+fn sync_settled(inner: &Inner, freed_sealed: bool) -> Result<()> {
+    if freed_sealed && !inner.health.read_only {
+        inner.backing.sync().map_err(|e| Error::io("sync after recovery", e))?;
+    }
+    Ok(())
 }
 
 /// The logical size recovery opens with: the checkpoint's, else the superblock's.
@@ -228,4 +180,217 @@ pub(crate) fn logical_size_bytes(chosen: &Chosen) -> u64 {
 /// Blocks of `logical_size_bytes`.
 pub(crate) fn block_count(logical_size_bytes: u64) -> u64 {
     logical_size_bytes / BLOCK_SIZE as u64
+}
+
+/// Opens and recovers the store on `backing`: unlock it, choose the checkpoint, build the
+/// store's state from it, replay what follows, settle the free segments — then the open
+/// policy: what a writable open writes before it serves (a flush proof; checkpoints past a
+/// broken link, a torn record, a lost slot, an older format; making the newest dictionary
+/// GC's). The caller starts the threads.
+pub(crate) fn open(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<Inner> {
+    // Wrong options are refused before a key derivation or a replay spends time on them.
+    options.resolved_codec_cores()?;
+    let (newest, _) = read_superblocks(backing.as_ref())?;
+    let cipher = encryption::unlock(&backing, &newest, options)?;
+    let chosen = choose_checkpoint(backing.as_ref(), cipher.as_deref())?;
+    let sb = chosen.superblock.clone();
+    let inner = inner_from_checkpoint(backing, options, cipher, &chosen)?;
+    let flush_proof = inner.read_flush_proof();
+    let broken_link;
+    let unlinked;
+    let torn_applied;
+    {
+        let mut log = inner.log.lock();
+        let findings = log.replay(&inner, &sb, &flush_proof)?;
+        let continue_in = findings.continue_in;
+        torn_applied = findings.damaged.iter().any(|d| d.torn_tail);
+        inner.health.recovery.set(findings).expect("recovery runs once");
+        let freed_sealed = log.settle_at_open(&inner.geometry, &chosen);
+        sync_settled(&inner, freed_sealed)?;
+        // The next run goes on where the last segment's link points, so a later
+        // recovery from an older checkpoint follows the log across this restart.
+        log.appender.next_segment = continue_in.filter(|&s| log.segments.is_free(s));
+        inner.log.durable_seq.store(log.appender.next_seq - 1, Ordering::Release);
+        broken_link = continue_in.is_some() && log.appender.next_segment.is_none();
+        unlinked = continue_in.is_none() && log.appender.next_seq > sb.checkpoint_seq + 1;
+    }
+    let writable = !options.read_only && inner.degraded().is_none();
+    if writable {
+        inner.prove_at_open(&flush_proof)?;
+    }
+    if writable && unlinked {
+        // The log ended in a segment that names none to go on in (a cold segment, or
+        // none was free when it opened): a later recovery from the retained checkpoints
+        // would have to read every segment's start to find this run's records. A
+        // checkpoint now spares it that; on a full store, it may wait.
+        match inner.checkpoint_now() {
+            Err(e) if e.kind() == ErrorKind::NoSpace => tracing::warn!("checkpoint at open: {e}"),
+            other => other?,
+        }
+    }
+    if writable && broken_link {
+        // The segment the last link names is not free: the log goes on elsewhere, where
+        // replay from the retained checkpoints would not look. Checkpoint past the break.
+        tracing::warn!("the segment the log's last link names is in use; checkpointing past it");
+        inner.checkpoint_now()?;
+    }
+    if writable && torn_applied {
+        // Replay applied a record a crash tore (complete from its other copy). This run's
+        // records will claim it durable, so a later replay would take its damage for
+        // decay of a synced record. Two checkpoints take it out of both slots' replay.
+        for _ in 0..2 {
+            match inner.checkpoint_now() {
+                Err(e) if e.kind() == ErrorKind::NoSpace => {
+                    tracing::warn!("checkpoint past a torn record at open: {e}");
+                    break;
+                }
+                other => other?,
+            }
+        }
+    }
+    if writable && sb.generation > 0 && chosen.older.is_none() {
+        // One retained checkpoint only (a crash tore the other slot's write, or the
+        // newest was damaged): write one now, so damage to either has a fallback again.
+        inner.checkpoint_now()?;
+    }
+    if writable && sb.format_version < FORMAT_VERSION {
+        // Older versions do not know this version's records. Both slots say the new
+        // version before one is written, so an older zdisk refuses the store instead of
+        // ending its replay at the first record it cannot read (which it would take for
+        // the end of the log).
+        inner.checkpoint_now()?;
+        inner.checkpoint_now()?;
+    }
+    if writable && !inner.codecs.dictionaries.read().table.is_empty() {
+        // The newest dictionary becomes GC's once both retained checkpoints carry it:
+        // the one loaded does; the older one may not (a crash between the two
+        // checkpoints that installed it). One more checkpoint makes both carry it.
+        if chosen.older.is_some() {
+            inner.checkpoint_now()?;
+        }
+        let next_seq = inner.log.lock().appender.next_seq;
+        let mut state = inner.codecs.dictionaries.write();
+        state.newest = state.table.last().cloned();
+        // Known from the run that made it GC's, else from now (nothing ran since open).
+        let loaded = state.newest.as_ref().map_or(0, |d| state.loaded_since_seq.get(&d.id).copied().unwrap_or(0));
+        state.newest_since_seq = if loaded != 0 { loaded } else { next_seq };
+    }
+    Ok(inner)
+}
+
+/// The statistics of the closed store on `backing` as its newest loadable checkpoint left
+/// them: nothing replayed, no key, nothing written (`Store::checkpoint_stats`).
+pub(crate) fn checkpoint_stats(backing: Arc<dyn Backing>, options: &OpenOptions) -> Result<(StoreInfo, Stats)> {
+    let chosen = choose_checkpoint(backing.as_ref(), None)?;
+    let info = create::info_from(&chosen.superblock);
+    let inner = inner_from_checkpoint(backing, options, None, &chosen)?;
+    // As an open would free them (read-only: nothing is written).
+    let freed_sealed = inner.log.lock().settle_at_open(&inner.geometry, &chosen);
+    sync_settled(&inner, freed_sealed)?;
+    Ok((info, inner.stats()))
+}
+
+/// The store's state as its checkpoint `chosen` left it, before replay: what
+/// `Store::open_backing` recovers from, and all `Store::checkpoint_stats` reads.
+fn inner_from_checkpoint(
+    backing: Arc<dyn Backing>,
+    options: &OpenOptions,
+    cipher: Option<Arc<StoreCipher>>,
+    chosen: &Chosen,
+) -> Result<Inner> {
+    let sb = chosen.superblock.clone();
+    let geometry = Geometry {
+        store_tag: create::store_tag(&sb.uuid),
+        segment_size_bytes: sb.segment_size_bytes,
+        segment_count: sb.segment_count(),
+        physical_size_bytes: sb.physical_size_bytes,
+        codec: Codec::from_parts(sb.codec_tag, sb.codec_level)?,
+        encrypted: sb.encrypted(),
+    };
+    let codec_cores = options.resolved_codec_cores()?;
+    let logical_size_bytes = logical_size_bytes(chosen);
+    let (map, counts) =
+        build_map(chosen.checkpoint.as_ref(), block_count(logical_size_bytes), options.map_cache_bytes as usize)?;
+    let usage = match &chosen.checkpoint {
+        Some(cp) if cp.segments.len() as u64 != geometry.segment_count => {
+            return Err(Error::new(ErrorKind::Corrupt, "checkpoint segment table does not match the geometry"))
+        }
+        Some(cp) => cp.segments.clone(),
+        None => vec![SegmentUsage::FREE; geometry.segment_count as usize],
+    };
+    let mut segments = SegmentTable::recovered(usage);
+    segments.counts = counts;
+    let counters =
+        Arc::new(chosen.checkpoint.as_ref().map_or_else(Counters::default, |cp| Counters::from_array(&cp.counters)));
+    let codec_counters = Arc::new(CodecCounters::default());
+    let health = Arc::new(Health::new(options.read_only, options.accept_data_loss));
+    let wakeups = Arc::new(Wakeups::new());
+    let log_state = LogState {
+        appender: Appender {
+            next_seq: sb.checkpoint_seq + 1,
+            prev_crc: sb.replay_prev_crc,
+            session: create::session_nonce(),
+            nonce_epoch: cipher.as_deref().filter(|c| c.short_nonces()).map_or(0, StoreCipher::current_epoch),
+            open: None,
+            batch: None,
+            sealed_unwritten: VecDeque::new(),
+            buffer_pool: Vec::new(),
+            next_segment: None,
+            stream: Stream::Host,
+            parked: Vec::new(),
+        },
+        segments,
+        epochs: CheckpointEpochs {
+            snapshot_generation: sb.generation,
+            reuse_horizon_seq: 0,
+            bytes_since_checkpoint: 0,
+            checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+            image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+            release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
+            superseded_carry: Default::default(),
+        },
+        pending: pending::PendingRecompress::new(geometry.codec, sb.checkpoint_seq),
+    };
+    let log = Log::new(
+        log_state,
+        LogParts {
+            geometry: geometry.clone(),
+            cipher: cipher.clone(),
+            cold_stream: sb.feature_flags & FEATURE_LOG_JUMPS != 0,
+            counters: Arc::clone(&counters),
+            codec_counters: Arc::clone(&codec_counters),
+            health: Arc::clone(&health),
+            wakeups: Arc::clone(&wakeups),
+        },
+    );
+    let dictionaries = DictionaryState::recovered(
+        chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
+        cipher.as_deref(),
+    )?;
+    let space = Space::new(SpaceParts {
+        write_concurrency: options.write_concurrency,
+        pacing: options.pacing,
+        logical_size_bytes,
+        over_provision_ppm: sb.over_provision_ppm,
+        segment_count: geometry.segment_count,
+        segment_capacity_bytes: geometry.segment_capacity(),
+    });
+    Ok(Inner {
+        backing,
+        reads: Reads::new(FragmentCache::new(options.read_cache_bytes, geometry.segment_count)),
+        geometry,
+        health,
+        options: options.clone(),
+        map: RwLock::new(Rank::Map, map),
+        log,
+        checkpoint: Mutex::new(Rank::Checkpoint, sb.clone()),
+        space,
+        background: Background::new(wakeups),
+        codecs: Codecs {
+            dictionaries: parking_lot::RwLock::new(dictionaries),
+            counters: codec_counters,
+            cores: codec_cores,
+        },
+        counters,
+    })
 }

@@ -29,13 +29,14 @@
 
 use std::collections::HashMap;
 
-use super::apply::{apply_record, lbas_set, Live};
-use super::log::Log;
+use super::apply::{apply_record, lbas_set};
+use super::geometry::Geometry;
+use super::health::{DamagedRecord, Degraded, RecoveryFindings};
+use super::log::LogState;
 use super::proof::Proven;
 use super::read::Sealed;
-use super::recovery::{DamagedRecord, Degraded, RecoveryFindings};
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};
-use super::state::{Geometry, Inner};
+use super::state::Inner;
 use crate::codec::DictionarySet;
 use crate::error::Result;
 use crate::format::{Head, RecordBody, Superblock, FLAG_FIRST, FLAG_LAST, FORMAT_VERSION, HEAD_BYTES};
@@ -137,106 +138,6 @@ struct Index {
 }
 
 impl Inner {
-    /// Replays every complete record group after the checkpoint, in order. Fails only if
-    /// a map page cannot be read.
-    pub(crate) fn replay(&self, log: &mut Log, sb: &Superblock, flush_proof: &Proven) -> Result<RecoveryFindings> {
-        let legacy = sb.format_version < FORMAT_VERSION;
-        let mut starts = Starts { index: None, links: HashMap::new(), checkpoint_seq: sb.checkpoint_seq };
-        if legacy {
-            starts.index = Some(self.index_segment_starts(log.segments.len(), sb.checkpoint_seq));
-        }
-        let mut cache = SegmentCache::default();
-        let mut findings = RecoveryFindings::default();
-        let map = self.map.read();
-        let mut cursor = Cursor {
-            offset: sb.replay_offset_bytes,
-            seq: sb.checkpoint_seq + 1,
-            prev_crc: Some(sb.replay_prev_crc),
-            segment: self.geometry.segment_of(sb.replay_offset_bytes.max(crate::format::DATA_START_BYTES)),
-        };
-        let mut group: Vec<FoundRecord> = Vec::new();
-        let mut recovered = RecoveredRecords::default();
-        loop {
-            let record = match self.choose_record(&mut cache, &mut starts, cursor, flush_proof) {
-                Choice::Intact(record) => record,
-                Choice::Recovered(record, why) => {
-                    findings.damaged.push(damage_report(&record, why));
-                    recovered.note(findings.damaged.len() - 1, record.header.seq, why == COMPLETE);
-                    record
-                }
-                // A torn write: the end of the log, unless the flush proof says the record
-                // there was durable (and the damaged one is not its run's: a loss).
-                Choice::Torn if flush_proof.lost_from(cursor.seq).is_none() => break,
-                Choice::Torn | Choice::Missing => {
-                    let past = self.look_past(&mut cache, &mut starts, cursor);
-                    let what = match &past {
-                        // Nothing later proves a loss: the end of the log, unless the flush
-                        // proof does.
-                        PastLoss::End => match flush_proof.lost_from(cursor.seq) {
-                            Some(what) => what,
-                            None => break,
-                        },
-                        PastLoss::Successor(next) => format!(
-                            "records {}..{} lost (no copy of their description survives); later records prove they were durable",
-                            cursor.seq,
-                            next.header.seq - 1
-                        ),
-                        PastLoss::ProvenDurable => format!(
-                            "record {} lost (no copy of its description survives); a later record proves it was durable, and no record after it can be shown to continue this log",
-                            cursor.seq
-                        ),
-                    };
-                    note_loss(&mut findings, cursor, what);
-                    // What survives of a group the loss cut is durable: apply it.
-                    self.apply_group(&map, log, &mut group, &mut findings)?;
-                    match past {
-                        PastLoss::Successor(next) => next,
-                        _ => break,
-                    }
-                }
-            };
-            let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
-            self.note_replayed(&map, log, &record, damage_free)?;
-            recovered.followed_by(&record);
-            let segment = self.geometry.segment_of(record.offset_bytes);
-            cursor = Cursor::after(&record, &self.geometry);
-            match record.header.body {
-                // Links and jumps are no part of any group: a link may open a segment in a
-                // group's middle.
-                RecordBody::Link { next_segment } => {
-                    starts.links.insert(segment, next_segment.map(SegmentId));
-                    continue;
-                }
-                RecordBody::Jump { .. } => continue,
-                _ => {}
-            }
-            if record.header.flags & FLAG_FIRST != 0 {
-                group.clear();
-            }
-            let last = record.header.flags & FLAG_LAST != 0;
-            group.push(record);
-            if last {
-                self.apply_group(&map, log, &mut group, &mut findings)?;
-            }
-        }
-        // The table must be exact before open frees segments (`settle_at_open`) and the
-        // next run continues where the last link points.
-        self.settle_owed_at_open(&map, log)?;
-        drop(map);
-        recovered.mark_torn_writes(&mut findings);
-        findings.continue_in = if cursor.at_segment_start(&self.geometry) {
-            // A jump named a segment whose link never became durable: the log goes on there
-            // (it is free: nothing of this history was written to it).
-            Some(cursor.segment)
-        } else {
-            self.link_of(&mut cache, &mut starts, cursor.segment)
-        };
-        findings.indexed = starts.index.is_some();
-        log.appender.next_seq = cursor.seq;
-        log.appender.prev_crc = cursor.prev_crc.unwrap_or(0);
-        Ok(findings)
-    }
-
     /// The segment `segment`'s link names (read from its first record if replay did not
     /// pass it); None if it names none or cannot be read.
     fn link_of(&self, cache: &mut SegmentCache, starts: &mut Starts, segment: SegmentId) -> Option<SegmentId> {
@@ -261,70 +162,6 @@ impl Inner {
             tracing::info!("replay: reading every segment's start to find where the log goes on");
             starts.index = Some(self.index_segment_starts(self.geometry.segment_count as usize, starts.checkpoint_seq));
         }
-    }
-
-    fn apply_group(
-        &self,
-        map: &PagedMap,
-        log: &mut Log,
-        group: &mut Vec<FoundRecord>,
-        findings: &mut RecoveryFindings,
-    ) -> Result<()> {
-        for record in group.drain(..) {
-            let header = &record.header;
-            let mut live = Live::new(log, &self.geometry);
-            let format = header.version.fragment_format();
-            apply_record(map, &mut live, self, &header.body, format, record.payload_offset_bytes)?;
-            if let Some(degraded) = findings.degraded.as_mut() {
-                for (start, blocks) in lbas_set(&header.body) {
-                    degraded.note(start, blocks);
-                }
-            }
-        }
-        map.trim_cache();
-        Ok(())
-    }
-
-    /// Segment bookkeeping for a replayed record: a record at a segment's start begins a new
-    /// use of it (whatever it held before died earlier in the log) — unless it is the first
-    /// record of the use the table already knows (a checkpoint wrote pages into a segment
-    /// opened after its snapshot).
-    ///
-    /// The run that reused the segment had settled the owed removals of the leaves pointing
-    /// into it (GC does before it cleans a victim); replay records changes blind, so it
-    /// settles every owed removal first, or they would later come off the new use's count.
-    /// (A replaced subtree's walk cannot point into it: GC waits for the checkpoint that
-    /// walks it, and replay starts from that checkpoint or a later one.)
-    fn note_replayed(&self, map: &PagedMap, log: &mut Log, record: &FoundRecord, damage_free: bool) -> Result<()> {
-        let segment = self.geometry.segment_of(record.offset_bytes);
-        let base = self.geometry.segment_base(segment);
-        if record.offset_bytes == base && log.segments.get(segment).first_seq != record.header.seq {
-            if log.segments.get(segment).live_bytes != 0 {
-                self.settle_owed_at_open(map, log)?;
-            }
-            // Only damage (a map page that hides what it mapped, a record replay could not
-            // read) leaves the table wrong here; without it, the old use held nothing.
-            let usage = log.segments.get(segment);
-            debug_assert!(
-                (usage.live_bytes == 0 && usage.page_bytes == 0) || !damage_free,
-                "replay reuses segment {segment} that holds live data or map pages: {usage:?}"
-            );
-            log.segments.restart_in_replay(segment);
-        }
-        let end = (record.end_bytes - base).max(log.segments.get(segment).end_bytes);
-        log.segments.note_append(segment, end, Some((record.header.seq, record.header.nonce_epoch)));
-        Ok(())
-    }
-
-    /// Settles the owed removals of every leaf with unsettled changes (reading them). Alone
-    /// at open, replay holds the map and the table throughout (`check` takes them in turn).
-    fn settle_owed_at_open(&self, map: &PagedMap, log: &mut Log) -> Result<()> {
-        for leaves in map.unsettled_leaves().chunks(SETTLE_BATCH_LEAVES) {
-            map.pin_loaded(leaves, self)?;
-            map.settle(leaves, &mut Live::new(log, &self.geometry));
-            map.unpin(leaves);
-        }
-        Ok(())
     }
 
     /// The segment starts after the checkpoint (see [`Index`]). Any segment but the one
@@ -511,7 +348,7 @@ impl Inner {
         let tag = &RecordContext {
             store_tag: self.geometry.store_tag,
             dictionaries: &dictionaries,
-            cipher: self.cipher.as_deref(),
+            cipher: self.log.cipher.as_deref(),
             use_of: &|offset, seq, epoch| self.record_use(offset, seq, epoch),
         };
         let mut offset = from;
@@ -560,7 +397,7 @@ impl Inner {
         let dictionaries = self.dictionary_set();
         // (The record's segment use: what an encrypted store's placement tags bind.)
         let in_use = self.record_use(record.offset_bytes, record.header.seq, record.header.nonce_epoch);
-        let sealed = self.cipher.as_deref().map(|cipher| Sealed { cipher, in_use });
+        let sealed = self.log.cipher.as_deref().map(|cipher| Sealed { cipher, in_use });
         let mut at = 0;
         for (lba, fragment) in record.header.body.fragments() {
             let range = at..at + fragment.stored_len as usize;
@@ -625,6 +462,172 @@ impl Inner {
             cursor = Cursor::after(&next, &self.geometry);
         }
         claim
+    }
+}
+
+impl LogState {
+    /// Replays every complete record group after the checkpoint, in order. Fails only if
+    /// a map page cannot be read.
+    pub(crate) fn replay(&mut self, inner: &Inner, sb: &Superblock, flush_proof: &Proven) -> Result<RecoveryFindings> {
+        let legacy = sb.format_version < FORMAT_VERSION;
+        let mut starts = Starts { index: None, links: HashMap::new(), checkpoint_seq: sb.checkpoint_seq };
+        if legacy {
+            starts.index = Some(inner.index_segment_starts(self.segments.len(), sb.checkpoint_seq));
+        }
+        let mut cache = SegmentCache::default();
+        let mut findings = RecoveryFindings::default();
+        let map = inner.map.read();
+        let mut cursor = Cursor {
+            offset: sb.replay_offset_bytes,
+            seq: sb.checkpoint_seq + 1,
+            prev_crc: Some(sb.replay_prev_crc),
+            segment: inner.geometry.segment_of(sb.replay_offset_bytes.max(crate::format::DATA_START_BYTES)),
+        };
+        let mut group: Vec<FoundRecord> = Vec::new();
+        let mut recovered = RecoveredRecords::default();
+        loop {
+            let record = match inner.choose_record(&mut cache, &mut starts, cursor, flush_proof) {
+                Choice::Intact(record) => record,
+                Choice::Recovered(record, why) => {
+                    findings.damaged.push(damage_report(&record, why));
+                    recovered.note(findings.damaged.len() - 1, record.header.seq, why == COMPLETE);
+                    record
+                }
+                // A torn write: the end of the log, unless the flush proof says the record
+                // there was durable (and the damaged one is not its run's: a loss).
+                Choice::Torn if flush_proof.lost_from(cursor.seq).is_none() => break,
+                Choice::Torn | Choice::Missing => {
+                    let past = inner.look_past(&mut cache, &mut starts, cursor);
+                    let what = match &past {
+                        // Nothing later proves a loss: the end of the log, unless the flush
+                        // proof does.
+                        PastLoss::End => match flush_proof.lost_from(cursor.seq) {
+                            Some(what) => what,
+                            None => break,
+                        },
+                        PastLoss::Successor(next) => format!(
+                            "records {}..{} lost (no copy of their description survives); later records prove they were durable",
+                            cursor.seq,
+                            next.header.seq - 1
+                        ),
+                        PastLoss::ProvenDurable => format!(
+                            "record {} lost (no copy of its description survives); a later record proves it was durable, and no record after it can be shown to continue this log",
+                            cursor.seq
+                        ),
+                    };
+                    note_loss(&mut findings, cursor, what);
+                    // What survives of a group the loss cut is durable: apply it.
+                    self.apply_group(inner, &map, &mut group, &mut findings)?;
+                    match past {
+                        PastLoss::Successor(next) => next,
+                        _ => break,
+                    }
+                }
+            };
+            let damage_free = findings.damaged.is_empty() && map.damaged_page_count() == 0;
+            self.note_replayed(inner, &map, &record, damage_free)?;
+            recovered.followed_by(&record);
+            let segment = inner.geometry.segment_of(record.offset_bytes);
+            cursor = Cursor::after(&record, &inner.geometry);
+            match record.header.body {
+                // Links and jumps are no part of any group: a link may open a segment in a
+                // group's middle.
+                RecordBody::Link { next_segment } => {
+                    starts.links.insert(segment, next_segment.map(SegmentId));
+                    continue;
+                }
+                RecordBody::Jump { .. } => continue,
+                _ => {}
+            }
+            if record.header.flags & FLAG_FIRST != 0 {
+                group.clear();
+            }
+            let last = record.header.flags & FLAG_LAST != 0;
+            group.push(record);
+            if last {
+                self.apply_group(inner, &map, &mut group, &mut findings)?;
+            }
+        }
+        // The table must be exact before open frees segments (`settle_at_open`) and the
+        // next run continues where the last link points.
+        self.settle_owed_at_open(inner, &map)?;
+        drop(map);
+        recovered.mark_torn_writes(&mut findings);
+        findings.continue_in = if cursor.at_segment_start(&inner.geometry) {
+            // A jump named a segment whose link never became durable: the log goes on there
+            // (it is free: nothing of this history was written to it).
+            Some(cursor.segment)
+        } else {
+            inner.link_of(&mut cache, &mut starts, cursor.segment)
+        };
+        findings.indexed = starts.index.is_some();
+        self.appender.next_seq = cursor.seq;
+        self.appender.prev_crc = cursor.prev_crc.unwrap_or(0);
+        Ok(findings)
+    }
+
+    fn apply_group(
+        &mut self,
+        inner: &Inner,
+        map: &PagedMap,
+        group: &mut Vec<FoundRecord>,
+        findings: &mut RecoveryFindings,
+    ) -> Result<()> {
+        for record in group.drain(..) {
+            let header = &record.header;
+            let mut live = self.live(&inner.geometry);
+            let format = header.version.fragment_format();
+            apply_record(map, &mut live, inner, &header.body, format, record.payload_offset_bytes)?;
+            if let Some(degraded) = findings.degraded.as_mut() {
+                for (start, blocks) in lbas_set(&header.body) {
+                    degraded.note(start, blocks);
+                }
+            }
+        }
+        map.trim_cache();
+        Ok(())
+    }
+
+    /// Segment bookkeeping for a replayed record: a record at a segment's start begins a new
+    /// use of it (whatever it held before died earlier in the log) — unless it is the first
+    /// record of the use the table already knows (a checkpoint wrote pages into a segment
+    /// opened after its snapshot).
+    ///
+    /// The run that reused the segment had settled the owed removals of the leaves pointing
+    /// into it (GC does before it cleans a victim); replay records changes blind, so it
+    /// settles every owed removal first, or they would later come off the new use's count.
+    /// (A replaced subtree's walk cannot point into it: GC waits for the checkpoint that
+    /// walks it, and replay starts from that checkpoint or a later one.)
+    fn note_replayed(&mut self, inner: &Inner, map: &PagedMap, record: &FoundRecord, damage_free: bool) -> Result<()> {
+        let segment = inner.geometry.segment_of(record.offset_bytes);
+        let base = inner.geometry.segment_base(segment);
+        if record.offset_bytes == base && self.segments.get(segment).first_seq != record.header.seq {
+            if self.segments.get(segment).live_bytes != 0 {
+                self.settle_owed_at_open(inner, map)?;
+            }
+            // Only damage (a map page that hides what it mapped, a record replay could not
+            // read) leaves the table wrong here; without it, the old use held nothing.
+            let usage = self.segments.get(segment);
+            debug_assert!(
+                (usage.live_bytes == 0 && usage.page_bytes == 0) || !damage_free,
+                "replay reuses segment {segment} that holds live data or map pages: {usage:?}"
+            );
+            self.segments.restart_in_replay(segment);
+        }
+        let end = (record.end_bytes - base).max(self.segments.get(segment).end_bytes);
+        self.segments.note_append(segment, end, Some((record.header.seq, record.header.nonce_epoch)));
+        Ok(())
+    }
+
+    /// Settles the owed removals of every leaf with unsettled changes (reading them). Alone
+    /// at open, replay holds the map and the table throughout (`check` takes them in turn).
+    fn settle_owed_at_open(&mut self, inner: &Inner, map: &PagedMap) -> Result<()> {
+        for leaves in map.unsettled_leaves().chunks(SETTLE_BATCH_LEAVES) {
+            map.pin_loaded(leaves, inner)?;
+            map.settle(leaves, &mut self.live(&inner.geometry));
+            map.unpin(leaves);
+        }
+        Ok(())
     }
 }
 

@@ -13,13 +13,14 @@
 use std::sync::atomic::Ordering;
 
 use super::admit::Admitted;
+use super::capacity::SpaceClass;
+use super::geometry::round_up;
 use super::lock::MutexGuard;
 use super::log::Appended;
 use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
-use super::space::SpaceClass;
-use super::state::{round_up, Inner};
+use super::state::Inner;
 use crate::codec::{skips_codec, store_raw, write_codec, Codec, CodecTag};
 use crate::crypto::cipher::Domain;
 use crate::error::{Error, ErrorKind, Result};
@@ -29,8 +30,8 @@ use crate::stats::{Compressing, Counters};
 use crate::types::Lba;
 use crate::BLOCK_SIZE;
 
-/// Stripes of the partial-block locks.
-pub(crate) const BLOCK_LOCK_STRIPES: usize = 1024;
+use super::space::BLOCK_LOCK_STRIPES;
+
 /// A partial-block request is redone at most this many times when concurrent writes keep
 /// changing its blocks between its read and its append.
 const CONFLICT_RETRIES_MAX: usize = 1000;
@@ -46,7 +47,7 @@ pub(crate) enum Durability {
 
 impl Inner {
     pub(crate) fn validate_range(&self, offset: u64, length: u64) -> Result<()> {
-        let size = self.logical_size_bytes.load(Ordering::Acquire);
+        let size = self.space.logical_size_bytes.load(Ordering::Acquire);
         match offset.checked_add(length) {
             Some(end) if end <= size => Ok(()),
             _ => Err(Error::new(
@@ -108,13 +109,13 @@ impl Inner {
     /// the fallback picks it, runs on every block: it gives up on random data as fast as
     /// the estimate would run, and compressible blocks under load then pay no estimate.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
-        let counters = &self.codec_counters;
+        let counters = &self.codecs.counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
         // Other compressions, or — with write admission — the other writers holding or
         // waiting for a permit, whichever says more (a permit holder compressing counts once).
-        let busy = compressing_before.max(self.write_permits.load_besides_holder());
+        let busy = compressing_before.max(self.space.write_permits.load_besides_holder());
         let configured = self.geometry.codec;
-        let codec = write_codec(configured, self.options.codec_fallback, busy, self.codec_cores);
+        let codec = write_codec(configured, self.options.codec_fallback, busy, self.codecs.cores);
         let skipped = skips_codec(codec, block);
         let block = match skipped {
             true => self.compress_fragment(block, lba, scratch, store_raw)?,
@@ -154,7 +155,7 @@ impl Inner {
             return Ok(Block { entry, bytes, nonce_epoch: None });
         }
         let codec = compress(block, scratch);
-        let Some(cipher) = &self.cipher else {
+        let Some(cipher) = &self.log.cipher else {
             let entry = FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec };
             let mut bytes = Vec::with_capacity(entry.stored_len as usize);
             bytes.extend_from_slice(&Protection { guard: crc32c::crc32c(block), lba, entry }.encode());
@@ -178,7 +179,7 @@ impl Inner {
         let mut stripes: Vec<usize> = edge_lbas.iter().map(|lba| lba.0 as usize % BLOCK_LOCK_STRIPES).collect();
         stripes.sort_unstable();
         stripes.dedup();
-        stripes.iter().map(|&s| self.block_locks[s].lock()).collect()
+        stripes.iter().map(|&s| self.space.block_locks[s].lock()).collect()
     }
 
     pub(crate) fn write(&self, offset: u64, data: &[u8], durability: Durability) -> Result<()> {
@@ -189,7 +190,7 @@ impl Inner {
             return self.make_durable(None, durability);
         }
         self.pace_host_write(data.len() as u64);
-        let permit = self.write_permits.acquire();
+        let permit = self.space.write_permits.acquire();
         let first_lba = Lba::of_byte(offset);
         let last_lba = Lba::of_byte(offset + data.len() as u64 - 1);
         let head = (offset % BLOCK_SIZE as u64) as usize;
@@ -223,7 +224,7 @@ impl Inner {
             debug_assert_eq!(data_at, data.len());
             let class = self.write_class(first_lba, last_lba, &blocks);
             let op = Op::Write { start_lba: first_lba, blocks, expected };
-            let admitted = self.admit(&[op], class).inspect_err(|e| self.note_no_space(e));
+            let admitted = self.admit(&[op], class).inspect_err(|e| self.space.note_no_space(e));
             drop(guards);
             admitted
         })?;
@@ -289,7 +290,7 @@ impl Inner {
         let block = BLOCK_SIZE as u64;
         let full_start = round_up(offset, block);
         let full_end = (offset + length) / block * block;
-        let permit = self.write_permits.acquire();
+        let permit = self.space.write_permits.acquire();
         let last_seq = match kind {
             RangeKind::Zero => Some(self.redo_on_conflict(|| self.zero_range(offset, length))?.last_seq),
             // Trim is advisory for partial blocks: only whole blocks are unmapped.
@@ -305,7 +306,7 @@ impl Inner {
     }
 
     fn admit_metadata(&self, ops: &[Op]) -> Result<Admitted> {
-        self.admit(ops, SpaceClass::HostMetadata).inspect_err(|e| self.note_no_space(e))
+        self.admit(ops, SpaceClass::HostMetadata).inspect_err(|e| self.space.note_no_space(e))
     }
 
     /// One attempt at a write-zeroes: whole blocks become a zero range; partial edges are

@@ -12,7 +12,8 @@
 //! returns records with increasing sequence numbers (a stale record from an earlier use of
 //! the segment breaks that).
 
-use super::state::{round_up, Inner};
+use super::geometry::round_up;
+use super::state::Inner;
 use crate::codec::{decompress_block, frame_dictionary_id, CodecTag, DictionarySet};
 
 /// What parsing a record needs to know of its store: its tag (records of other stores are
@@ -411,7 +412,7 @@ impl SegmentCache {
         let context = RecordContext {
             store_tag: inner.geometry.store_tag,
             dictionaries: &dictionaries,
-            cipher: inner.cipher.as_deref(),
+            cipher: inner.log.cipher.as_deref(),
             use_of: &|offset, seq, epoch| inner.record_use(offset, seq, epoch),
         };
         let (image, base) = self.image_at(inner, offset)?;

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
+use super::capacity::SpaceClass;
 use super::gc::GcMode;
-use super::space::SpaceClass;
 use super::state::Inner;
 use super::{FormatOptions, OpenOptions, Store};
 use crate::codec::Codec;
@@ -83,20 +83,20 @@ fn gc_can_always_move_at_its_floor() {
     write_half_garbage(&store, &mut rng);
     // Fill the open segment to its last few KiB with fresh blocks.
     let mut lba = 512;
-    while inner.room(&inner.log.lock()) > 12 << 10 {
+    while inner.log.lock().room() > 12 << 10 {
         store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
         lba += 1;
     }
     store.flush().unwrap();
     take_free_segments(inner, 2);
-    let available_before = inner.available_bytes(&inner.log.lock());
-    assert!(available_before < inner.reserve_bytes(&inner.log.lock(), SpaceClass::Host));
+    let available_before = inner.log.lock().available_bytes();
+    assert!(available_before < inner.reserves().of(SpaceClass::Host));
     assert!(inner.gc_once(GcMode::Foreground).unwrap().is_some(), "GC found no victim it could relocate at its floor");
     // Two checkpoints move the reuse horizon past the victim; then it is free again.
     inner.checkpoint_now().unwrap();
     inner.checkpoint_now().unwrap();
     inner.free_cleaned().unwrap();
-    let available_after = inner.available_bytes(&inner.log.lock());
+    let available_after = inner.log.lock().available_bytes();
     assert!(
         available_after > available_before,
         "a GC step at the floor took more than it gave back: {available_before} -> {available_after}"
@@ -123,8 +123,8 @@ fn a_round_that_frees_enough_cleans_no_victim() {
     let capacity = inner.geometry.segment_capacity();
     let keep = {
         let log = inner.log.lock();
-        let need = inner.reserve_bytes(&log, SpaceClass::Host) + 4096 + 2 * inner.fragment_end_waste_bytes();
-        let room = inner.room(&log) as u64;
+        let need = inner.reserves().of(SpaceClass::Host) + 4096 + 2 * inner.log.fragment_end_waste_bytes();
+        let room = log.room() as u64;
         assert!(need > room + capacity, "the open segment alone would take the write");
         ((need - room - 1) / capacity) as usize
     };
@@ -156,15 +156,15 @@ fn a_dictionary_counts_in_the_checkpoint_room_and_is_refused_at_the_floor() {
     }
     store.write(0, &text[..256 << 10], false).unwrap();
     store.flush().unwrap();
-    let room_before = inner.checkpoint_room_bytes(&inner.log.lock());
+    let room_before = inner.reserves().checkpoint_room_bytes();
     let options = super::DictionaryOptions { level: 3, size_bytes: 8 << 10, sample_blocks_max: 64 };
     let (dictionary, _) = inner.train_and_install(&options).unwrap();
-    let room_after = inner.checkpoint_room_bytes(&inner.log.lock());
+    let room_after = inner.reserves().checkpoint_room_bytes();
     assert!(room_after >= room_before + dictionary.bytes.len() as u64, "checkpoint room {room_before} -> {room_after}");
     take_free_segments(inner, 2);
     let err = inner.train_and_install(&options).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
-    assert_eq!(inner.dictionaries.read().table.len(), 1, "a refused training changed the table");
+    assert_eq!(inner.codecs.dictionaries.read().table.len(), 1, "a refused training changed the table");
 }
 
 /// Trim must work on a full store even when GC cannot give back the metadata reserve:
@@ -182,15 +182,15 @@ fn a_trim_on_a_full_store_may_go_below_the_metadata_reserve() {
     store.flush().unwrap();
     {
         let log = inner.log.lock();
-        let metadata = inner.reserve_bytes(&log, SpaceClass::HostMetadata);
+        let metadata = inner.reserves().of(SpaceClass::HostMetadata);
         let capacity = inner.geometry.segment_capacity();
-        let keep = (metadata.saturating_sub(inner.room(&log) as u64) / capacity) as usize;
+        let keep = (metadata.saturating_sub(log.room() as u64) / capacity) as usize;
         drop(log);
         take_free_segments(inner, keep);
         let log = inner.log.lock();
-        assert!(inner.available_bytes(&log) < metadata);
-        let floor = inner.reserve_bytes(&log, SpaceClass::TrimWhileFull);
-        assert!(inner.available_bytes(&log) > floor + 4096, "the test state is below the trim floor too");
+        assert!(log.available_bytes() < metadata);
+        let floor = inner.reserves().of(SpaceClass::TrimWhileFull);
+        assert!(log.available_bytes() > floor + 4096, "the test state is below the trim floor too");
     }
     let err = store.write(512 << 10, &data[..4096], false).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
@@ -314,11 +314,11 @@ fn data_gc_moved_before_goes_to_the_colder_stream_which_is_sealed_when_space_run
     // A host write parks the colder stream; then free space runs short beyond the host
     // reserve, and the next append seals the colder segment.
     store.write(600 * 4096, &incompressible(&mut rng, 4096), false).unwrap();
-    assert!(inner.stream_room(&inner.log.lock(), Stream::Colder) > 0, "the colder segment is not open");
-    let keep = inner.host_reserve_segments(&inner.log.lock()) as usize;
+    assert!(inner.log.lock().stream_room(Stream::Colder) > 0, "the colder segment is not open");
+    let keep = inner.reserves().host_segments() as usize;
     take_free_segments(inner, keep);
     let _ = store.write(601 * 4096, &incompressible(&mut rng, 4096), false);
-    assert_eq!(inner.stream_room(&inner.log.lock(), Stream::Colder), 0, "the colder segment stayed open when short");
+    assert_eq!(inner.log.lock().stream_room(Stream::Colder), 0, "the colder segment stayed open when short");
     let check = |store: &Store, when: &str| {
         let mut back = vec![0u8; 512 << 10];
         store.read(0, &mut back).unwrap();
@@ -429,7 +429,7 @@ fn a_victim_owed_a_racing_overwrite_is_cleaned_or_waits_for_a_checkpoint_never_k
         store.write(racing * 4096, &newer, false).unwrap();
         expected.insert(racing, newer);
         assert!(!inner.map.read().unsettled_among(&leaves).is_empty(), "the overwrite owes nothing: no race made");
-        let relocated_bytes = super::op::gc_copy_bytes(&live, inner.record_extra_bytes());
+        let relocated_bytes = super::op::gc_copy_bytes(&live, inner.log.record_extra_bytes());
         inner.relocate(live, Vec::new(), SpaceClass::Gc).unwrap();
         let victim = Victim { segment, settled: false };
         let why = if settle_after_copies { "settled after the copies" } else { "raced after the settling" };
@@ -470,13 +470,13 @@ fn the_codec_cores_option_reaches_the_store_and_bad_values_are_refused() {
     let available = crate::codec::available_cores();
     let options = |codec_cores| OpenOptions { background: false, codec_cores, ..OpenOptions::default() };
     let (disk, store) = small_store_with(61, options(Some(1)));
-    assert_eq!(store.inner.codec_cores, 1);
+    assert_eq!(store.inner.codecs.cores, 1);
     store.close().unwrap();
     let store = Store::open_backing(disk.clone(), &options(Some(available))).unwrap();
-    assert_eq!(store.inner.codec_cores, available);
+    assert_eq!(store.inner.codecs.cores, available);
     store.close().unwrap();
     let store = Store::open_backing(disk.clone(), &options(None)).unwrap();
-    assert_eq!(store.inner.codec_cores, crate::codec::default_codec_cores(available));
+    assert_eq!(store.inner.codecs.cores, crate::codec::default_codec_cores(available));
     store.close().unwrap();
     for refused in [0, available + 1] {
         let err = Store::open_backing(disk.clone(), &options(Some(refused))).err().expect("refused");

@@ -7,10 +7,11 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use super::background::WorkerSignal;
 use super::gc::GcMode;
 use super::idle::IdleWork;
 use super::log::WRITE_OUT_THRESHOLD_BYTES;
-use super::state::{Inner, WorkerSignal};
+use super::state::Inner;
 use super::writeout::WriteOut;
 use crate::error::{ErrorKind, Result};
 use crate::SECTOR_SIZE;
@@ -30,10 +31,10 @@ impl Inner {
     /// Waits until kicked (or the timeout passes) and clears the kick; false when the
     /// thread must stop.
     fn wait_for_work(&self, thread: Thread) -> bool {
-        let mut signal = self.signal.lock();
+        let mut signal = self.background.wakeups.signal.lock();
         let (condvar, timeout) = match thread {
-            Thread::Writer => (&self.writer_cv, Duration::from_millis(50)),
-            Thread::Worker => (&self.signal_cv, Duration::from_millis(100)),
+            Thread::Writer => (&self.background.wakeups.writer_cv, Duration::from_millis(50)),
+            Thread::Worker => (&self.background.wakeups.signal_cv, Duration::from_millis(100)),
         };
         let kicked = |s: &WorkerSignal| match thread {
             Thread::Writer => s.kick_writer,
@@ -103,7 +104,7 @@ impl Inner {
         // segment usually costs one flush, not a checkpoint.
         let (free, reserve) = {
             let log = self.log.lock();
-            (log.segments.free_count() as u64, self.host_reserve_segments(&log))
+            (log.segments.free_count() as u64, self.reserves().host_segments())
         };
         let target = reserve + self.cushion_segments();
         let mut busy = false;
@@ -135,7 +136,7 @@ impl Inner {
         }
         // GC's cost includes the checkpoints that make what it cleaned reusable.
         let elapsed = started.elapsed();
-        self.pacer.note_gc(elapsed, gained_bytes);
+        self.space.pacer.note_gc(elapsed, gained_bytes);
         if busy {
             // What pacing is measured on (`ZDISK_LOG=zdisk_engine::gc=debug`).
             tracing::debug!(
@@ -148,9 +149,9 @@ impl Inner {
                 urgent,
                 memory,
                 elapsed_us = elapsed.as_micros() as u64,
-                gc_ps_per_byte = self.pacer.gc_ps_per_byte(),
-                paced_wait_ms = self.pacer.paced_wait_ns() / 1_000_000,
-                foreground_rounds = self.foreground_rounds.load(Ordering::Relaxed),
+                gc_ps_per_byte = self.space.pacer.gc_ps_per_byte(),
+                paced_wait_ms = self.space.pacer.paced_wait_ns() / 1_000_000,
+                foreground_rounds = self.background.foreground_rounds.load(Ordering::Relaxed),
                 "background step"
             );
         }

@@ -15,8 +15,11 @@ use std::sync::Arc;
 
 use aligned_vec::AVec;
 
-use super::state::{round_up, AlignedBuf, Inner, SegmentBuffer};
+use super::geometry::{new_buffer, round_up, AlignedBuf, SegmentBuffer};
+use super::proof::{ProofState, Proven};
+use super::state::Inner;
 use crate::error::{Error, Result};
+use crate::format::{FlushProof, ProofSector, FLUSH_PROOF_BYTES, FLUSH_PROOF_OFFSET_BYTES};
 use crate::stats::Counters;
 use crate::SECTOR_SIZE;
 
@@ -67,11 +70,11 @@ impl Inner {
 
     /// `write_out`, or nothing if `done` holds once this thread has the `io` lock.
     fn write_out_unless(&self, mode: WriteOut, done: Done) -> Result<()> {
-        let mut io = self.io.lock();
+        let mut io = self.log.io.lock();
         self.check_writable()?;
         let already_done = match done {
             Done::Never => false,
-            Done::Durable(seq) => self.durable_seq.load(Ordering::Acquire) >= seq,
+            Done::Durable(seq) => self.log.durable_seq.load(Ordering::Acquire) >= seq,
             Done::BacklogAtMost(bytes) => self.log.lock().appender.backlog_bytes() as u64 <= bytes,
         };
         if already_done {
@@ -106,7 +109,7 @@ impl Inner {
             if target_seq > io.proven_seq {
                 self.write_flush_proof(&mut io, target_seq)?;
             }
-            self.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
+            self.log.durable_seq.fetch_max(target_seq, Ordering::AcqRel);
         }
         Ok(())
     }
@@ -117,7 +120,7 @@ impl Inner {
         let sector = SECTOR_SIZE;
         let mut jobs = Vec::new();
         let mut log = self.log.lock();
-        self.close_batch(&mut log);
+        log.close_batch();
         let target_seq = log.appender.next_seq - 1;
         while let Some(sealed) = log.appender.sealed_unwritten.pop_front() {
             let end = round_up(sealed.end_offset_bytes as u64, sector as u64) as usize;
@@ -155,7 +158,7 @@ impl Inner {
         if done.is_empty() {
             return;
         }
-        self.buffered.write().retain(|b| !done.contains(&b.segment));
+        self.log.buffered.write().retain(|b| !done.contains(&b.segment));
         let mut log = self.log.lock();
         for job in jobs.into_iter().filter(|j| j.sealed) {
             if let Ok(buffer) = Arc::try_unwrap(job.buffer) {
@@ -177,9 +180,56 @@ impl Inner {
 
     /// Makes everything up to `seq` durable, joining a flush that already covered it.
     pub(crate) fn flush_upto(&self, seq: u64) -> Result<()> {
-        if self.durable_seq.load(Ordering::Acquire) >= seq {
+        if self.log.durable_seq.load(Ordering::Acquire) >= seq {
             return Ok(());
         }
         self.write_out_unless(WriteOut::Flush, Done::Durable(seq))
+    }
+}
+
+/// Flush proofs (`proof.rs`): reading the sector at open, writing it after a flush's sync.
+impl Inner {
+    /// Reads the proof sector (a failed read is damage: what it said is unknown).
+    pub(crate) fn read_flush_proof(&self) -> Proven {
+        let mut sector = new_buffer(FLUSH_PROOF_BYTES);
+        match self.backing.read_at(FLUSH_PROOF_OFFSET_BYTES, &mut sector) {
+            Ok(()) => Proven(ProofSector::decode(&sector, self.geometry.store_tag)),
+            Err(e) => {
+                tracing::error!("reading the flush proof: {e}");
+                Proven(ProofSector::Damaged)
+            }
+        }
+    }
+
+    /// Writes and syncs a proof that every record up to `proven_seq` is durable. The caller
+    /// holds the `io` lock and has synced those records.
+    pub(crate) fn write_flush_proof(&self, state: &mut ProofState, proven_seq: u64) -> Result<()> {
+        debug_assert!(state.session != 0, "a proof before open set the session");
+        debug_assert!(proven_seq < self.log.lock().appender.next_seq, "a proof of records not appended yet");
+        let proof = FlushProof { generation: state.generation + 1, proven_seq, session: state.session };
+        let mut aligned = new_buffer(FLUSH_PROOF_BYTES);
+        aligned.copy_from_slice(&proof.encode_sector(self.geometry.store_tag));
+        self.backing
+            .write_durable_at(FLUSH_PROOF_OFFSET_BYTES, &aligned)
+            .map_err(|e| self.fail(Error::io("write the flush proof", e)))?;
+        Counters::add(&self.counters.backing_write_bytes, FLUSH_PROOF_BYTES as u64);
+        state.generation = proof.generation;
+        state.proven_seq = proven_seq;
+        Ok(())
+    }
+
+    /// At a writable open, before anything is appended: makes what replay found durable and
+    /// proves it, so the newest proof is this run's (an older run's would name sequence
+    /// numbers this run writes again, in another session).
+    pub(crate) fn prove_at_open(&self, found: &Proven) -> Result<()> {
+        let mut state = self.log.io.lock();
+        state.session = self.log.lock().appender.session;
+        state.generation = match found.0 {
+            ProofSector::Proof(p) => p.generation,
+            ProofSector::Empty | ProofSector::Damaged => 0,
+        };
+        self.backing.sync().map_err(|e| self.fail(Error::io("sync at open", e)))?;
+        let replayed = self.log.durable_seq.load(Ordering::Acquire);
+        self.write_flush_proof(&mut state, replayed)
     }
 }

@@ -1,0 +1,38 @@
+//! One host write path, for counting what it crosses: `scripts/write-path.sh` runs this
+//! under callgrind, collecting only inside `Store::write`, and lists the engine's source
+//! files whose code ran. Formats a small store at PATH (default codec), writes `count`
+//! 4 KiB blocks of 2:1 data at scattered LBAs (no FUA), closes it.
+
+use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let path = std::path::PathBuf::from(args.get(1).expect("usage: write_path PATH [count]"));
+    let count: u64 = args.get(2).map_or(64, |c| c.parse().expect("count: a number"));
+    let options = FormatOptions {
+        physical_size_bytes: 256 << 20,
+        logical_size_bytes: 256 << 20,
+        codec: Codec::default(),
+        segment_size_bytes: None,
+        force: true,
+        over_provision_ppm: zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
+        encryption: None,
+        allocation: zdisk_engine::Allocation::Sparse,
+    };
+    Store::format(&path, &options).expect("format");
+    let store = Store::open(&path, &OpenOptions::default()).expect("open");
+    let mut block = vec![0u8; 4096];
+    for i in 0..count {
+        // Half the block random-ish, half zeroes: about 2:1, like fio's buffer_compress_percentage=50.
+        let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        for byte in block[..2048].iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *byte = x as u8;
+        }
+        let lba = (i * 7919) % (64 << 10);
+        store.write(lba * 4096, &block, false).expect("write");
+    }
+    store.flush().expect("flush");
+}
