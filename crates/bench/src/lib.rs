@@ -12,6 +12,7 @@ mod report;
 mod results;
 mod runner;
 mod server;
+pub mod size;
 mod steady;
 
 use std::path::PathBuf;
@@ -19,7 +20,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-pub use plan::{parse_size, DataMode, TargetKind, WorkloadKind};
+pub use plan::{DataMode, TargetKind, WorkloadKind};
 
 /// `zdisk bench`: zdisk vs the same disk served raw, with the SSD reviewers' methodology.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,7 +50,7 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
 
     /// Size of each target (binary units: 64M, 1G, 4G). Default 4G (quick 1G, smoke 64M).
-    #[arg(long, value_parser = plan::parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = size::parse_nonzero_bytes, value_name = "SIZE")]
     pub size: Option<u64>,
 
     /// Targets, comma-separated. Default: all (quick: zdisk,raw,memory; smoke: zdisk,raw).
@@ -92,7 +93,7 @@ pub struct BenchArgs {
     pub fill_passes: Option<u32>,
 
     /// Physical size of the zdisk store (default: --size, i.e. the same bytes as the raw file).
-    #[arg(long, value_parser = plan::parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = size::parse_nonzero_bytes, value_name = "SIZE")]
     pub zdisk_physical_size: Option<u64>,
 
     /// The zdisk binary to format/serve/stat with (default: this executable).

@@ -8,8 +8,9 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use crate::charts;
-use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::plan::{DataMode, TargetKind, WorkloadKind};
 use crate::results::{fmt_int, DataSummary, JobResult, Report};
+use crate::size::fmt_size;
 
 fn geomean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| (v.iter().map(|x| x.ln()).sum::<f64>() / v.len() as f64).exp())

@@ -18,7 +18,8 @@ use serde_json::Value;
 
 use crate::corpus::Corpus;
 use crate::fio::{self, DataArgs, FioJob, FioOutcome};
-use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::plan::{DataMode, TargetKind, WorkloadKind};
+use crate::size::fmt_size;
 use crate::results::{
     fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
     TargetInfo,
