@@ -16,13 +16,13 @@ mod db;
 mod powercut;
 mod report;
 mod stack;
-mod sys;
 mod throttle;
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use serde::Serialize;
+use zdisk_bench::sys;
 
 pub use bench::{ConfigKey, Workload};
 pub use db::Db;

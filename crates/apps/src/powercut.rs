@@ -17,8 +17,8 @@ use serde::Serialize;
 use crate::corpus;
 use crate::db::{self, Db, Load, Server, ServerConfig};
 use crate::stack::{self, Ctx, Device, Mount};
-use crate::sys::{self, progress};
 use crate::PowercutArgs;
+use zdisk_bench::sys::{self, progress};
 
 #[derive(Debug, Default, Serialize)]
 pub struct Cycle {

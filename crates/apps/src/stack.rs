@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 
-use crate::sys::{self, progress, run};
+use zdisk_bench::sys::{self, progress, run};
 
 /// Where the stacks live and which zdisk binary formats and attaches stores.
 #[derive(Clone, Debug)]
@@ -210,8 +210,7 @@ impl Device {
         if self.transport != Transport::Zdisk {
             return None;
         }
-        let out = run(self.ctx.zdisk().arg("stat").arg(&self.backing).arg("--json")).ok()?;
-        serde_json::from_str(&out).ok()
+        sys::zdisk_stat(self.ctx.zdisk(), &self.backing).ok()
     }
 
     /// Power cut of the storage: SIGKILL of the server that holds the not-yet-durable writes.
@@ -345,31 +344,12 @@ fn nbdfuse(dir: &Path, uri: &str) -> Result<u32> {
     Ok(pid)
 }
 
+/// Unmounts an nbdfuse mount of this harness's, lazily and killing nbdfuse if it will not go.
 fn unmount_fuse(dir: &Path, pid: Option<u32>) {
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        match sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-u").arg(dir))) {
-            Ok(_) => break,
-            Err(e) => {
-                if Instant::now() > end {
-                    progress(&format!("teardown: {e:#}; lazy unmount"));
-                    let _ = sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-uz").arg(dir)));
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
+    let fusermount = sys::path_of("fusermount3").unwrap_or_else(|_| "fusermount3".into());
+    for problem in sys::unmount_fuse(&fusermount, dir, pid, sys::WhenStuck::Force) {
+        progress(&format!("teardown: {problem}"));
     }
-    if let Some(pid) = pid {
-        if !sys::wait_gone(pid, Duration::from_secs(30)) {
-            sys::signal(pid, libc::SIGKILL);
-        }
-        // SAFETY: reaping our own child by pid (it was spawned by this process).
-        unsafe {
-            libc::waitpid(pid as i32, std::ptr::null_mut(), libc::WNOHANG);
-        }
-    }
-    let _ = std::fs::remove_dir(dir);
 }
 
 /// ext4 mounted on a device; unmounted when dropped.

@@ -14,6 +14,7 @@ mod runner;
 mod server;
 pub mod size;
 mod steady;
+pub mod sys;
 
 use std::path::PathBuf;
 
@@ -238,7 +239,7 @@ impl Config {
             bail!("--round must be at least the {} ms IOPS logging interval", log_ms);
         }
         let consistency_ms = secs_to_ms("consistency", a.consistency.unwrap_or(pick(1800.0, 10.0, 0.6)))?;
-        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", results::unix_now())));
+        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", sys::unix_time())));
         let zdisk_bin = match &a.zdisk_bin {
             Some(p) => p.clone(),
             None => std::env::current_exe()?,

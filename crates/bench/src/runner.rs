@@ -19,13 +19,14 @@ use serde_json::Value;
 use crate::corpus::Corpus;
 use crate::fio::{self, DataArgs, FioJob, FioOutcome};
 use crate::plan::{DataMode, TargetKind, WorkloadKind};
-use crate::size::fmt_size;
 use crate::results::{
     fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
     TargetInfo,
 };
-use crate::server::{require_tool, tree_sample, Server};
+use crate::server::{require_tool, Server};
+use crate::size::fmt_size;
 use crate::steady::{self, WINDOW_ROUNDS};
+use crate::sys::tree_sample;
 use crate::{Config, Mode};
 
 mod phases;
@@ -69,19 +70,7 @@ struct Bench<'a> {
 }
 
 fn zdisk_stat(bin: &Path, store: &Path) -> Result<Value> {
-    let out = Command::new(bin)
-        .arg("stat")
-        .arg(store)
-        .arg("--json")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} stat", bin.display()))?;
-    if !out.status.success() {
-        bail!("zdisk stat failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let start = text.find('{').ok_or_else(|| anyhow!("zdisk stat --json printed no JSON object"))?;
-    serde_json::from_str(&text[start..]).context("parsing zdisk stat --json")
+    crate::sys::zdisk_stat(Command::new(bin), store)
 }
 
 /// Estimated sequential fill rate for the progress bar's time estimate.
@@ -185,7 +174,7 @@ impl Bench<'_> {
         }
         self.pb.finish_and_clear();
         self.report.wall_s = self.t0.elapsed().as_secs_f64();
-        self.report.host.loadavg_end = crate::results::loadavg();
+        self.report.host.loadavg_end = crate::sys::loadavg();
         if let Err(e) = outcome {
             self.report.errors.push(format!("benchmark stopped early: {e:#}"));
         }
@@ -510,7 +499,7 @@ impl Bench<'_> {
         let value = result?;
         let wall_s = started.elapsed().as_secs_f64();
         let after = tree_sample(pid);
-        let stat_after = self.stat_fresh(ti, crate::results::unix_now_ms());
+        let stat_after = self.stat_fresh(ti, crate::sys::unix_time_ms());
         self.push_sample(ti, data, phase, &stat_after);
         let f = |v: &Option<Value>, k: &str| v.as_ref().and_then(|v| v.get(k)).and_then(Value::as_f64);
         let job_wa = match (

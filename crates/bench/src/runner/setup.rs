@@ -229,7 +229,7 @@ fn new_report(cfg: &Config, work: &Path, native_bytes: u64) -> Report {
     Report {
         schema: "zdisk-bench/1",
         command: command_line(),
-        started_unix_s: crate::results::unix_now(),
+        started_unix_s: crate::sys::unix_time(),
         wall_s: 0.0,
         comp_ratio: None,
         perf_multiplier: None,
