@@ -1,24 +1,20 @@
 //! `zdisk db bench`: the whitepaper's method (seeds/003) on this machine — the same database
 //! and load on zdisk (doublewrite on and off) and on the same disk raw through the same
 //! transport, raw with the database's own compression, and raw on a loop device directly.
-//! What is measured and reported (configurations, presets, records) is in `plan`.
+//! What is measured and reported (configurations, presets, records) is in `crate::plan`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
-
-use crate::corpus;
-use crate::db::{self, Db, Load, LoadResult, Server, ServerConfig};
-use crate::stack::{self, Ctx, Device, Mount};
-use crate::throttle::DiskThrottle;
-use crate::{BenchArgs, Preset};
 use zdisk_bench::sys::{self, progress, CpuTimes, DiskStat};
 
-mod plan;
-
-pub use plan::*;
+use crate::corpus;
+use crate::db::{self, Db, Load, Server, ServerConfig};
+use crate::plan::{settings, Capacity, CodecRatio, ConfigKey, CpuSplit, Point, Report, Settings, StackKind, Workload};
+use crate::stack::{self, Ctx, Device, Mount};
+use crate::throttle::DiskThrottle;
+use crate::BenchArgs;
 
 struct Stack {
     kind: StackKind,

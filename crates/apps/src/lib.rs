@@ -13,6 +13,7 @@
 mod bench;
 mod corpus;
 mod db;
+mod plan;
 mod powercut;
 mod report;
 mod stack;
@@ -24,8 +25,8 @@ use anyhow::Result;
 use serde::Serialize;
 use zdisk_bench::sys;
 
-pub use bench::{ConfigKey, Workload};
 pub use db::Db;
+pub use plan::{ConfigKey, Workload};
 
 #[derive(Debug, clap::Args)]
 pub struct DbArgs {

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use anyhow::Result;
 
-use crate::bench::{ConfigKey, Point, Report, Workload};
+use crate::plan::{ConfigKey, Point, Report, Workload};
 
 struct Table {
     title: String,

@@ -1,8 +1,15 @@
 //! What `zdisk db bench` measures and reports: the configurations (stack and torn-page
 //! guard), the workloads, the settings each preset scales from the whitepaper, and the
-//! report's records.
+//! report's records. `bench` (the run) and `report` (the rendering) both read these; neither
+//! imports the other's records back (bench → report → plan, bench → plan).
 
-use super::*;
+use anyhow::{bail, Result};
+use serde::Serialize;
+use zdisk_bench::sys::{CpuTimes, DiskStat};
+
+use crate::corpus;
+use crate::db::{Db, LoadResult};
+use crate::{BenchArgs, Preset};
 
 /// One measured configuration: a storage stack and the torn-page guard setting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -49,7 +56,7 @@ impl ConfigKey {
         }
     }
 
-    pub(super) fn stack(self) -> StackKind {
+    pub(crate) fn stack(self) -> StackKind {
         match self {
             ConfigKey::ZdiskNodw | ConfigKey::ZdiskDw => StackKind::Zdisk,
             ConfigKey::RawDw | ConfigKey::RawNodw => StackKind::Raw,
@@ -58,7 +65,7 @@ impl ConfigKey {
         }
     }
 
-    pub(super) fn guard(self) -> bool {
+    pub(crate) fn guard(self) -> bool {
         !matches!(self, ConfigKey::ZdiskNodw | ConfigKey::RawNodw)
     }
 
@@ -100,7 +107,7 @@ impl Workload {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(super) enum StackKind {
+pub(crate) enum StackKind {
     Zdisk,
     Raw,
     RawZlib,
@@ -108,7 +115,7 @@ pub(super) enum StackKind {
 }
 
 impl StackKind {
-    pub(super) fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             StackKind::Zdisk => "zdisk",
             StackKind::Raw => "raw",
