@@ -11,7 +11,7 @@ mod plan;
 mod report;
 mod results;
 mod runner;
-mod server;
+pub mod server;
 pub mod size;
 mod steady;
 pub mod sys;

@@ -23,7 +23,7 @@ use crate::results::{
     fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
     TargetInfo,
 };
-use crate::server::{require_tool, Server};
+use crate::server::{qemu_nbd_raw, require_tool, sparse_file, Server};
 use crate::size::fmt_size;
 use crate::steady::{self, WINDOW_ROUNDS};
 use crate::sys::tree_sample;
@@ -314,16 +314,9 @@ impl Bench<'_> {
             }
             TargetKind::Raw | TargetKind::NbdkitFile => {
                 // A new sparse file is the raw disk's "secure erase"; the fills allocate it.
-                let _ = fs::remove_file(&t.file);
-                let f = fs::File::create(&t.file).with_context(|| format!("creating {}", t.file.display()))?;
-                f.set_len(cfg.size_bytes)?;
-                drop(f);
+                sparse_file(&t.file, cfg.size_bytes)?;
                 if t.kind == TargetKind::Raw {
-                    let mut c = Command::new("qemu-nbd");
-                    c.args(["-f", "raw", "--cache=none", "--aio=native", "--persistent", "--shared=8"])
-                        .arg(format!("--socket={}", t.socket.display()))
-                        .arg(&t.file);
-                    c
+                    qemu_nbd_raw(&t.file, &t.socket, 8)
                 } else {
                     let mut c = Command::new("nbdkit");
                     c.args(["--foreground", "--exit-with-parent", "--unix"])

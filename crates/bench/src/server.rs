@@ -1,5 +1,6 @@
-//! NBD servers the benchmark starts, as guards that always stop their process and remove the
-//! socket. Their CPU and I/O accounting is `sys::tree_sample`.
+//! NBD servers a harness starts — `zdisk bench`'s targets, and `zdisk db bench`'s raw
+//! qemu-nbd under nbdfuse — as guards that always stop their process and remove the socket.
+//! Their CPU and I/O accounting is `sys::tree_sample`.
 
 use std::fs;
 use std::os::unix::net::UnixStream;
@@ -128,6 +129,27 @@ impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.stop();
     }
+}
+
+/// The honest raw baseline both harnesses compare zdisk with: a raw image behind qemu-nbd
+/// with O_DIRECT (`--cache=none --aio=native`), up between connections (`--persistent`),
+/// letting `shared` clients in at once.
+pub fn qemu_nbd_raw(image: &Path, socket: &Path, shared: u32) -> Command {
+    let mut c = Command::new(crate::sys::find_tool("qemu-nbd").unwrap_or_else(|| "qemu-nbd".into()));
+    c.args(["-f", "raw", "--cache=none", "--aio=native", "--persistent"])
+        .arg(format!("--shared={shared}"))
+        .arg(format!("--socket={}", socket.display()))
+        .arg(image);
+    c
+}
+
+/// A new sparse file of `size` bytes in place of `path`: a raw disk's "secure erase"; what
+/// is written later allocates it.
+pub fn sparse_file(path: &Path, size: u64) -> Result<()> {
+    let _ = fs::remove_file(path);
+    let f = fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.set_len(size).with_context(|| format!("sizing {}", path.display()))?;
+    Ok(())
 }
 
 /// Last `n` lines of a log file, for error messages.
