@@ -15,6 +15,7 @@ pub mod server;
 pub mod size;
 mod steady;
 pub mod sys;
+pub mod writer;
 
 use std::path::PathBuf;
 
