@@ -8,8 +8,6 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -59,7 +57,6 @@ struct Bench<'a> {
     report: Report,
     pb: ProgressBar,
     log: fs::File,
-    stop: Arc<AtomicBool>,
     t0: Instant,
     corpus: Option<Corpus>,
     stat_failures: u32,
@@ -92,7 +89,7 @@ impl Bench<'_> {
     }
 
     fn check_stop(&self) -> Result<()> {
-        if self.stop.load(Ordering::Relaxed) {
+        if crate::sys::interrupted() {
             bail!("interrupted");
         }
         Ok(())
@@ -469,14 +466,13 @@ impl Bench<'_> {
         let before = tree_sample(pid);
         let started = Instant::now();
 
-        let stop = self.stop.clone();
         let bin = self.cfg.zdisk_bin.clone();
         let interval = Duration::from_millis(self.cfg.stat_interval_ms);
         let t0 = self.t0;
         let mut last = Instant::now();
         let mut samples = Vec::new();
         let mut poll = || -> Result<()> {
-            if stop.load(Ordering::Relaxed) {
+            if crate::sys::interrupted() {
                 bail!("interrupted");
             }
             if is_zdisk && last.elapsed() >= interval {

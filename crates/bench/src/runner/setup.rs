@@ -132,11 +132,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     fs::create_dir_all(&fio_dir)?;
     let log = fs::File::create(cfg.out.join("bench.log"))?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let sig_ids = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
-        .into_iter()
-        .map(|s| signal_hook::flag::register(s, stop.clone()))
-        .collect::<std::io::Result<Vec<_>>>()?;
+    // SIGINT/SIGTERM end the run between steps, with the report written and every server
+    // stopped; a second one ends the process at once (the harness's rule, `sys`).
+    crate::sys::install_signal_handlers()?;
 
     let mut bench = Bench {
         cfg,
@@ -146,7 +144,6 @@ pub fn run(cfg: &Config) -> Result<()> {
         report: new_report(cfg, work.path(), native_bytes),
         pb: ProgressBar::hidden(),
         log,
-        stop: stop.clone(),
         t0: Instant::now(),
         corpus: None,
         stat_failures: 0,
@@ -169,9 +166,6 @@ pub fn run(cfg: &Config) -> Result<()> {
 
     let outcome = bench.run_all();
     let written = bench.finish(&outcome);
-    for id in sig_ids {
-        signal_hook::low_level::unregister(id);
-    }
     written?;
     eprintln!("report: {}/report.html, summary.md, report.json ({:.0} s)", cfg.out.display(), bench.report.wall_s);
     if let (Some(c), Some(p)) = (bench.report.comp_ratio, bench.report.perf_multiplier) {
