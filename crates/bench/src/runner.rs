@@ -280,25 +280,16 @@ impl Bench<'_> {
         let label = t.kind.title();
         let cmd = match t.kind {
             TargetKind::Zdisk => {
-                let out = Command::new(&cfg.zdisk_bin)
-                    .arg("format")
-                    .arg(&t.file)
-                    .arg("--physical-size")
-                    .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
-                    .arg("--logical-size")
-                    .arg(format!("{}K", range / 1024))
-                    .arg("--force")
-                    .stdin(Stdio::null())
-                    .output()
-                    .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
-                if !out.status.success() {
-                    bail!(
-                        "zdisk format failed ({}): {}{}",
-                        out.status,
-                        String::from_utf8_lossy(&out.stderr).trim(),
-                        String::from_utf8_lossy(&out.stdout).trim()
-                    );
-                }
+                crate::sys::run(
+                    Command::new(&cfg.zdisk_bin)
+                        .arg("format")
+                        .arg(&t.file)
+                        .arg("--physical-size")
+                        .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+                        .arg("--logical-size")
+                        .arg(format!("{}K", range / 1024))
+                        .arg("--force"),
+                )?;
                 let mut c = Command::new(&cfg.zdisk_bin);
                 c.arg("serve").arg(&t.file).arg("--unix").arg(&t.socket);
                 // No idle work unless asked: the targets' servers stay up side by side, and

@@ -201,18 +201,15 @@ fn new_targets(cfg: &Config, work: &Path, sock_dir: &Path) -> Vec<Target> {
 /// over-provisioning (a probe store formatted in `work`, read back with `zdisk stat`, removed).
 fn native_capacity(cfg: &Config, work: &Path) -> Result<u64> {
     let probe = work.join("native-capacity-probe.zdisk");
-    let out = Command::new(&cfg.zdisk_bin)
-        .arg("format")
-        .arg(&probe)
-        .arg("--physical-size")
-        .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
-        .arg("--force")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
-    if !out.status.success() {
-        bail!("zdisk format of the capacity probe failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
+    crate::sys::run(
+        Command::new(&cfg.zdisk_bin)
+            .arg("format")
+            .arg(&probe)
+            .arg("--physical-size")
+            .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+            .arg("--force"),
+    )
+    .context("formatting the capacity probe")?;
     let stat = super::zdisk_stat(&cfg.zdisk_bin, &probe);
     let _ = fs::remove_file(&probe);
     let native = stat?["native_capacity"].as_u64().context("zdisk stat --json has no native_capacity")?;
