@@ -358,10 +358,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     sys::set_log_file(&out_dir.join("bench.log"))?;
-    let zdisk_bin = match &a.zdisk_bin {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?,
-    };
+    let zdisk_bin = zdisk_bench::zdisk_bin(&a.zdisk_bin)?;
     let ctx =
         Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()?, serve_options: s.serve_options.clone() };
     progress(&format!(

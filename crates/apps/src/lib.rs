@@ -22,8 +22,8 @@ mod throttle;
 use std::path::PathBuf;
 
 use anyhow::Result;
-use serde::Serialize;
 use zdisk_bench::sys;
+pub use zdisk_bench::Preset;
 
 pub use db::Db;
 pub use plan::{ConfigKey, Workload};
@@ -55,14 +55,6 @@ pub struct ToolsArgs {
     /// Only this database's tools (default: both).
     #[arg(value_enum)]
     pub db: Option<Db>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Preset {
-    Full,
-    Quick,
-    Smoke,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -179,13 +171,7 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     pub fn preset(&self) -> Preset {
-        if self.smoke {
-            Preset::Smoke
-        } else if self.quick {
-            Preset::Quick
-        } else {
-            Preset::Full
-        }
+        Preset::from_flags(self.quick, self.smoke)
     }
 }
 

@@ -25,7 +25,7 @@ use crate::server::{qemu_nbd_raw, require_tool, sparse_file, Server};
 use crate::size::fmt_size;
 use crate::steady::{self, WINDOW_ROUNDS};
 use crate::sys::tree_sample;
-use crate::{Config, Mode};
+use crate::{Config, Preset};
 
 mod phases;
 mod setup;

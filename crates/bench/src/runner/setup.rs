@@ -81,7 +81,7 @@ fn notes(cfg: &Config, native_bytes: u64) -> Vec<String> {
     if !cfg.purge_each_workload {
         n.push("Shortened method (quick/smoke): one purge + fill per target and data mode instead of one per workload, and read-only workloads are not preconditioned (the fill already wrote every block).".into());
     }
-    if cfg.mode != Mode::Full {
+    if cfg.mode != Preset::Full {
         n.push(format!(
             "{:?} mode: points of {:.1} s and a {:.0} s consistency test are far shorter than the reviewers' (5 minutes per point, 30 minutes of consistency); use the numbers for direction, not for publication.",
             cfg.mode,
