@@ -9,10 +9,11 @@
 //! - `NUMBER[UNIT]`, white space around either part allowed: `4096`, `64K`, `256 M`, `1.5G`.
 //! - UNIT is `K`, `M`, `G`, `T` or `P` — binary (powers of 1024), any case — optionally
 //!   followed by `B`, `iB` or `i` (`64KB`, `64KiB`, `64Ki` are all 65536); `B` alone means
-//!   bytes. There are no decimal (power of 1000) units: `1GB` is 2^30 bytes, as in `dd`.
-//! - NUMBER is a decimal integer (exact up to `u64::MAX`), or a decimal fraction when the
-//!   product is a whole number of bytes (`1.5G` yes, `1.3` or `0.1K` no: which byte would be
-//!   meant?).
+//!   bytes. There are no decimal (power of 1000) units: `1GB` is 2^30 bytes, as zdisk always
+//!   read it (unlike `dd`, where GB is 10^9).
+//! - NUMBER is a decimal integer (exact up to `u64::MAX`), or a decimal fraction (exponent
+//!   notation too: `1e3`) when the product is a whole number of bytes (`1.5G` yes, `1.3` or
+//!   `0.1K` no: which byte would be meant?).
 //! - Not negative, not past `u64::MAX`. Zero is a size (`--write-behind 0`); a place where
 //!   zero means nothing sensible takes `parse_nonzero_bytes`.
 //!
@@ -122,6 +123,7 @@ mod tests {
             ("1.5G", 3 << 29),
             ("1.5g", 3 << 29),
             ("0.5K", 512),
+            ("1e3", 1000),
             ("2T", 2 << 40),
             ("1P", 1 << 50),
             (" 256 M ", 256 << 20),
