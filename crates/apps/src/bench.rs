@@ -425,14 +425,13 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
         cap_servers(t, &stacks)?;
     }
 
-    let mut order = s.configs.clone();
     let mut turn = 0usize;
     for round in 1..=s.rounds {
         for &w in &s.workloads {
             // Rotate the starting configuration each workload and round, so slow drift of the
             // machine does not always fall on the same target.
-            let n = order.len().max(1);
-            order.rotate_left(turn % n);
+            let order: Vec<ConfigKey> =
+                zdisk_bench::target_order(s.configs.len(), turn).into_iter().map(|i| s.configs[i]).collect();
             turn += 1;
             for &key in &order {
                 sys::check_interrupt()?;

@@ -136,6 +136,13 @@ impl Preset {
     }
 }
 
+/// The order in which to run `n` targets on the `turn`-th pass (turn 0, 1, 2, …): each pass
+/// starts one target later, so every target goes first equally often and slow drift of the
+/// machine (other load, caches warming) does not always fall on the same one.
+pub fn target_order(n: usize, turn: usize) -> Vec<usize> {
+    (0..n).map(|k| (k + turn) % n).collect()
+}
+
 /// The zdisk binary a harness formats, serves and reads statistics with: `--zdisk-bin`, else
 /// this executable (`zdisk` itself).
 pub fn zdisk_bin(option: &Option<PathBuf>) -> Result<PathBuf> {
@@ -315,5 +322,19 @@ mod tests {
         let picks: Vec<u32> = [Preset::Full, Preset::Quick, Preset::Smoke].iter().map(|p| p.pick(1, 2, 3)).collect();
         assert_eq!(picks, [1, 2, 3]);
         assert_eq!(serde_json::to_string(&Preset::Quick).unwrap(), "\"quick\"", "report.json's spelling");
+    }
+
+    #[test]
+    fn every_target_goes_first_in_turn() {
+        for n in 1..=6 {
+            let firsts: Vec<usize> = (0..n).map(|turn| target_order(n, turn)[0]).collect();
+            assert_eq!(firsts, (0..n).collect::<Vec<_>>(), "{n} targets");
+            for turn in 0..2 * n {
+                let mut order = target_order(n, turn);
+                order.sort_unstable();
+                assert_eq!(order, (0..n).collect::<Vec<_>>(), "each pass runs every target once");
+            }
+        }
+        assert!(target_order(0, 3).is_empty());
     }
 }

@@ -217,7 +217,7 @@ impl Bench<'_> {
             }
             for (wi, &w) in cfg.workloads.iter().enumerate() {
                 // Rotate which target goes first so drift is spread over all of them.
-                let order: Vec<usize> = (0..n).map(|k| (k + wi + di) % n).collect();
+                let order = crate::target_order(n, wi + di);
                 if cfg.purge_each_workload || wi == 0 {
                     for &ti in &order {
                         self.check_stop()?;
