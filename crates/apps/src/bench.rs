@@ -1,24 +1,20 @@
 //! `zdisk db bench`: the whitepaper's method (seeds/003) on this machine — the same database
 //! and load on zdisk (doublewrite on and off) and on the same disk raw through the same
 //! transport, raw with the database's own compression, and raw on a loop device directly.
-//! What is measured and reported (configurations, presets, records) is in `plan`.
+//! What is measured and reported (configurations, presets, records) is in `crate::plan`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
+use zdisk_bench::sys::{self, progress, CpuTimes, DiskStat};
 
 use crate::corpus;
-use crate::db::{self, Db, Load, LoadResult, Server, ServerConfig};
+use crate::db::{self, Db, Load, Server, ServerConfig};
+use crate::plan::{settings, Capacity, CodecRatio, ConfigKey, CpuSplit, Point, Report, Settings, StackKind, Workload};
 use crate::stack::{self, Ctx, Device, Mount};
-use crate::sys::{self, progress, CpuTimes, DiskStat};
 use crate::throttle::DiskThrottle;
-use crate::{BenchArgs, Preset};
-
-mod plan;
-
-pub use plan::*;
+use crate::BenchArgs;
 
 struct Stack {
     kind: StackKind,
@@ -186,30 +182,17 @@ fn capacity(stack: &Stack, db: Db, phase: &str) -> Capacity {
 }
 
 fn host_info() -> serde_json::Value {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("model name"))
-        .and_then(|l| l.split_once(':').map(|x| x.1.trim().to_string()))
-        .unwrap_or_default();
-    let version = |c: &str, a: &str| {
-        sys::cmd(c)
-            .ok()
-            .and_then(|mut c| c.arg(a).output().ok())
-            .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
-            .unwrap_or_default()
-    };
     serde_json::json!({
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        "cpu_model": cpu,
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpu_model": sys::cpu_model(),
+        "kernel": sys::kernel_release(),
         "mem_total": std::fs::read_to_string("/proc/meminfo").unwrap_or_default().lines().next().unwrap_or("").to_string(),
         "loadavg_start": sys::loadavg(),
-        "mariadbd": version("mariadbd", "--version"),
-        "postgres": version("postgres", "--version"),
-        "sysbench": version("sysbench", "--version"),
-        "nbdkit": version("nbdkit", "--version"),
-        "qemu_nbd": version("qemu-nbd", "--version"),
+        "mariadbd": sys::tool_version("mariadbd"),
+        "postgres": sys::tool_version("postgres"),
+        "sysbench": sys::tool_version("sysbench"),
+        "nbdkit": sys::tool_version("nbdkit"),
+        "qemu_nbd": sys::tool_version("qemu-nbd"),
     })
 }
 
@@ -227,15 +210,16 @@ struct Measure {
 }
 
 fn measure(server: &Server, dev: &Device) -> Measure {
+    let storage = dev.server_pid().map(sys::tree_sample).unwrap_or_default();
     Measure {
         cpu: CpuTimes::now(),
-        db: sys::tree_cpu_s(server.pid),
-        server: dev.server_pid().map(sys::tree_cpu_s).unwrap_or(0.0),
+        db: sys::tree_sample(server.pid).cpu_s,
+        server: storage.cpu_s,
         fuse: dev.nbdfuse_pid().and_then(sys::process_cpu_s).unwrap_or(0.0),
         client: sys::children_cpu_s(),
         kernel: sys::kernel_threads_cpu_s(),
         disk: DiskStat::of(&dev.path),
-        io: dev.server_pid().map(sys::tree_io_bytes).unwrap_or((0, 0)),
+        io: (storage.os_read_bytes.unwrap_or(0), storage.os_write_bytes.unwrap_or(0)),
         t: Instant::now(),
         load: sys::loadavg(),
     }
@@ -374,10 +358,7 @@ pub fn run(a: &BenchArgs) -> Result<()> {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     sys::set_log_file(&out_dir.join("bench.log"))?;
-    let zdisk_bin = match &a.zdisk_bin {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?,
-    };
+    let zdisk_bin = zdisk_bench::zdisk_bin(&a.zdisk_bin)?;
     let ctx =
         Ctx { work: work.clone(), zdisk_bin, run_dir: sys::short_run_dir()?, serve_options: s.serve_options.clone() };
     progress(&format!(
@@ -444,14 +425,13 @@ fn run_inner(ctx: &Ctx, s: &Settings, report: &mut Report) -> Result<()> {
         cap_servers(t, &stacks)?;
     }
 
-    let mut order = s.configs.clone();
     let mut turn = 0usize;
     for round in 1..=s.rounds {
         for &w in &s.workloads {
             // Rotate the starting configuration each workload and round, so slow drift of the
             // machine does not always fall on the same target.
-            let n = order.len().max(1);
-            order.rotate_left(turn % n);
+            let order: Vec<ConfigKey> =
+                zdisk_bench::target_order(s.configs.len(), turn).into_iter().map(|i| s.configs[i]).collect();
             turn += 1;
             for &key in &order {
                 sys::check_interrupt()?;

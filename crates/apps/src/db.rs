@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 
-use crate::sys::{self, progress, run, tool, Tool};
+use zdisk_bench::sys::{self, progress, run, tool, Tool};
 
 pub const LUA: &str = include_str!("zdisk_oltp.lua");
 

@@ -13,19 +13,20 @@
 mod bench;
 mod corpus;
 mod db;
+mod plan;
 mod powercut;
 mod report;
 mod stack;
-mod sys;
 mod throttle;
 
 use std::path::PathBuf;
 
 use anyhow::Result;
-use serde::Serialize;
+use zdisk_bench::sys;
+pub use zdisk_bench::Preset;
 
-pub use bench::{ConfigKey, Workload};
 pub use db::Db;
+pub use plan::{ConfigKey, Workload};
 
 #[derive(Debug, clap::Args)]
 pub struct DbArgs {
@@ -54,14 +55,6 @@ pub struct ToolsArgs {
     /// Only this database's tools (default: both).
     #[arg(value_enum)]
     pub db: Option<Db>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Preset {
-    Full,
-    Quick,
-    Smoke,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -125,16 +118,16 @@ pub struct BenchArgs {
     pub pgbench_scale: Option<u32>,
 
     /// InnoDB buffer pool / PostgreSQL shared_buffers. Default 256M (quick 32M, smoke 16M).
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = zdisk_bench::size::parse_nonzero_bytes, value_name = "SIZE")]
     pub buffer_pool: Option<u64>,
 
     /// InnoDB redo log size / PostgreSQL max_wal_size. Default 512M (quick 128M, smoke 48M).
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = zdisk_bench::size::parse_nonzero_bytes, value_name = "SIZE")]
     pub log_file_size: Option<u64>,
 
     /// Size of each target's filesystem (zdisk logical = physical = raw image size).
     /// Default 12G (quick 3G, smoke 1G).
-    #[arg(long, value_parser = parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = zdisk_bench::size::parse_nonzero_bytes, value_name = "SIZE")]
     pub fs_size: Option<u64>,
 
     /// Codec of the benchmarked zdisk store (zdisk format --codec). Default: zdisk's default.
@@ -178,13 +171,7 @@ pub struct BenchArgs {
 
 impl BenchArgs {
     pub fn preset(&self) -> Preset {
-        if self.smoke {
-            Preset::Smoke
-        } else if self.quick {
-            Preset::Quick
-        } else {
-            Preset::Full
-        }
+        Preset::from_flags(self.quick, self.smoke)
     }
 }
 
@@ -264,22 +251,6 @@ pub fn serve_options(text: &Option<String>) -> Vec<String> {
     text.as_deref().unwrap_or_default().split_whitespace().map(String::from).collect()
 }
 
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    let v: f64 = num.parse().map_err(|_| format!("not a size: {text:?} (examples: 64M, 1.5G)"))?;
-    if v.is_nan() || v <= 0.0 {
-        return Err(format!("size must be positive: {text:?}"));
-    }
-    Ok((v * mult as f64) as u64)
-}
-
 pub fn run(args: &DbArgs) -> Result<()> {
     sys::install_signal_handlers()?;
     match &args.command {
@@ -311,17 +282,4 @@ fn tools(args: &ToolsArgs) -> Result<()> {
         anyhow::bail!("some tools are missing (see above)");
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("64M"), Ok(64 << 20));
-        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
-        assert!(parse_size("x").is_err());
-        assert!(parse_size("0").is_err());
-    }
 }

@@ -17,8 +17,8 @@ use serde::Serialize;
 use crate::corpus;
 use crate::db::{self, Db, Load, Server, ServerConfig};
 use crate::stack::{self, Ctx, Device, Mount};
-use crate::sys::{self, progress};
 use crate::PowercutArgs;
+use zdisk_bench::sys::{self, progress};
 
 #[derive(Debug, Default, Serialize)]
 pub struct Cycle {
@@ -95,10 +95,7 @@ pub fn run(a: &PowercutArgs) -> Result<()> {
     for dir in [work.join("run"), work.join("out")] {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let zdisk_bin = match &a.zdisk_bin {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?,
-    };
+    let zdisk_bin = zdisk_bench::zdisk_bin(&a.zdisk_bin)?;
     let ctx = Ctx {
         work: work.clone(),
         zdisk_bin,

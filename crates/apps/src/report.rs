@@ -1,13 +1,15 @@
 //! The bench report: report.json (everything), summary.md and report.html (tables, and inline
-//! SVG charts: TPS and p95 per thread count, CPU per transaction split by part).
+//! SVG charts: TPS and p95 per thread count, CPU per transaction split by part). Written by
+//! the harness's writer (`zdisk_bench::writer`), with `zdisk bench`'s tables and style.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::Path;
 
 use anyhow::Result;
+use zdisk_bench::writer::{esc, html_start, html_table, md_table, write_report};
 
-use crate::bench::{ConfigKey, Point, Report, Workload};
+use crate::plan::{ConfigKey, Point, Report, Workload};
 
 struct Table {
     title: String,
@@ -17,39 +19,16 @@ struct Table {
 
 impl Table {
     fn md(&self) -> String {
-        let mut s = format!(
-            "### {}\n\n| {} |\n|{}|\n",
-            self.title,
-            self.headers.join(" | "),
-            vec!["---"; self.headers.len()].join("|")
-        );
-        for r in &self.rows {
-            let _ = writeln!(s, "| {} |", r.join(" | "));
-        }
-        s.push('\n');
+        let mut s = format!("### {}\n\n", self.title);
+        md_table(&mut s, &self.headers, &self.rows);
         s
     }
 
     fn html(&self) -> String {
-        let mut s = format!("<h3>{}</h3>\n<table>\n<tr>", esc(&self.title));
-        for h in &self.headers {
-            let _ = write!(s, "<th>{}</th>", esc(h));
-        }
-        s.push_str("</tr>\n");
-        for r in &self.rows {
-            s.push_str("<tr>");
-            for c in r {
-                let _ = write!(s, "<td>{}</td>", esc(c));
-            }
-            s.push_str("</tr>\n");
-        }
-        s.push_str("</table>\n");
+        let mut s = format!("<h3>{}</h3>\n", esc(&self.title));
+        html_table(&mut s, &self.headers, &self.rows);
         s
     }
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 fn f(v: f64, d: usize) -> String {
@@ -490,22 +469,23 @@ fn capacity_tables(r: &Report, tables: &mut Vec<Table>, headline: &mut Vec<Strin
 
 /// Writes report.json, summary.md and report.html into `out`.
 pub fn write(out: &Path, r: &Report) -> Result<()> {
-    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(r)?)?;
-    let agg = aggregate(&r.points);
-    let mut tables: Vec<Table> = Vec::new();
-    let mut charts: Vec<String> = Vec::new();
-    let mut headline: Vec<String> = Vec::new();
+    write_report(out, r, || {
+        let agg = aggregate(&r.points);
+        let mut tables: Vec<Table> = Vec::new();
+        let mut charts: Vec<String> = Vec::new();
+        let mut headline: Vec<String> = Vec::new();
 
-    tables.push(goals_table(r, &agg, &r.settings.threads));
-    workload_tables(r, &agg, &mut tables, &mut charts);
-    tables.push(cpu_table(&agg));
+        tables.push(goals_table(r, &agg, &r.settings.threads));
+        workload_tables(r, &agg, &mut tables, &mut charts);
+        tables.push(cpu_table(&agg));
 
-    capacity_tables(r, &mut tables, &mut headline);
-    write_summary(out, r, &headline, &tables, &charts)
+        capacity_tables(r, &mut tables, &mut headline);
+        Ok(pages(r, &headline, &tables, &charts))
+    })
 }
 
 /// summary.md and report.html: the introduction, the headline, the tables and the charts.
-fn write_summary(out: &Path, r: &Report, headline: &[String], tables: &[Table], charts: &[String]) -> Result<()> {
+fn pages(r: &Report, headline: &[String], tables: &[Table], charts: &[String]) -> (String, String) {
     let db: crate::db::Db = r.settings.db;
     let guard = db.torn_page_guard();
     let intro = format!(
@@ -565,26 +545,19 @@ latency of each request, are the limit."
             let _ = writeln!(md, "- {n}");
         }
     }
-    std::fs::write(out.join("summary.md"), &md)?;
 
-    let mut html = format!(
-        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>zdisk db bench {}</title><style>\
-body{{font-family:sans-serif;max-width:1100px;margin:20px auto;color:#222}}table{{border-collapse:collapse;margin-bottom:18px}}\
-td,th{{border:1px solid #ccc;padding:3px 7px;font-size:13px}}th{{background:#f3f3f3}}svg{{margin:6px 0;border:1px solid #eee}}</style></head><body>\
-<h1>zdisk db bench: {}</h1><p>{}</p><ul>",
-        db.name(),
-        db.name(),
-        esc(&intro).replace("\n\n", "</p><p>")
-    );
+    let mut html = html_start(&format!("zdisk db bench {}", db.name()));
+    let _ = write!(html, "<h1>zdisk db bench: {}</h1><p>{}</p><ul>", db.name(), esc(&intro).replace("\n\n", "</p><p>"));
     for h in headline {
         let _ = write!(html, "<li>{}</li>", esc(h));
     }
     html.push_str("</ul>");
     html.push_str(&tables[0].html());
-    html.push_str("<h2>Charts</h2>");
+    html.push_str("<h2>Charts</h2><div class=\"charts\">");
     for c in charts {
         html.push_str(c);
     }
+    html.push_str("</div>\n");
     for t in &tables[1..] {
         html.push_str(&t.html());
     }
@@ -592,8 +565,7 @@ td,th{{border:1px solid #ccc;padding:3px 7px;font-size:13px}}th{{background:#f3f
         let _ = write!(html, "<p><b>Note:</b> {}</p>", esc(n));
     }
     html.push_str("</body></html>\n");
-    std::fs::write(out.join("report.html"), html)?;
-    Ok(())
+    (md, html)
 }
 
 #[cfg(test)]

@@ -3,14 +3,15 @@
 //! loop device directly) with ext4 on it. Every piece is torn down when dropped, in reverse
 //! order, also on errors and Ctrl-C.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
-
-use crate::sys::{self, progress, run};
+use zdisk_bench::server::{qemu_nbd_raw, sparse_file, Server};
+use zdisk_bench::sys::{self, progress, run};
 
 /// Where the stacks live and which zdisk binary formats and attaches stores.
 #[derive(Clone, Debug)]
@@ -63,7 +64,8 @@ pub struct Device {
     /// The zdisk store file or the raw image file.
     pub backing: PathBuf,
     pub dio: bool,
-    qemu: Option<Child>,
+    /// The raw target's qemu-nbd; dropping it stops it.
+    qemu: Option<Server>,
     fuse_dir: Option<PathBuf>,
     nbdfuse_pid: Option<u32>,
     serve_pid: Option<u32>,
@@ -121,32 +123,17 @@ impl Device {
 
     /// A fresh sparse raw image of `size` bytes served by qemu-nbd, then nbdfuse + loop.
     pub fn raw_nbd(ctx: &Ctx, image: &Path, size: u64) -> Result<Device> {
-        make_sparse(image, size)?;
+        sparse_file(image, size)?;
         let name = image.file_stem().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let socket = ctx.run_dir.join(format!("{name}.qemu.sock"));
-        let _ = std::fs::remove_file(&socket);
-        let log = std::fs::File::create(ctx.work.join(format!("{name}.qemu-nbd.log")))?;
-        let mut c = sys::cmd("qemu-nbd")?;
-        // -e: nbdfuse's connections must all be let in.
-        let shared = crate::parallel_requests().max(16).to_string();
-        c.args(["-f", "raw", "--cache=none", "--aio=native", "-t", "-e", &shared, "-k"])
-            .arg(&socket)
-            .arg(image)
-            .stdout(log.try_clone()?)
-            .stderr(log);
-        let mut qemu = sys::spawn(&mut c)?;
-        let end = Instant::now() + Duration::from_secs(30);
-        while !socket.exists() {
-            if let Some(status) = qemu.try_wait()? {
-                bail!("qemu-nbd exited ({status}); see {}/{name}.qemu-nbd.log", ctx.work.display());
-            }
-            if Instant::now() > end {
-                let _ = qemu.kill();
-                bail!("qemu-nbd did not create {} within 30 s", socket.display());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let uri = format!("nbd+unix:///?socket={}", socket.display());
+        // All of nbdfuse's connections must be let in.
+        let shared = crate::parallel_requests().max(16);
+        let mut c = qemu_nbd_raw(image, &socket, shared);
+        // Its own process group, as every process here: Ctrl-C reaches only the harness,
+        // whose teardown stops it in order.
+        c.process_group(0);
+        let qemu = Server::spawn("qemu-nbd", c, &socket, &ctx.work.join(format!("{name}.qemu-nbd.log")))?;
+        let uri = qemu.uri();
         let fuse_dir = ctx.run_dir.join(format!("fuse-{name}"));
         let mut dev = Device {
             ctx: ctx.clone(),
@@ -172,7 +159,7 @@ impl Device {
 
     /// A fresh sparse raw image on a loop device with direct I/O.
     pub fn raw_loop(ctx: &Ctx, image: &Path, size: u64) -> Result<Device> {
-        make_sparse(image, size)?;
+        sparse_file(image, size)?;
         let path = losetup_dio(image)?;
         let dio = loop_dio(&path);
         Ok(Device {
@@ -193,12 +180,12 @@ impl Device {
     /// The storage server's pid (its CPU is the server's cost): zdisk serve (nbdkit is its
     /// child) or qemu-nbd.
     pub fn server_pid(&self) -> Option<u32> {
-        self.serve_pid.or(self.qemu.as_ref().map(|c| c.id()))
+        self.serve_pid.or(self.qemu.as_ref().and_then(Server::pid))
     }
 
     /// Every process of the storage server: zdisk serve and its nbdkit, or qemu-nbd.
     pub fn server_pids(&self) -> Vec<u32> {
-        [self.serve_pid, self.nbdkit_pid, self.qemu.as_ref().map(|c| c.id())].into_iter().flatten().collect()
+        [self.serve_pid, self.nbdkit_pid, self.qemu.as_ref().and_then(Server::pid)].into_iter().flatten().collect()
     }
 
     pub fn nbdfuse_pid(&self) -> Option<u32> {
@@ -210,13 +197,12 @@ impl Device {
         if self.transport != Transport::Zdisk {
             return None;
         }
-        let out = run(self.ctx.zdisk().arg("stat").arg(&self.backing).arg("--json")).ok()?;
-        serde_json::from_str(&out).ok()
+        sys::zdisk_stat(self.ctx.zdisk(), &self.backing).ok()
     }
 
     /// Power cut of the storage: SIGKILL of the server that holds the not-yet-durable writes.
     pub fn kill_server(&self) -> Result<()> {
-        let pid = self.nbdkit_pid.or(self.qemu.as_ref().map(|c| c.id())).context("no server to kill")?;
+        let pid = self.nbdkit_pid.or(self.qemu.as_ref().and_then(Server::pid)).context("no server to kill")?;
         sys::signal(pid, libc::SIGKILL);
         Ok(())
     }
@@ -264,14 +250,10 @@ impl Device {
                 if let Some(dir) = self.fuse_dir.take() {
                     unmount_fuse(&dir, self.nbdfuse_pid.take());
                 }
-                if let Some(mut q) = self.qemu.take() {
-                    sys::signal(q.id(), libc::SIGTERM);
-                    if !sys::wait_gone(q.id(), Duration::from_secs(30)) {
-                        let _ = q.kill();
-                    }
-                    let _ = q.wait();
-                }
+                // SIGTERM, SIGKILL after a grace period (the guard's rule).
+                let stopped = self.qemu.take().map_or(Ok(()), |mut q| q.stop());
                 r?;
+                stopped?;
             }
         }
         Ok(())
@@ -283,23 +265,12 @@ impl Drop for Device {
         if let Err(e) = self.detach_inner() {
             progress(&format!("teardown: {e:#}"));
         }
-        if let Some(mut q) = self.qemu.take() {
-            let _ = q.kill();
-            let _ = q.wait();
-        }
     }
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
-fn make_sparse(path: &Path, size: u64) -> Result<()> {
-    let _ = std::fs::remove_file(path);
-    let f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.set_len(size)?;
-    Ok(())
 }
 
 /// Whether the loop device does direct I/O on its backing file (losetup's DIO column).
@@ -345,31 +316,12 @@ fn nbdfuse(dir: &Path, uri: &str) -> Result<u32> {
     Ok(pid)
 }
 
+/// Unmounts an nbdfuse mount of this harness's, lazily and killing nbdfuse if it will not go.
 fn unmount_fuse(dir: &Path, pid: Option<u32>) {
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        match sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-u").arg(dir))) {
-            Ok(_) => break,
-            Err(e) => {
-                if Instant::now() > end {
-                    progress(&format!("teardown: {e:#}; lazy unmount"));
-                    let _ = sys::cmd("fusermount3").and_then(|mut c| run(c.arg("-uz").arg(dir)));
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(200));
-            }
-        }
+    let fusermount = sys::path_of("fusermount3").unwrap_or_else(|_| "fusermount3".into());
+    for problem in sys::unmount_fuse(&fusermount, dir, pid, sys::WhenStuck::Force) {
+        progress(&format!("teardown: {problem}"));
     }
-    if let Some(pid) = pid {
-        if !sys::wait_gone(pid, Duration::from_secs(30)) {
-            sys::signal(pid, libc::SIGKILL);
-        }
-        // SAFETY: reaping our own child by pid (it was spawned by this process).
-        unsafe {
-            libc::waitpid(pid as i32, std::ptr::null_mut(), libc::WNOHANG);
-        }
-    }
-    let _ = std::fs::remove_dir(dir);
 }
 
 /// ext4 mounted on a device; unmounted when dropped.

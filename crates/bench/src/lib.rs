@@ -11,15 +11,18 @@ mod plan;
 mod report;
 mod results;
 mod runner;
-mod server;
+pub mod server;
+pub mod size;
 mod steady;
+pub mod sys;
+pub mod writer;
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 use serde::Serialize;
 
-pub use plan::{parse_size, DataMode, TargetKind, WorkloadKind};
+pub use plan::{DataMode, TargetKind, WorkloadKind};
 
 /// `zdisk bench`: zdisk vs the same disk served raw, with the SSD reviewers' methodology.
 #[derive(Debug, Clone, clap::Args)]
@@ -49,7 +52,7 @@ pub struct BenchArgs {
     pub out: Option<PathBuf>,
 
     /// Size of each target (binary units: 64M, 1G, 4G). Default 4G (quick 1G, smoke 64M).
-    #[arg(long, value_parser = plan::parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = size::parse_nonzero_bytes, value_name = "SIZE")]
     pub size: Option<u64>,
 
     /// Targets, comma-separated. Default: all (quick: zdisk,raw,memory; smoke: zdisk,raw).
@@ -92,7 +95,7 @@ pub struct BenchArgs {
     pub fill_passes: Option<u32>,
 
     /// Physical size of the zdisk store (default: --size, i.e. the same bytes as the raw file).
-    #[arg(long, value_parser = plan::parse_size, value_name = "SIZE")]
+    #[arg(long, value_parser = size::parse_nonzero_bytes, value_name = "SIZE")]
     pub zdisk_physical_size: Option<u64>,
 
     /// The zdisk binary to format/serve/stat with (default: this executable).
@@ -100,19 +103,59 @@ pub struct BenchArgs {
     pub zdisk_bin: Option<PathBuf>,
 }
 
-/// Which preset the defaults come from.
+/// Which preset a run's defaults come from: `--smoke` (CI: proves the tool works), `--quick`
+/// (minutes: numbers for direction) or neither (the full method, hours). `zdisk bench` and
+/// `zdisk db bench` both scale every default by it; recorded in report.json in lower case.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Mode {
+pub enum Preset {
     Full,
     Quick,
     Smoke,
 }
 
+impl Preset {
+    /// The preset of a command's `--quick` and `--smoke` flags (clap lets only one be given).
+    pub fn from_flags(quick: bool, smoke: bool) -> Preset {
+        if smoke {
+            Preset::Smoke
+        } else if quick {
+            Preset::Quick
+        } else {
+            Preset::Full
+        }
+    }
+
+    /// This preset's one of three values.
+    pub fn pick<T>(self, full: T, quick: T, smoke: T) -> T {
+        match self {
+            Preset::Full => full,
+            Preset::Quick => quick,
+            Preset::Smoke => smoke,
+        }
+    }
+}
+
+/// The order in which to run `n` targets on the `turn`-th pass (turn 0, 1, 2, …): each pass
+/// starts one target later, so every target goes first equally often and slow drift of the
+/// machine (other load, caches warming) does not always fall on the same one.
+pub fn target_order(n: usize, turn: usize) -> Vec<usize> {
+    (0..n).map(|k| (k + turn) % n).collect()
+}
+
+/// The zdisk binary a harness formats, serves and reads statistics with: `--zdisk-bin`, else
+/// this executable (`zdisk` itself).
+pub fn zdisk_bin(option: &Option<PathBuf>) -> Result<PathBuf> {
+    match option {
+        Some(path) => Ok(path.clone()),
+        None => Ok(std::env::current_exe()?),
+    }
+}
+
 /// The resolved settings of one run (all defaults applied), recorded in report.json.
 #[derive(Clone, Debug, Serialize)]
 pub struct Config {
-    pub mode: Mode,
+    pub mode: Preset,
     pub size_bytes: u64,
     pub zdisk_physical_bytes: u64,
     pub targets: Vec<TargetKind>,
@@ -164,11 +207,11 @@ fn secs_to_ms(what: &str, s: f64) -> Result<u64> {
 }
 
 /// The raw targets' size and the zdisk store's physical size.
-fn sizes(a: &BenchArgs, mode: Mode) -> Result<(u64, u64)> {
+fn sizes(a: &BenchArgs, mode: Preset) -> Result<(u64, u64)> {
     let size_bytes = a.size.unwrap_or(match mode {
-        Mode::Full => 4 << 30,
-        Mode::Quick => 1 << 30,
-        Mode::Smoke => 64 << 20,
+        Preset::Full => 4 << 30,
+        Preset::Quick => 1 << 30,
+        Preset::Smoke => 64 << 20,
     });
     // Align to 1 MiB so every block size, bssplit entry and 25% spare range divides evenly.
     let size_bytes = size_bytes / (1 << 20) * (1 << 20);
@@ -186,33 +229,23 @@ fn sizes(a: &BenchArgs, mode: Mode) -> Result<(u64, u64)> {
 
 impl Config {
     pub fn resolve(a: &BenchArgs) -> Result<Config> {
-        let mode = if a.smoke {
-            Mode::Smoke
-        } else if a.quick {
-            Mode::Quick
-        } else {
-            Mode::Full
-        };
-        let pick = |full: f64, quick: f64, smoke: f64| match mode {
-            Mode::Full => full,
-            Mode::Quick => quick,
-            Mode::Smoke => smoke,
-        };
+        let mode = Preset::from_flags(a.quick, a.smoke);
+        let pick = |full: f64, quick: f64, smoke: f64| mode.pick(full, quick, smoke);
         let (size_bytes, zdisk_physical_bytes) = sizes(a, mode)?;
         let targets = a.targets.clone().unwrap_or_else(|| match mode {
-            Mode::Full => TargetKind::ALL.to_vec(),
-            Mode::Quick => vec![TargetKind::Zdisk, TargetKind::Raw, TargetKind::Memory],
-            Mode::Smoke => vec![TargetKind::Zdisk, TargetKind::Raw],
+            Preset::Full => TargetKind::ALL.to_vec(),
+            Preset::Quick => vec![TargetKind::Zdisk, TargetKind::Raw, TargetKind::Memory],
+            Preset::Smoke => vec![TargetKind::Zdisk, TargetKind::Raw],
         });
         let workloads = a.workloads.clone().unwrap_or_else(|| WorkloadKind::ALL.to_vec());
         let data = a.data.clone().unwrap_or_else(|| match mode {
-            Mode::Full => DataMode::ALL.to_vec(),
+            Preset::Full => DataMode::ALL.to_vec(),
             _ => vec![DataMode::Ratio2],
         });
         let mut qds = a.qd.clone().unwrap_or_else(|| match mode {
-            Mode::Full => vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
-            Mode::Quick => vec![1, 32],
-            Mode::Smoke => vec![1, 4],
+            Preset::Full => vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
+            Preset::Quick => vec![1, 32],
+            Preset::Smoke => vec![1, 4],
         });
         qds.sort_unstable();
         qds.dedup();
@@ -227,7 +260,7 @@ impl Config {
             bail!("--targets, --workloads and --data must each name at least one entry");
         }
         // The smoke run's rounds are tiny, so its IOPS log interval is too; real runs log every second.
-        let log_ms = if mode == Mode::Smoke { 100 } else { 1000 };
+        let log_ms = if mode == Preset::Smoke { 100 } else { 1000 };
         let runtime_ms = secs_to_ms("runtime", a.runtime.unwrap_or(pick(60.0, 1.0, 0.2)))?;
         if runtime_ms < 100 {
             bail!("--runtime must be at least 0.1 s");
@@ -237,11 +270,8 @@ impl Config {
             bail!("--round must be at least the {} ms IOPS logging interval", log_ms);
         }
         let consistency_ms = secs_to_ms("consistency", a.consistency.unwrap_or(pick(1800.0, 10.0, 0.6)))?;
-        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", results::unix_now())));
-        let zdisk_bin = match &a.zdisk_bin {
-            Some(p) => p.clone(),
-            None => std::env::current_exe()?,
-        };
+        let out = a.out.clone().unwrap_or_else(|| PathBuf::from(format!("zdisk-bench-{}", sys::unix_time())));
+        let zdisk_bin = zdisk_bin(&a.zdisk_bin)?;
         Ok(Config {
             mode,
             size_bytes,
@@ -252,7 +282,7 @@ impl Config {
             qds,
             runtime_ms,
             ramp_ms: match mode {
-                Mode::Full => 5000,
+                Preset::Full => 5000,
                 _ => 0,
             },
             round_ms,
@@ -263,10 +293,10 @@ impl Config {
             spare_pcts: vec![0, 25],
             fill_passes: a.fill_passes.unwrap_or(2),
             fill_qd: 32,
-            purge_each_workload: mode == Mode::Full,
-            precondition_reads: mode == Mode::Full,
+            purge_each_workload: mode == Preset::Full,
+            precondition_reads: mode == Preset::Full,
             stat_interval_ms: pick(5000.0, 1000.0, 500.0) as u64,
-            fresh_stats: mode != Mode::Smoke,
+            fresh_stats: mode != Preset::Smoke,
             dir: a.dir.clone(),
             out,
             zdisk_bin,
@@ -278,4 +308,33 @@ impl Config {
 pub fn run(args: &BenchArgs) -> Result<()> {
     let cfg = Config::resolve(args)?;
     runner::run(&cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smoke_wins_over_quick_and_each_preset_picks_its_own_value() {
+        assert_eq!(Preset::from_flags(false, false), Preset::Full);
+        assert_eq!(Preset::from_flags(true, false), Preset::Quick);
+        assert_eq!(Preset::from_flags(true, true), Preset::Smoke);
+        let picks: Vec<u32> = [Preset::Full, Preset::Quick, Preset::Smoke].iter().map(|p| p.pick(1, 2, 3)).collect();
+        assert_eq!(picks, [1, 2, 3]);
+        assert_eq!(serde_json::to_string(&Preset::Quick).unwrap(), "\"quick\"", "report.json's spelling");
+    }
+
+    #[test]
+    fn every_target_goes_first_in_turn() {
+        for n in 1..=6 {
+            let firsts: Vec<usize> = (0..n).map(|turn| target_order(n, turn)[0]).collect();
+            assert_eq!(firsts, (0..n).collect::<Vec<_>>(), "{n} targets");
+            for turn in 0..2 * n {
+                let mut order = target_order(n, turn);
+                order.sort_unstable();
+                assert_eq!(order, (0..n).collect::<Vec<_>>(), "each pass runs every target once");
+            }
+        }
+        assert!(target_order(0, 3).is_empty());
+    }
 }

@@ -1,15 +1,17 @@
-//! The report's headline numbers and its three output files (report.json, summary.md,
-//! report.html), rendered from the run's records (`results`).
+//! The report's headline numbers and the contents of its three output files (report.json,
+//! summary.md, report.html), rendered from the run's records (`results`); `writer` writes
+//! them, as it does `zdisk db bench`'s.
 
 use std::fmt::Write as _;
-use std::fs;
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
 use crate::charts;
-use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::plan::{DataMode, TargetKind, WorkloadKind};
 use crate::results::{fmt_int, DataSummary, JobResult, Report};
+use crate::size::fmt_size;
+use crate::writer::{esc, html_start, html_table, md_table, write_report};
 
 fn geomean(v: &[f64]) -> Option<f64> {
     (!v.is_empty()).then(|| (v.iter().map(|x| x.ln()).sum::<f64>() / v.len() as f64).exp())
@@ -62,12 +64,7 @@ impl Report {
     }
 
     pub fn write_all(&self, out: &Path) -> Result<()> {
-        fs::create_dir_all(out)?;
-        let json = serde_json::to_string_pretty(self)?;
-        fs::write(out.join("report.json"), json).context("writing report.json")?;
-        fs::write(out.join("summary.md"), self.markdown()).context("writing summary.md")?;
-        fs::write(out.join("report.html"), self.html()?).context("writing report.html")?;
-        Ok(())
+        write_report(out, self, || Ok((self.markdown(), self.html()?)))
     }
 
     fn targets_in_run(&self) -> Vec<TargetKind> {
@@ -371,9 +368,8 @@ impl Report {
 
     pub fn html(&self) -> Result<String> {
         let mut s = String::new();
-        s.push_str("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>zdisk bench report</title>\n<style>\n");
-        s.push_str(CSS);
-        s.push_str("</style></head><body>\n<h1>zdisk bench report</h1>\n");
+        s.push_str(&html_start("zdisk bench report"));
+        s.push_str("<h1>zdisk bench report</h1>\n");
         let _ = writeln!(
             s,
             "<p class=\"meta\"><code>{}</code><br>wall time {:.0} s<br>{}</p>",
@@ -464,54 +460,10 @@ impl Report {
     }
 }
 
-const CSS: &str = "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1500px;padding:0 1em;color:#222}
-h1{margin-bottom:.2em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}h2 small{font-weight:normal;color:#666;font-size:.6em}
-table{border-collapse:collapse;font-size:.85em;margin:1em 0}th,td{border:1px solid #ddd;padding:3px 7px;text-align:right}th{background:#f3f3f3}
-td:first-child,th:first-child{text-align:left}tr:nth-child(even){background:#fafafa}
-.meta{color:#555;font-size:.85em}.headline{background:#eef5fb;border-left:4px solid #1f77b4;padding:.5em 1em}.big{font-size:1.2em;font-weight:bold}
-.charts{display:flex;flex-wrap:wrap;gap:8px}.charts svg{border:1px solid #eee}.note{color:#777}nav a{margin-right:1em}pre{white-space:pre-wrap}";
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
-}
-
 fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("")
 }
 
 fn opt_fmt(v: Option<f64>, decimals: usize) -> String {
     v.map(|x| format!("{x:.decimals$}")).unwrap_or_else(|| "—".into())
-}
-
-fn md_table(s: &mut String, head: &[String], rows: &[Vec<String>]) {
-    let _ = writeln!(s, "| {} |", head.join(" | "));
-    let _ = writeln!(
-        s,
-        "|{}|",
-        head.iter().enumerate().map(|(i, _)| if i == 0 { "---" } else { "---:" }).collect::<Vec<_>>().join("|")
-    );
-    for r in rows {
-        let _ = writeln!(s, "| {} |", r.iter().map(|c| c.replace('|', "/")).collect::<Vec<_>>().join(" | "));
-    }
-    let _ = writeln!(s);
-}
-
-fn html_table(s: &mut String, head: &[String], rows: &[Vec<String>]) {
-    if rows.is_empty() {
-        s.push_str("<p class=\"note\">none in this run</p>\n");
-        return;
-    }
-    s.push_str("<table><thead><tr>");
-    for h in head {
-        let _ = write!(s, "<th>{}</th>", esc(h));
-    }
-    s.push_str("</tr></thead><tbody>\n");
-    for r in rows {
-        s.push_str("<tr>");
-        for c in r {
-            let _ = write!(s, "<td>{}</td>", esc(c));
-        }
-        s.push_str("</tr>\n");
-    }
-    s.push_str("</tbody></table>\n");
 }

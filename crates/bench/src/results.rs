@@ -13,14 +13,6 @@ use crate::plan::{DataMode, TargetKind, WorkloadKind};
 use crate::steady::Window;
 use crate::Config;
 
-pub fn unix_now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
-}
-
-pub fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Host {
     pub kernel: String,
@@ -37,13 +29,8 @@ pub struct Host {
     pub loadavg_end: String,
 }
 
-pub fn loadavg() -> String {
-    fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
-}
-
 impl Host {
     pub fn probe(backing: &Path) -> Host {
-        let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
         let meminfo = fs::read_to_string("/proc/meminfo").unwrap_or_default();
         let backing_fs = fs::read_to_string("/proc/mounts")
             .unwrap_or_default()
@@ -57,12 +44,8 @@ impl Host {
             .map(|(_, s)| s)
             .unwrap_or_default();
         Host {
-            kernel: fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string(),
-            cpu_model: cpuinfo
-                .lines()
-                .find_map(|l| l.strip_prefix("model name"))
-                .map(|s| s.trim_start_matches([' ', '\t', ':']).to_string())
-                .unwrap_or_default(),
+            kernel: crate::sys::kernel_release(),
+            cpu_model: crate::sys::cpu_model(),
             cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             mem_total_bytes: meminfo
                 .lines()
@@ -72,10 +55,10 @@ impl Host {
                 .unwrap_or(0),
             backing_dir: backing.display().to_string(),
             backing_fs,
-            fio: crate::server::tool_version("fio"),
-            nbdkit: crate::server::tool_version("nbdkit"),
-            qemu_nbd: crate::server::tool_version("qemu-nbd"),
-            loadavg_start: loadavg(),
+            fio: crate::sys::tool_version("fio"),
+            nbdkit: crate::sys::tool_version("nbdkit"),
+            qemu_nbd: crate::sys::tool_version("qemu-nbd"),
+            loadavg_start: crate::sys::loadavg(),
             loadavg_end: String::new(),
         }
     }

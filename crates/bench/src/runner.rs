@@ -8,8 +8,6 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -18,14 +16,16 @@ use serde_json::Value;
 
 use crate::corpus::Corpus;
 use crate::fio::{self, DataArgs, FioJob, FioOutcome};
-use crate::plan::{fmt_size, DataMode, TargetKind, WorkloadKind};
+use crate::plan::{DataMode, TargetKind, WorkloadKind};
 use crate::results::{
     fmt_int, ConsistencyRecord, FillRecord, Host, JobCost, JobResult, PreconditionRecord, Report, StatSample,
     TargetInfo,
 };
-use crate::server::{require_tool, tree_sample, Server};
+use crate::server::{qemu_nbd_raw, require_tool, sparse_file, Server};
+use crate::size::fmt_size;
 use crate::steady::{self, WINDOW_ROUNDS};
-use crate::{Config, Mode};
+use crate::sys::tree_sample;
+use crate::{Config, Preset};
 
 mod phases;
 mod setup;
@@ -57,7 +57,6 @@ struct Bench<'a> {
     report: Report,
     pb: ProgressBar,
     log: fs::File,
-    stop: Arc<AtomicBool>,
     t0: Instant,
     corpus: Option<Corpus>,
     stat_failures: u32,
@@ -68,19 +67,7 @@ struct Bench<'a> {
 }
 
 fn zdisk_stat(bin: &Path, store: &Path) -> Result<Value> {
-    let out = Command::new(bin)
-        .arg("stat")
-        .arg(store)
-        .arg("--json")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} stat", bin.display()))?;
-    if !out.status.success() {
-        bail!("zdisk stat failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let start = text.find('{').ok_or_else(|| anyhow!("zdisk stat --json printed no JSON object"))?;
-    serde_json::from_str(&text[start..]).context("parsing zdisk stat --json")
+    crate::sys::zdisk_stat(Command::new(bin), store)
 }
 
 /// Estimated sequential fill rate for the progress bar's time estimate.
@@ -102,7 +89,7 @@ impl Bench<'_> {
     }
 
     fn check_stop(&self) -> Result<()> {
-        if self.stop.load(Ordering::Relaxed) {
+        if crate::sys::interrupted() {
             bail!("interrupted");
         }
         Ok(())
@@ -184,7 +171,7 @@ impl Bench<'_> {
         }
         self.pb.finish_and_clear();
         self.report.wall_s = self.t0.elapsed().as_secs_f64();
-        self.report.host.loadavg_end = crate::results::loadavg();
+        self.report.host.loadavg_end = crate::sys::loadavg();
         if let Err(e) = outcome {
             self.report.errors.push(format!("benchmark stopped early: {e:#}"));
         }
@@ -230,7 +217,7 @@ impl Bench<'_> {
             }
             for (wi, &w) in cfg.workloads.iter().enumerate() {
                 // Rotate which target goes first so drift is spread over all of them.
-                let order: Vec<usize> = (0..n).map(|k| (k + wi + di) % n).collect();
+                let order = crate::target_order(n, wi + di);
                 if cfg.purge_each_workload || wi == 0 {
                     for &ti in &order {
                         self.check_stop()?;
@@ -293,25 +280,16 @@ impl Bench<'_> {
         let label = t.kind.title();
         let cmd = match t.kind {
             TargetKind::Zdisk => {
-                let out = Command::new(&cfg.zdisk_bin)
-                    .arg("format")
-                    .arg(&t.file)
-                    .arg("--physical-size")
-                    .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
-                    .arg("--logical-size")
-                    .arg(format!("{}K", range / 1024))
-                    .arg("--force")
-                    .stdin(Stdio::null())
-                    .output()
-                    .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
-                if !out.status.success() {
-                    bail!(
-                        "zdisk format failed ({}): {}{}",
-                        out.status,
-                        String::from_utf8_lossy(&out.stderr).trim(),
-                        String::from_utf8_lossy(&out.stdout).trim()
-                    );
-                }
+                crate::sys::run(
+                    Command::new(&cfg.zdisk_bin)
+                        .arg("format")
+                        .arg(&t.file)
+                        .arg("--physical-size")
+                        .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+                        .arg("--logical-size")
+                        .arg(format!("{}K", range / 1024))
+                        .arg("--force"),
+                )?;
                 let mut c = Command::new(&cfg.zdisk_bin);
                 c.arg("serve").arg(&t.file).arg("--unix").arg(&t.socket);
                 // No idle work unless asked: the targets' servers stay up side by side, and
@@ -324,16 +302,9 @@ impl Bench<'_> {
             }
             TargetKind::Raw | TargetKind::NbdkitFile => {
                 // A new sparse file is the raw disk's "secure erase"; the fills allocate it.
-                let _ = fs::remove_file(&t.file);
-                let f = fs::File::create(&t.file).with_context(|| format!("creating {}", t.file.display()))?;
-                f.set_len(cfg.size_bytes)?;
-                drop(f);
+                sparse_file(&t.file, cfg.size_bytes)?;
                 if t.kind == TargetKind::Raw {
-                    let mut c = Command::new("qemu-nbd");
-                    c.args(["-f", "raw", "--cache=none", "--aio=native", "--persistent", "--shared=8"])
-                        .arg(format!("--socket={}", t.socket.display()))
-                        .arg(&t.file);
-                    c
+                    qemu_nbd_raw(&t.file, &t.socket, 8)
                 } else {
                     let mut c = Command::new("nbdkit");
                     c.args(["--foreground", "--exit-with-parent", "--unix"])
@@ -486,14 +457,13 @@ impl Bench<'_> {
         let before = tree_sample(pid);
         let started = Instant::now();
 
-        let stop = self.stop.clone();
         let bin = self.cfg.zdisk_bin.clone();
         let interval = Duration::from_millis(self.cfg.stat_interval_ms);
         let t0 = self.t0;
         let mut last = Instant::now();
         let mut samples = Vec::new();
         let mut poll = || -> Result<()> {
-            if stop.load(Ordering::Relaxed) {
+            if crate::sys::interrupted() {
                 bail!("interrupted");
             }
             if is_zdisk && last.elapsed() >= interval {
@@ -509,7 +479,7 @@ impl Bench<'_> {
         let value = result?;
         let wall_s = started.elapsed().as_secs_f64();
         let after = tree_sample(pid);
-        let stat_after = self.stat_fresh(ti, crate::results::unix_now_ms());
+        let stat_after = self.stat_fresh(ti, crate::sys::unix_time_ms());
         self.push_sample(ti, data, phase, &stat_after);
         let f = |v: &Option<Value>, k: &str| v.as_ref().and_then(|v| v.get(k)).and_then(Value::as_f64);
         let job_wa = match (

@@ -1,7 +1,7 @@
-//! NBD servers the benchmark starts, as guards that always stop their process and remove the
-//! socket, plus process-tree CPU and I/O accounting from /proc.
+//! NBD servers a harness starts — `zdisk bench`'s targets, and `zdisk db bench`'s raw
+//! qemu-nbd under nbdfuse — as guards that always stop their process and remove the socket.
+//! Their CPU and I/O accounting is `sys::tree_sample`.
 
-use std::collections::HashMap;
 use std::fs;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -131,6 +131,27 @@ impl Drop for Server {
     }
 }
 
+/// The honest raw baseline both harnesses compare zdisk with: a raw image behind qemu-nbd
+/// with O_DIRECT (`--cache=none --aio=native`), up between connections (`--persistent`),
+/// letting `shared` clients in at once.
+pub fn qemu_nbd_raw(image: &Path, socket: &Path, shared: u32) -> Command {
+    let mut c = Command::new(crate::sys::find_tool("qemu-nbd").unwrap_or_else(|| "qemu-nbd".into()));
+    c.args(["-f", "raw", "--cache=none", "--aio=native", "--persistent"])
+        .arg(format!("--shared={shared}"))
+        .arg(format!("--socket={}", socket.display()))
+        .arg(image);
+    c
+}
+
+/// A new sparse file of `size` bytes in place of `path`: a raw disk's "secure erase"; what
+/// is written later allocates it.
+pub fn sparse_file(path: &Path, size: u64) -> Result<()> {
+    let _ = fs::remove_file(path);
+    let f = fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.set_len(size).with_context(|| format!("sizing {}", path.display()))?;
+    Ok(())
+}
+
 /// Last `n` lines of a log file, for error messages.
 pub fn tail(path: &Path, n: usize) -> String {
     let text = fs::read_to_string(path).unwrap_or_default();
@@ -138,80 +159,10 @@ pub fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// CPU time and storage writes of a process and all its descendants at one instant.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct TreeSample {
-    pub cpu_s: f64,
-    /// Bytes the tree caused to be sent to storage (/proc/PID/io `write_bytes`); None when the
-    /// kernel does not expose it.
-    pub os_write_bytes: Option<u64>,
-}
-
-struct ProcInfo {
-    ppid: u32,
-    own_ticks: u64,
-    reaped_children_ticks: u64,
-}
-
-fn read_stat(pid: u32) -> Option<ProcInfo> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces and parentheses; fields after the last ')'
-    // are plain numbers: state ppid ... utime(14) stime(15) cutime(16) cstime(17).
-    let rest = &text[text.rfind(')')? + 1..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let num = |i: usize| f.get(i).and_then(|s| s.parse::<u64>().ok());
-    Some(ProcInfo { ppid: num(1)? as u32, own_ticks: num(11)? + num(12)?, reaped_children_ticks: num(13)? + num(14)? })
-}
-
-fn read_write_bytes(pid: u32) -> Option<u64> {
-    let text = fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("write_bytes:")).and_then(|v| v.trim().parse().ok())
-}
-
-/// Sums utime+stime over `root` and its live descendants (threads are included by the kernel),
-/// plus cutime+cstime for children they already reaped. `zdisk serve` runs nbdkit as a child,
-/// so looking at the root alone would miss the plugin's work.
-pub fn tree_sample(root: u32) -> TreeSample {
-    let mut procs: HashMap<u32, ProcInfo> = HashMap::new();
-    if let Ok(dir) = fs::read_dir("/proc") {
-        for entry in dir.flatten() {
-            if let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) {
-                if let Some(info) = read_stat(pid) {
-                    procs.insert(pid, info);
-                }
-            }
-        }
-    }
-    let mut tree = vec![root];
-    let mut i = 0;
-    while i < tree.len() {
-        let parent = tree[i];
-        tree.extend(procs.iter().filter(|(_, p)| p.ppid == parent).map(|(&pid, _)| pid));
-        i += 1;
-    }
-    let ticks: u64 = tree.iter().filter_map(|pid| procs.get(pid)).map(|p| p.own_ticks + p.reaped_children_ticks).sum();
-    let writes: Option<u64> = tree.iter().map(|&pid| read_write_bytes(pid)).sum();
-    TreeSample { cpu_s: ticks as f64 / rustix::param::clock_ticks_per_second() as f64, os_write_bytes: writes }
-}
-
 /// Finds `tool` on PATH or fails with a message that names it and what needs it.
 pub fn require_tool(tool: &str, needed_for: &str, package_hint: &str) -> Result<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    for dir in std::env::split_paths(&path) {
-        let candidate = dir.join(tool);
-        if candidate.is_file() {
-            return Ok(candidate);
-        }
+    if let Some(path) = crate::sys::find_tool(tool) {
+        return Ok(path);
     }
     bail!("`{tool}` not found on PATH; it is needed for {needed_for}. Install it (e.g. `apt-get install {package_hint}`) or drop that part with --targets/--data")
-}
-
-/// First line of `tool --version`, for the report.
-pub fn tool_version(tool: &str) -> String {
-    Command::new(tool)
-        .arg("--version")
-        .output()
-        .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
-        .unwrap_or_default()
 }

@@ -357,26 +357,15 @@ fn attach_device(
     Ok(device)
 }
 
+/// Unmounts the nbdfuse mount behind an attachment; a busy mount is left as it is (someone
+/// still uses the device) and said so.
 fn unmount_fuse(dir: &Path, nbdfuse_pid: u32) {
     let fusermount = runtime::tool("fusermount3", "ZDISK_FUSERMOUNT").unwrap_or_else(|_| "fusermount3".into());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match runtime::run(Command::new(&fusermount).arg("-u").arg(dir)) {
-            Ok(_) => break,
-            Err(e) => {
-                if Instant::now() >= deadline {
-                    eprintln!("zdisk: {e}");
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        }
+    for problem in
+        zdisk_bench::sys::unmount_fuse(&fusermount, dir, Some(nbdfuse_pid), zdisk_bench::sys::WhenStuck::Report)
+    {
+        eprintln!("zdisk: {problem}");
     }
-    // nbdfuse exits once unmounted, after flushing and closing its NBD connection.
-    if !runtime::wait_gone(nbdfuse_pid, Duration::from_secs(60)) {
-        eprintln!("zdisk: nbdfuse pid {nbdfuse_pid} did not exit after unmount");
-    }
-    let _ = std::fs::remove_dir(dir);
 }
 
 pub fn detach(args: &DetachArgs) -> Result<()> {

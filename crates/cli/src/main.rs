@@ -24,7 +24,7 @@ use clap::{Parser, Subcommand};
     about = "zdisk: a software compressing block device served over NBD",
     long_about = "zdisk turns a file or block device into a compressed, thin-provisioned, \
                   log-structured, crash-safe block store, and serves it over NBD through nbdkit.\n\n\
-                  Sizes take K/M/G/T suffixes (binary: 1K = 1024). A logical size may also be \
+                  Sizes take K/M/G/T/P suffixes (binary: 1K = 1024). A logical size may also be \
                   written Nx: N times the native capacity, the bytes incompressible data can \
                   always fill and overwrite (the data area less reserves, metadata and the \
                   --over-provision spare area; `zdisk format` prints it). 1x is the default.\n\n\

@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -92,12 +92,9 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<()> {
     Ok(())
 }
 
-pub fn process_alive(pid: u32) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
-    // SAFETY: kill with signal 0 only checks for the process; no memory is involved.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
+/// Whether a process runs, and waiting for one to end: the harness's one copy (a zombie counts
+/// as gone: it holds no lock and no device any more).
+pub use zdisk_bench::sys::{alive as process_alive, wait_gone};
 
 pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
     let pid = libc::pid_t::try_from(pid).map_err(|_| std::io::Error::from_raw_os_error(libc::ESRCH))?;
@@ -107,18 +104,6 @@ pub fn send_signal(pid: u32, signal: i32) -> std::io::Result<()> {
     } else {
         Err(std::io::Error::last_os_error())
     }
-}
-
-/// Waits until `pid` (not our child) is gone.
-pub fn wait_gone(pid: u32, timeout: Duration) -> bool {
-    let deadline = Instant::now() + timeout;
-    while process_alive(pid) {
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    true
 }
 
 /// Whether another process holds the store's lock so that one of `lock` cannot be taken
@@ -143,12 +128,8 @@ pub fn tool(name: &str, env_var: &str) -> Result<PathBuf> {
     if let Some(path) = std::env::var_os(env_var) {
         return Ok(PathBuf::from(path));
     }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    for dir in std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")]) {
-        let candidate = dir.join(name);
-        if candidate.is_file() {
-            return Ok(candidate);
-        }
+    if let Some(path) = zdisk_bench::sys::find_tool(name) {
+        return Ok(path);
     }
     bail!("{name} not found in PATH (install it: see README.md; or set {env_var})")
 }

@@ -1,51 +1,16 @@
-//! Sizes on the command line: `4096`, `64K`, `256M`, `1.5G`, `2T` (binary units, an
-//! optional `B`/`iB` suffix), for logical sizes also `Nx` = N × the native capacity (what
-//! incompressible data can always fill: the engine's `native_capacity_of_physical`), and
-//! percentages for over-provisioning.
+//! Sizes on the command line: `4096`, `64K`, `256M`, `1.5G`, `2T` — the workspace's one
+//! byte parser, `zdisk_bench::size::parse_bytes`, whose module states the rules — for
+//! logical sizes also `Nx` = N × the native capacity (what incompressible data can always
+//! fill: the engine's `native_capacity_of_physical`), and percentages for over-provisioning.
 
 use std::fmt;
 use std::str::FromStr;
 
-/// A byte count parsed from `NUMBER[K|M|G|T][B|iB]`.
+use zdisk_bench::size::parse_bytes;
+
+/// A byte count parsed from `NUMBER[K|M|G|T|P][B|iB]` (`parse_bytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Size(pub u64);
-
-fn parse_bytes(text: &str) -> Result<u64, String> {
-    let s = text.trim();
-    if s.starts_with('-') {
-        return Err(format!("bad size {text:?}: a size is not negative"));
-    }
-    let lower = s.to_ascii_lowercase();
-    let without_b = lower.strip_suffix("ib").or_else(|| lower.strip_suffix('b')).unwrap_or(&lower);
-    let (number, shift) = match without_b.chars().last() {
-        Some('k') => (&without_b[..without_b.len() - 1], 10),
-        Some('m') => (&without_b[..without_b.len() - 1], 20),
-        Some('g') => (&without_b[..without_b.len() - 1], 30),
-        Some('t') => (&without_b[..without_b.len() - 1], 40),
-        Some('p') => (&without_b[..without_b.len() - 1], 50),
-        _ => (without_b, 0),
-    };
-    let number = number.trim();
-    if number.is_empty() {
-        return Err(format!("bad size {text:?}: expected a number with an optional K/M/G/T suffix"));
-    }
-    if let Ok(whole) = number.parse::<u64>() {
-        return whole.checked_mul(1u64 << shift).ok_or_else(|| format!("size {text:?} is too large"));
-    }
-    let value: f64 =
-        number.parse().map_err(|_| format!("bad size {text:?}: expected a number with an optional K/M/G/T suffix"))?;
-    if !value.is_finite() || value < 0.0 {
-        return Err(format!("bad size {text:?}"));
-    }
-    let bytes = value * (1u64 << shift) as f64;
-    if bytes >= u64::MAX as f64 {
-        return Err(format!("size {text:?} is too large"));
-    }
-    if bytes.fract() != 0.0 {
-        return Err(format!("size {text:?} is not a whole number of bytes"));
-    }
-    Ok(bytes as u64)
-}
 
 impl FromStr for Size {
     type Err = String;

@@ -81,7 +81,7 @@ fn notes(cfg: &Config, native_bytes: u64) -> Vec<String> {
     if !cfg.purge_each_workload {
         n.push("Shortened method (quick/smoke): one purge + fill per target and data mode instead of one per workload, and read-only workloads are not preconditioned (the fill already wrote every block).".into());
     }
-    if cfg.mode != Mode::Full {
+    if cfg.mode != Preset::Full {
         n.push(format!(
             "{:?} mode: points of {:.1} s and a {:.0} s consistency test are far shorter than the reviewers' (5 minutes per point, 30 minutes of consistency); use the numbers for direction, not for publication.",
             cfg.mode,
@@ -132,11 +132,9 @@ pub fn run(cfg: &Config) -> Result<()> {
     fs::create_dir_all(&fio_dir)?;
     let log = fs::File::create(cfg.out.join("bench.log"))?;
 
-    let stop = Arc::new(AtomicBool::new(false));
-    let sig_ids = [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM]
-        .into_iter()
-        .map(|s| signal_hook::flag::register(s, stop.clone()))
-        .collect::<std::io::Result<Vec<_>>>()?;
+    // SIGINT/SIGTERM end the run between steps, with the report written and every server
+    // stopped; a second one ends the process at once (the harness's rule, `sys`).
+    crate::sys::install_signal_handlers()?;
 
     let mut bench = Bench {
         cfg,
@@ -146,7 +144,6 @@ pub fn run(cfg: &Config) -> Result<()> {
         report: new_report(cfg, work.path(), native_bytes),
         pb: ProgressBar::hidden(),
         log,
-        stop: stop.clone(),
         t0: Instant::now(),
         corpus: None,
         stat_failures: 0,
@@ -169,9 +166,6 @@ pub fn run(cfg: &Config) -> Result<()> {
 
     let outcome = bench.run_all();
     let written = bench.finish(&outcome);
-    for id in sig_ids {
-        signal_hook::low_level::unregister(id);
-    }
     written?;
     eprintln!("report: {}/report.html, summary.md, report.json ({:.0} s)", cfg.out.display(), bench.report.wall_s);
     if let (Some(c), Some(p)) = (bench.report.comp_ratio, bench.report.perf_multiplier) {
@@ -207,18 +201,15 @@ fn new_targets(cfg: &Config, work: &Path, sock_dir: &Path) -> Vec<Target> {
 /// over-provisioning (a probe store formatted in `work`, read back with `zdisk stat`, removed).
 fn native_capacity(cfg: &Config, work: &Path) -> Result<u64> {
     let probe = work.join("native-capacity-probe.zdisk");
-    let out = Command::new(&cfg.zdisk_bin)
-        .arg("format")
-        .arg(&probe)
-        .arg("--physical-size")
-        .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
-        .arg("--force")
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {} format", cfg.zdisk_bin.display()))?;
-    if !out.status.success() {
-        bail!("zdisk format of the capacity probe failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-    }
+    crate::sys::run(
+        Command::new(&cfg.zdisk_bin)
+            .arg("format")
+            .arg(&probe)
+            .arg("--physical-size")
+            .arg(format!("{}K", cfg.zdisk_physical_bytes / 1024))
+            .arg("--force"),
+    )
+    .context("formatting the capacity probe")?;
     let stat = super::zdisk_stat(&cfg.zdisk_bin, &probe);
     let _ = fs::remove_file(&probe);
     let native = stat?["native_capacity"].as_u64().context("zdisk stat --json has no native_capacity")?;
@@ -229,7 +220,7 @@ fn new_report(cfg: &Config, work: &Path, native_bytes: u64) -> Report {
     Report {
         schema: "zdisk-bench/1",
         command: command_line(),
-        started_unix_s: crate::results::unix_now(),
+        started_unix_s: crate::sys::unix_time(),
         wall_s: 0.0,
         comp_ratio: None,
         perf_multiplier: None,

@@ -1,8 +1,15 @@
 //! What `zdisk db bench` measures and reports: the configurations (stack and torn-page
 //! guard), the workloads, the settings each preset scales from the whitepaper, and the
-//! report's records.
+//! report's records. `bench` (the run) and `report` (the rendering) both read these; neither
+//! imports the other's records back (bench → report → plan, bench → plan).
 
-use super::*;
+use anyhow::{bail, Result};
+use serde::Serialize;
+use zdisk_bench::sys::{CpuTimes, DiskStat};
+
+use crate::corpus;
+use crate::db::{Db, LoadResult};
+use crate::{BenchArgs, Preset};
 
 /// One measured configuration: a storage stack and the torn-page guard setting.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum, Serialize)]
@@ -49,7 +56,7 @@ impl ConfigKey {
         }
     }
 
-    pub(super) fn stack(self) -> StackKind {
+    pub(crate) fn stack(self) -> StackKind {
         match self {
             ConfigKey::ZdiskNodw | ConfigKey::ZdiskDw => StackKind::Zdisk,
             ConfigKey::RawDw | ConfigKey::RawNodw => StackKind::Raw,
@@ -58,7 +65,7 @@ impl ConfigKey {
         }
     }
 
-    pub(super) fn guard(self) -> bool {
+    pub(crate) fn guard(self) -> bool {
         !matches!(self, ConfigKey::ZdiskNodw | ConfigKey::RawNodw)
     }
 
@@ -100,7 +107,7 @@ impl Workload {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
-pub(super) enum StackKind {
+pub(crate) enum StackKind {
     Zdisk,
     Raw,
     RawZlib,
@@ -108,7 +115,7 @@ pub(super) enum StackKind {
 }
 
 impl StackKind {
-    pub(super) fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             StackKind::Zdisk => "zdisk",
             StackKind::Raw => "raw",
@@ -145,14 +152,6 @@ pub struct Settings {
     pub serve_options: Vec<String>,
 }
 
-fn pick<T>(p: Preset, full: T, quick: T, smoke: T) -> T {
-    match p {
-        Preset::Full => full,
-        Preset::Quick => quick,
-        Preset::Smoke => smoke,
-    }
-}
-
 pub fn settings(a: &BenchArgs) -> Result<Settings> {
     let p = a.preset();
     let mut configs = a.configs.clone().unwrap_or_else(|| match p {
@@ -181,19 +180,19 @@ pub fn settings(a: &BenchArgs) -> Result<Settings> {
         preset: p,
         configs,
         workloads,
-        threads: a.threads.clone().unwrap_or_else(|| pick(p, vec![1, 4, 16, 64], vec![4, 16], vec![4])),
-        time_s: a.time.unwrap_or(pick(p, 60, 15, 3)),
-        warmup_s: a.warmup.unwrap_or(pick(p, 15, 5, 1)),
-        rounds: a.rounds.unwrap_or(pick(p, 2, 1, 1)),
-        tables: a.tables.unwrap_or(pick(p, 8, 4, 2)),
-        table_size: a.table_size.unwrap_or(pick(p, 500_000, 60_000, 2_000)),
-        pgbench_scale: a.pgbench_scale.unwrap_or(pick(p, 100, 10, 2)),
-        buffer_pool: a.buffer_pool.unwrap_or(pick(p, 256 << 20, 32 << 20, 16 << 20)),
-        log_file_size: a.log_file_size.unwrap_or(pick(p, 512 << 20, 128 << 20, 48 << 20)),
-        fs_size: a.fs_size.unwrap_or(pick(p, 12 << 30, 3 << 30, 1 << 30)),
+        threads: a.threads.clone().unwrap_or_else(|| p.pick(vec![1, 4, 16, 64], vec![4, 16], vec![4])),
+        time_s: a.time.unwrap_or(p.pick(60, 15, 3)),
+        warmup_s: a.warmup.unwrap_or(p.pick(15, 5, 1)),
+        rounds: a.rounds.unwrap_or(p.pick(2, 1, 1)),
+        tables: a.tables.unwrap_or(p.pick(8, 4, 2)),
+        table_size: a.table_size.unwrap_or(p.pick(500_000, 60_000, 2_000)),
+        pgbench_scale: a.pgbench_scale.unwrap_or(p.pick(100, 10, 2)),
+        buffer_pool: a.buffer_pool.unwrap_or(p.pick(256 << 20, 32 << 20, 16 << 20)),
+        log_file_size: a.log_file_size.unwrap_or(p.pick(512 << 20, 128 << 20, 48 << 20)),
+        fs_size: a.fs_size.unwrap_or(p.pick(12 << 30, 3 << 30, 1 << 30)),
         zdisk_format_args: a.zdisk_codec.iter().flat_map(|c| ["--codec".to_string(), c.clone()]).collect(),
         ratio_codecs: a.ratio_codecs.clone().unwrap_or_else(|| {
-            pick(p, vec!["lz4", "zstd:1", "deflate:6"], vec!["lz4", "zstd:1", "deflate:6"], vec!["zstd:1"])
+            p.pick(vec!["lz4", "zstd:1", "deflate:6"], vec!["lz4", "zstd:1", "deflate:6"], vec!["zstd:1"])
                 .into_iter()
                 .map(String::from)
                 .collect()

@@ -1,4 +1,6 @@
-//! Processes, tools, interrupts and the kernel's counters (/proc, /sys) the runs are measured with.
+//! Processes, tools, interrupts and the kernel's counters (/proc, /sys) the runs are measured
+//! with: the one copy `zdisk bench` and `zdisk db bench` (crates/apps) share, so both tell
+//! "alive", "gone" and "CPU of a server" the same way.
 
 use std::io::Write;
 use std::os::unix::process::CommandExt;
@@ -76,6 +78,8 @@ pub const fn tool(name: &'static str, package: &'static str) -> Tool {
     Tool { name, package }
 }
 
+/// `name` on PATH, else in the sbin directories (a root tool such as losetup when PATH lacks
+/// them) and PostgreSQL's versioned bin directories.
 pub fn find_tool(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
@@ -105,6 +109,19 @@ pub fn require_tools(what: &str, tools: &[Tool]) -> Result<()> {
         names.join(", "),
         packages.join(" ")
     )
+}
+
+/// First line of `tool --version` (empty when the tool is missing or says nothing), for
+/// reports.
+pub fn tool_version(name: &str) -> String {
+    let Some(path) = find_tool(name) else { return String::new() };
+    Command::new(path)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+        .unwrap_or_default()
 }
 
 pub fn path_of(name: &str) -> Result<PathBuf> {
@@ -159,23 +176,113 @@ pub fn signal_group(pgid: u32, sig: i32) -> bool {
     unsafe { libc::kill(-(pgid as i32), sig) == 0 }
 }
 
+/// Whether `pid` is a running process: kill(pid, 0) finds it (EPERM too: it exists, another
+/// user's), and it is not a zombie — a zombie holds no files, locks or devices and does no
+/// I/O; only its parent's `wait` is missing. Pid 0 and pids past `i32::MAX` are never
+/// processes (kill would take them for process groups).
 pub fn alive(pid: u32) -> bool {
-    // A zombie still answers kill(0); look at its state too.
+    let Ok(raw) = libc::pid_t::try_from(pid) else { return false };
+    if raw <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for the process; no memory is involved.
+    if unsafe { libc::kill(raw, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EPERM) {
+        return false;
+    }
+    // The state letter follows the command name's closing parenthesis. An unreadable stat
+    // (/proc mounted with hidepid, or the process exiting this moment) leaves kill's answer
+    // standing: a waiter asks again.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !matches!(stat.rsplit(')').next().map(|s| s.trim_start().chars().next()), Some(Some('Z'))),
-        Err(_) => false,
+        Err(_) => true,
     }
 }
 
+/// Waits until `pid` is no longer `alive` (exited, a zombie or reaped); false on timeout.
 pub fn wait_gone(pid: u32, timeout: Duration) -> bool {
     let end = Instant::now() + timeout;
-    while Instant::now() < end {
-        if !alive(pid) {
-            return true;
+    while alive(pid) {
+        if Instant::now() >= end {
+            return false;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    !alive(pid)
+    true
+}
+
+/// `zdisk stat STORE --json` with `zdisk` (a command for the zdisk binary, its environment
+/// set: a served store's live statistics are found through `ZDISK_RUN_DIR`). The JSON object
+/// is read from the first `{`, past anything printed before it.
+pub fn zdisk_stat(mut zdisk: Command, store: &Path) -> Result<serde_json::Value> {
+    let what = zdisk.get_program().to_string_lossy().into_owned();
+    // In its own process group, as every command here: a Ctrl-C reaches only the harness,
+    // whose teardown runs in order.
+    let out = zdisk
+        .arg("stat")
+        .arg(store)
+        .arg("--json")
+        .process_group(0)
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {what} stat"))?;
+    if !out.status.success() {
+        bail!("zdisk stat failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find('{').ok_or_else(|| anyhow!("zdisk stat --json printed no JSON object"))?;
+    serde_json::from_str(&text[start..]).context("parsing zdisk stat --json")
+}
+
+/// What `unmount_fuse` does with a mount or an nbdfuse that will not go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhenStuck {
+    /// A harness tearing down a stack it built (nbdfuse is its child): unmount lazily, then
+    /// SIGKILL nbdfuse and reap it, so the teardown goes on.
+    Force,
+    /// A user's device (`zdisk detach`): leave the mount and nbdfuse be and say so; whoever
+    /// still uses the device may have writes in flight.
+    Report,
+}
+
+/// Unmounts the nbdfuse mount at `dir` with `fusermount` (`-u`, retried for 30 s while it is
+/// busy), waits up to 60 s for nbdfuse (`nbdfuse_pid`) to exit — it flushes and closes its NBD
+/// connection once unmounted — and removes the directory. Returns what went wrong, for the
+/// caller to print: a teardown reports and goes on.
+pub fn unmount_fuse(fusermount: &Path, dir: &Path, nbdfuse_pid: Option<u32>, when_stuck: WhenStuck) -> Vec<String> {
+    let mut problems = Vec::new();
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        match run(Command::new(fusermount).arg("-u").arg(dir)) {
+            Ok(_) => break,
+            Err(e) if Instant::now() >= end => {
+                if when_stuck == WhenStuck::Force {
+                    problems.push(format!("{e:#}; lazy unmount"));
+                    let _ = run(Command::new(fusermount).arg("-uz").arg(dir));
+                } else {
+                    problems.push(format!("{e:#}"));
+                }
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(100)),
+        }
+    }
+    if let Some(pid) = nbdfuse_pid {
+        if !wait_gone(pid, Duration::from_secs(60)) {
+            problems.push(format!("nbdfuse pid {pid} did not exit after unmount"));
+            if when_stuck == WhenStuck::Force {
+                signal(pid, libc::SIGKILL);
+            }
+        }
+        if when_stuck == WhenStuck::Force {
+            // SAFETY: reaping our own child by pid (the harness spawned it); WNOHANG never
+            // blocks, and a pid that is not our child only makes waitpid fail.
+            unsafe {
+                libc::waitpid(pid as i32, std::ptr::null_mut(), libc::WNOHANG);
+            }
+        }
+    }
+    let _ = std::fs::remove_dir(dir);
+    problems
 }
 
 pub fn read_u64(path: &Path) -> Option<u64> {
@@ -195,12 +302,7 @@ pub fn clock_ticks() -> f64 {
 /// utime + stime of one process (all its threads), in seconds.
 pub fn process_cpu_s(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the comm field: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14).
-    let utime: u64 = f.get(11)?.parse().ok()?;
-    let stime: u64 = f.get(12)?.parse().ok()?;
-    Some((utime + stime) as f64 / clock_ticks())
+    Some(parse_stat(pid, &stat)?.cpu_ticks as f64 / clock_ticks())
 }
 
 /// Our own reaped children's CPU (cutime + cstime): how sysbench/pgbench's CPU is measured.
@@ -224,20 +326,28 @@ pub struct Proc {
     /// State letter (R, S, D, Z, ...).
     pub state: char,
     pub comm: String,
+    /// utime + stime of the process (all its threads), clock ticks.
+    pub cpu_ticks: u64,
+    /// cutime + cstime: the CPU of children it has reaped, clock ticks.
+    pub reaped_children_ticks: u64,
 }
 
 fn parse_stat(pid: u32, stat: &str) -> Option<Proc> {
     let (head, rest) = stat.rsplit_once(')')?;
     let comm = head.split_once('(').map(|x| x.1).unwrap_or_default().to_string();
     let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the comm field: state(0) ppid(1) pgrp(2) ... starttime(19).
+    // After the comm field: state(0) ppid(1) pgrp(2) ... utime(11) stime(12) cutime(13)
+    // cstime(14) ... starttime(19).
+    let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok());
     Some(Proc {
         pid,
-        ppid: f.get(1)?.parse().ok()?,
-        pgid: f.get(2)?.parse().ok()?,
-        start: f.get(19)?.parse().ok()?,
+        ppid: num(1)? as u32,
+        pgid: num(2)? as u32,
+        start: num(19)?,
         state: f.first()?.chars().next()?,
         comm,
+        cpu_ticks: num(11)? + num(12)?,
+        reaped_children_ticks: num(13)? + num(14)?,
     })
 }
 
@@ -386,44 +496,41 @@ pub fn wait_reaped(pid: u32, timeout: Duration) -> bool {
 /// doing block and FUSE work. Threads that come and go between two samples are missed or
 /// counted whole; an approximation, but it leaves other users' processes out.
 pub fn kernel_threads_cpu_s() -> f64 {
-    let mut total = 0.0;
-    if let Ok(entries) = std::fs::read_dir("/proc") {
-        for e in entries.flatten() {
-            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
-            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-            let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else { continue };
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            if f.get(1) == Some(&"2") {
-                let t: u64 = f.get(11).and_then(|x| x.parse().ok()).unwrap_or(0)
-                    + f.get(12).and_then(|x| x.parse().ok()).unwrap_or(0);
-                total += t as f64;
-            }
-        }
-    }
-    total / clock_ticks()
+    let ticks: u64 = processes().iter().filter(|p| p.ppid == 2).map(|p| p.cpu_ticks).sum();
+    ticks as f64 / clock_ticks()
 }
 
-pub fn tree_cpu_s(pid: u32) -> f64 {
-    process_tree(pid).into_iter().filter_map(process_cpu_s).sum()
+/// CPU time and storage traffic of a process and all its descendants at one instant.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TreeSample {
+    pub cpu_s: f64,
+    /// Bytes the tree caused to be read from / sent to storage (/proc/PID/io `read_bytes`,
+    /// `write_bytes`); None when the kernel does not expose them for one of its processes.
+    pub os_read_bytes: Option<u64>,
+    pub os_write_bytes: Option<u64>,
 }
 
-/// Bytes a process tree caused to be read from / written to storage (/proc/PID/io).
-pub fn tree_io_bytes(pid: u32) -> (u64, u64) {
-    let mut r = 0;
-    let mut w = 0;
-    for p in process_tree(pid) {
-        if let Ok(text) = std::fs::read_to_string(format!("/proc/{p}/io")) {
-            for line in text.lines() {
-                if let Some(v) = line.strip_prefix("read_bytes: ") {
-                    r += v.trim().parse::<u64>().unwrap_or(0);
-                }
-                if let Some(v) = line.strip_prefix("write_bytes: ") {
-                    w += v.trim().parse::<u64>().unwrap_or(0);
-                }
-            }
-        }
+/// Sums utime+stime over `root` and its live descendants (threads are included by the
+/// kernel), plus cutime+cstime for children they already reaped: `zdisk serve` runs nbdkit as
+/// a child, and PostgreSQL forks a process per connection that may exit during a run, so the
+/// root alone, or the live processes alone, would miss work done for the run.
+pub fn tree_sample(root: u32) -> TreeSample {
+    let procs = processes();
+    let tree = descendants(&procs, &[root]);
+    let ticks: u64 =
+        procs.iter().filter(|p| tree.contains(&p.pid)).map(|p| p.cpu_ticks + p.reaped_children_ticks).sum();
+    let io = |key: &str| -> Option<u64> { tree.iter().map(|&pid| io_counter(pid, key)).sum() };
+    TreeSample {
+        cpu_s: ticks as f64 / clock_ticks(),
+        os_read_bytes: io("read_bytes:"),
+        os_write_bytes: io("write_bytes:"),
     }
-    (r, w)
+}
+
+/// One counter of /proc/PID/io (`read_bytes:`, `write_bytes:`).
+fn io_counter(pid: u32, key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    text.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok())
 }
 
 /// The machine-wide CPU split from /proc/stat (jiffies summed over all CPUs).
@@ -499,6 +606,22 @@ impl DiskStat {
     }
 }
 
+/// The CPU's model name (/proc/cpuinfo), for reports.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':').map(|x| x.1.trim().to_string()))
+        .unwrap_or_default()
+}
+
+/// The running kernel's release (`uname -r`), for reports.
+pub fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_string()
+}
+
+/// /proc/loadavg's 1, 5 and 15 minute averages: a busy machine makes every number noisier.
 pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .unwrap_or_default()
@@ -558,6 +681,10 @@ pub fn unix_time() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+pub fn unix_time_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
 /// A short run directory for sockets (a Unix socket path may not exceed 107 bytes, and the
 /// work directory can be deep): /tmp/zdb-<pid>-<n>.
 pub fn short_run_dir() -> Result<PathBuf> {
@@ -566,4 +693,48 @@ pub fn short_run_dir() -> Result<PathBuf> {
     let dir = PathBuf::from(format!("/tmp/zdb-{}-{}", std::process::id(), nanos % 1_000_000));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_zombie_is_gone_and_a_running_process_is_alive() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        assert!(alive(pid));
+        assert!(!wait_gone(pid, Duration::from_millis(100)), "a sleeping process is not gone");
+        signal(pid, libc::SIGKILL);
+        assert!(wait_gone(pid, Duration::from_secs(10)));
+        // Not reaped yet: kill(pid, 0) still finds it, and yet it is gone.
+        assert!(Path::new(&format!("/proc/{pid}")).exists(), "a zombie until reaped");
+        child.wait().unwrap();
+        assert!(!alive(pid));
+        assert!(!alive(0), "pid 0 is a process group to kill(2), not a process");
+        assert!(!alive(u32::MAX));
+    }
+
+    #[test]
+    fn stat_fields_are_read_past_a_command_name_with_parentheses() {
+        let stat = "42 (a) (b c) S 7 42 42 0 -1 4194560 1 2 3 4 150 25 30 5 20 0 1 0 123456 0 0";
+        let p = parse_stat(42, stat).unwrap();
+        assert_eq!((p.pid, p.ppid, p.pgid, p.state), (42, 7, 42, 'S'));
+        assert_eq!(p.comm, "a) (b c");
+        assert_eq!((p.cpu_ticks, p.reaped_children_ticks, p.start), (175, 35, 123456));
+        assert!(parse_stat(1, "1 (x) S 0").is_none(), "a short line is no process");
+    }
+
+    #[test]
+    fn a_process_tree_counts_the_cpu_of_children_it_reaped() {
+        let me = std::process::id();
+        let reaped = || processes().into_iter().find(|p| p.pid == me).unwrap().reaped_children_ticks;
+        let before = reaped();
+        let status =
+            Command::new("sh").arg("-c").arg("i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done").status().unwrap();
+        assert!(status.success());
+        let gained_s = (reaped() - before) as f64 / clock_ticks();
+        assert!(gained_s >= 0.05, "a busy child's CPU shows in its parent's reaped time: {gained_s} s");
+        assert!(tree_sample(me).cpu_s >= gained_s);
+    }
 }
