@@ -71,10 +71,12 @@ pub use dictionaries::{DictionaryOptions, DictionaryReport, DICTIONARY_LEVEL_DEF
 pub use encryption::KeyChange;
 pub use gc::RecompressReport;
 pub use options::{
-    Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo,
+    Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, Sealing,
+    StoreInfo,
 };
 pub use read::{ReadDone, ReadPlan};
 pub use read_queue::{ReadQueue, Reaped};
+pub use request::Durability;
 
 use std::collections::VecDeque;
 use std::path::Path;
@@ -85,7 +87,7 @@ use std::thread::JoinHandle;
 use lock::{Mutex, Rank, RwLock};
 use log::{Appender, CheckpointEpochs, Log};
 use op::RangeKind;
-use request::{Durability, BLOCK_LOCK_STRIPES};
+use request::BLOCK_LOCK_STRIPES;
 use segments::SegmentTable;
 use state::{Geometry, Inner, WorkerSignal};
 use std::sync::Condvar;
@@ -111,14 +113,6 @@ pub struct Store {
     closed: bool,
     /// Idle work's state for `idle_work_once` (the worker thread keeps its own).
     idle: parking_lot::Mutex<idle::IdleWork>,
-}
-
-fn durability(fua: bool) -> Durability {
-    if fua {
-        Durability::Fua
-    } else {
-        Durability::Buffered
-    }
 }
 
 impl Store {
@@ -377,16 +371,16 @@ impl Store {
         self.inner.finish_read(plan)
     }
 
-    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.inner.write(offset, data, durability(fua))
+    pub fn write(&self, offset: u64, data: &[u8], durability: Durability) -> Result<()> {
+        self.inner.write(offset, data, durability)
     }
 
-    pub fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.inner.range_request(RangeKind::Trim, offset, length, durability(fua))
+    pub fn trim(&self, offset: u64, length: u64, durability: Durability) -> Result<()> {
+        self.inner.range_request(RangeKind::Trim, offset, length, durability)
     }
 
-    pub fn write_zeroes(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.inner.range_request(RangeKind::Zero, offset, length, durability(fua))
+    pub fn write_zeroes(&self, offset: u64, length: u64, durability: Durability) -> Result<()> {
+        self.inner.range_request(RangeKind::Zero, offset, length, durability)
     }
 
     pub fn flush(&self) -> Result<()> {

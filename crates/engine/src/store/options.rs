@@ -49,6 +49,15 @@ pub enum Allocation {
     Zeroed,
 }
 
+/// Whether a store's fragments are sealed (encrypted), where that is all a computation
+/// needs to know of encryption: a sealed fragment carries a nonce and a tag, so fewer fit a
+/// segment (`native_capacity_of_physical`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sealing {
+    Plain,
+    Encrypted,
+}
+
 /// How `format` encrypts a store.
 #[derive(Debug, Clone)]
 pub struct Encryption {

@@ -35,12 +35,14 @@ pub(crate) const BLOCK_LOCK_STRIPES: usize = 1024;
 /// changing its blocks between its read and its append.
 const CONFLICT_RETRIES_MAX: usize = 1000;
 
-/// When a request must be durable.
+/// When a write, trim or write-zeroes must be durable: the NBD FUA flag, named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Durability {
-    /// At the next flush.
+pub enum Durability {
+    /// At the next flush (or FUA request) that follows it: the request returns once its
+    /// data is in the store's buffers and its map entries are published.
     Buffered,
-    /// Before the request returns (FUA).
+    /// Before the request returns (Force Unit Access): it is written and synced, with the
+    /// flush proof, as a flush would.
     Fua,
 }
 
