@@ -84,22 +84,6 @@ pub enum CodecFallback {
     Never,
 }
 
-impl CodecFallback {
-    /// The variable that overrides the default, for tests and measurements.
-    pub const ENV: &'static str = "ZDISK_CODEC_FALLBACK";
-
-    /// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
-    pub fn from_env() -> CodecFallback {
-        match std::env::var(Self::ENV) {
-            Ok(value) => value.parse().unwrap_or_else(|e| {
-                tracing::warn!("{}: {e}; using auto", Self::ENV);
-                CodecFallback::Auto
-            }),
-            Err(_) => CodecFallback::Auto,
-        }
-    }
-}
-
 impl FromStr for CodecFallback {
     type Err = String;
 

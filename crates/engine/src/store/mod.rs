@@ -45,7 +45,7 @@ mod idle;
 pub(crate) mod lock;
 mod log;
 mod op;
-mod options;
+pub(crate) mod options;
 mod pacing;
 mod pages;
 mod pending;
@@ -621,7 +621,7 @@ impl Inner {
             foreground_gc: Mutex::new(Rank::ForegroundGc, ()),
             foreground_rounds: AtomicU64::new(0),
             pacer: pacing::Pacer::new(),
-            write_permits: permits::WritePermits::new(options.write_concurrency),
+            write_permits: permits::WritePermits::new(options.write_concurrency, options.write_permit_fair_after),
             recovery: std::sync::OnceLock::new(),
             dictionaries: parking_lot::RwLock::new(dictionaries::DictionaryState::recovered(
                 chosen.checkpoint.as_ref().map_or(&[][..], |cp| &cp.dictionaries[..]),
