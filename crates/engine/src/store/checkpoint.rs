@@ -90,7 +90,7 @@ impl Inner {
             map_root: Some(map_root),
             stored_blocks: pages.counts.stored,
             zero_blocks: pages.counts.zero,
-            superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
+            superseded: pages.superseded.iter().map(|(&s, &b)| (s.0, b)).collect(),
             legacy_map: Vec::new(),
             dictionaries: self.dictionaries.read().entries(self.cipher.as_deref())?,
             nonce_epochs: self.cipher.as_deref().is_some_and(StoreCipher::short_nonces),
@@ -269,7 +269,7 @@ impl Inner {
                 "freeing segment {id} before what emptied it is durable"
             );
             log.segments.release(id);
-            self.read_cache.forget_segment(id.0);
+            self.read_cache.forget_segment(id);
         }
         self.publish_host_slack(&log);
         Ok(freeable.len())

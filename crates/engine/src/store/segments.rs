@@ -306,9 +306,9 @@ impl SegmentTable {
     }
 
     /// A replaced map subtree's entries left the map: live bytes per segment and counts.
-    pub fn remove_debt(&mut self, live_bytes: &std::collections::BTreeMap<u32, u64>, counts: BlockCounts) {
+    pub fn remove_debt(&mut self, live_bytes: &std::collections::BTreeMap<SegmentId, u64>, counts: BlockCounts) {
         for (&segment, &bytes) in live_bytes {
-            let u = &mut self.usage[segment as usize];
+            let u = &mut self.usage[segment.index()];
             debug_assert!(u.live_bytes >= bytes, "live bytes underflow in segment {segment}");
             u.live_bytes = u.live_bytes.saturating_sub(bytes);
         }
