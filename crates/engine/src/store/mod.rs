@@ -111,8 +111,9 @@ pub struct Store {
     /// The GC/checkpoint worker and the log writer (empty without `background`).
     workers: Vec<JoinHandle<()>>,
     closed: bool,
-    /// Idle work's state for `idle_work_once` (the worker thread keeps its own).
-    idle: parking_lot::Mutex<idle::IdleWork>,
+    /// Idle work's state for `idle_work_once` (the worker thread keeps its own). Ranked
+    /// (`Rank::Idle`, below every lock a step of idle work takes).
+    idle: Mutex<idle::IdleWork>,
 }
 
 impl Store {
@@ -276,7 +277,7 @@ impl Store {
         }
         let inner = Arc::new(inner);
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
-        Ok(Store { inner, workers, closed: false, idle: Default::default() })
+        Ok(Store { inner, workers, closed: false, idle: Mutex::new(Rank::Idle, Default::default()) })
     }
 
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the

@@ -201,7 +201,7 @@ impl WritePermits {
         }
         state.free += 1;
         self.held.fetch_sub(1, Ordering::Relaxed);
-        debug_assert!(state.free <= self.count, "more permits returned than taken");
+        assert!(state.free <= self.count, "more permits returned than taken");
         // The first waiter may take it — unless a writer arriving meanwhile does first
         // (no hand-over: a sleeping thread would hold the permit idle until it runs).
         if let Some(waiter) = state.waiting.front() {

@@ -171,7 +171,7 @@ impl Inner {
         let mut bytes = Vec::with_capacity(stored_len);
         bytes.extend_from_slice(&Protection { guard: 0, lba, entry }.encode());
         let epoch = cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
-        debug_assert_eq!(bytes.len(), stored_len);
+        assert_eq!(bytes.len(), stored_len);
         Ok(Block { entry, bytes, nonce_epoch: cipher.short_nonces().then_some(epoch) })
     }
 
@@ -222,7 +222,7 @@ impl Inner {
                 }
                 data_at += take;
             }
-            debug_assert_eq!(data_at, data.len());
+            assert_eq!(data_at, data.len());
             let class = self.write_class(first_lba, last_lba, &blocks);
             let op = Op::Write { start_lba: first_lba, blocks, expected };
             let admitted = self.admit(&[op], class).inspect_err(|e| self.note_no_space(e));

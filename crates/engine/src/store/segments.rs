@@ -255,7 +255,7 @@ impl SegmentTable {
 
     /// Marks an open segment as a GC stream's (see `gc_output`).
     pub fn note_gc_output(&mut self, id: SegmentId) {
-        debug_assert_eq!(self.usage[id.index()].state, SegmentState::Open, "GC output goes to an open segment");
+        assert_eq!(self.usage[id.index()].state, SegmentState::Open, "GC output goes to an open segment");
         self.gc_output[id.index()] = true;
     }
 
@@ -289,7 +289,7 @@ impl SegmentTable {
                 usage.nonce_epoch = nonce_epoch;
                 self.uses[id.index()].set(seq, nonce_epoch);
             }
-            debug_assert_eq!(usage.nonce_epoch, nonce_epoch, "segment {id}: one nonce epoch per use");
+            assert_eq!(usage.nonce_epoch, nonce_epoch, "segment {id}: one nonce epoch per use");
         }
     }
 
