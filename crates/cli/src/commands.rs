@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
-use zdisk_engine::{Allocation, Codec, Encryption, ErrorKind, FormatOptions, OpenOptions, Stats, Store};
+use zdisk_engine::{Allocation, Codec, Encryption, ErrorKind, FormatOptions, OpenOptions, Sealing, Stats, Store};
 
 use crate::keys::{KdfArgs, KeyArgs};
 
@@ -146,8 +146,9 @@ pub fn format(args: &FormatArgs) -> Result<()> {
         }
     };
     let segment_size_bytes = args.segment_size.map(|s| s.0);
+    let sealing = if args.encrypt { Sealing::Encrypted } else { Sealing::Plain };
     let native =
-        zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0, args.encrypt);
+        zdisk_engine::native_capacity_of_physical(physical, segment_size_bytes, args.over_provision.0, sealing);
     if !args.encrypt && (args.key.key_file.is_some() || args.key.passphrase_stdin) {
         return Err(Usage("--key-file and --passphrase-stdin need --encrypt".into()).into());
     }
@@ -591,7 +592,7 @@ pub fn resize(args: &ResizeArgs) -> Result<()> {
         info.physical_size_bytes,
         Some(info.segment_size_bytes),
         over_provision_ppm,
-        info.encrypted,
+        if info.encrypted { Sealing::Encrypted } else { Sealing::Plain },
     );
     let logical = args.logical_size.map(|size| size.resolve(native));
     let options = OpenOptions { key: args.key.secret_unless_served(&args.store)?, ..OpenOptions::default() };

@@ -42,7 +42,8 @@ fn format_store(args: &DemoArgs, store: &Path) -> Result<zdisk_engine::StoreInfo
     step(&format!("formatting {} ({} physical)", store.display(), args.physical_size));
     let physical = args.physical_size.0;
     let over_provision_ppm = zdisk_engine::OVER_PROVISION_DEFAULT_PPM;
-    let native = zdisk_engine::native_capacity_of_physical(physical, None, over_provision_ppm, false);
+    let native =
+        zdisk_engine::native_capacity_of_physical(physical, None, over_provision_ppm, zdisk_engine::Sealing::Plain);
     let options = FormatOptions {
         physical_size_bytes: physical,
         logical_size_bytes: args.logical_size.resolve(native),

@@ -359,7 +359,7 @@ fn native_capacity_follows_the_over_provisioning() {
     let mut random = vec![0u8; 40 << 20];
     rand::Rng::fill(&mut rand::rngs::StdRng::seed_from_u64(1), &mut random[..]);
     let store_open = zdisk_engine::Store::open(&store, &zdisk_engine::OpenOptions::default()).unwrap();
-    store_open.write(0, &random, true).unwrap();
+    store_open.write(0, &random, zdisk_engine::Durability::Fua).unwrap();
     store_open.close().unwrap();
     let (code, stderr) = fails(&s, &["resize", path, "--over-provision", "60"]);
     assert_eq!(code, 1);

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use common::{run_ok, sha256, Scratch, Server};
 use rand::{Rng, SeedableRng};
-use zdisk_engine::Store;
+use zdisk_engine::{Durability, Store};
 
 /// Lines of words from a vocabulary of a few hundred made-up words: few repeats inside one
 /// 4 KiB block, many across blocks (what a dictionary is for; shuffled changelog lines are
@@ -93,7 +93,7 @@ fn recompress_train_offline_reports_the_dictionary() {
     let store_path = s.format("s.zdisk", "32M", "16M", &["--segment-size", "1M"]);
     let data = text_lines(4 << 20, 8);
     let store = Store::open(&store_path, &zdisk_engine::OpenOptions::default()).unwrap();
-    store.write(0, &data, false).unwrap();
+    store.write(0, &data, Durability::Buffered).unwrap();
     store.close().unwrap();
     let out = s.zdisk_ok(&["recompress", store_path.to_str().unwrap(), "--train", "--level", "3"]);
     assert!(out.contains("dictionary     id 1") && out.contains("comp_ratio"), "{out}");

@@ -6,7 +6,7 @@ mod common;
 
 use common::{Scratch, Server};
 use rand::{Rng, SeedableRng};
-use zdisk_engine::{CodecFallback, OpenOptions, Store};
+use zdisk_engine::{CodecFallback, Durability, OpenOptions, Store};
 
 /// Text-like bytes (words from a small vocabulary): zstd stores them in clearly fewer bytes
 /// than LZ4.
@@ -29,7 +29,7 @@ fn store_of_fallback_blocks(s: &Scratch) -> (std::path::PathBuf, Vec<u8>) {
     let options = OpenOptions { codec_fallback: CodecFallback::Always, ..OpenOptions::default() };
     let store = Store::open(&store_path, &options).unwrap();
     for (i, chunk) in data.chunks(1 << 20).enumerate() {
-        store.write((i as u64) << 20, chunk, false).unwrap();
+        store.write((i as u64) << 20, chunk, Durability::Buffered).unwrap();
     }
     let stats = store.stats();
     assert_eq!(stats.codec.codec_fallback_blocks, 4096, "the fallback was not forced: {stats:?}");

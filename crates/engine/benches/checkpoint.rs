@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, Store};
 
 const GIB: u64 = 1 << 30;
 const LEAF_SPAN_BYTES: u64 = 512 * 4096;
@@ -60,7 +60,7 @@ fn point(dir: &std::path::Path, mapped_bytes: u64, random_bytes: usize) {
         for block in buf.chunks_mut(4096) {
             fill_block(&mut rng, random_bytes, block);
         }
-        store.write(offset, &buf, false).unwrap();
+        store.write(offset, &buf, Durability::Buffered).unwrap();
         if offset % (8 * GIB) == 0 && offset > 0 {
             eprintln!("  filled {} GiB in {:.0} s", offset / GIB, started.elapsed().as_secs_f64());
         }
@@ -76,7 +76,7 @@ fn point(dir: &std::path::Path, mapped_bytes: u64, random_bytes: usize) {
         let leaf = i * leaves / dirty;
         fill_block(&mut rng, random_bytes, &mut block);
         let lba = leaf * 512 + rng.gen_range(0..512u64.min(mapped_bytes / 4096 - leaf * 512));
-        store.write(lba * 4096, &block, false).unwrap();
+        store.write(lba * 4096, &block, Durability::Buffered).unwrap();
     }
     store.flush().unwrap();
     let before = store.stats();

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, Store};
 
 /// 4 KiB that compresses about 2:1, like fio's `buffer_compress_percentage=50` with
 /// `buffer_compress_chunk=4096`: half random bytes, half zeroes.
@@ -125,7 +125,7 @@ fn overwrite_span(
         fill(rng, &mut block);
         let lba = picker.pick(rng);
         let started = Instant::now();
-        match store.write(lba * 4096, &block, false) {
+        match store.write(lba * 4096, &block, Durability::Buffered) {
             Ok(()) => {}
             Err(e) if e.kind() == zdisk_engine::ErrorKind::NoSpace => {
                 if enospc == 0 {
@@ -207,7 +207,7 @@ fn wa_point(physical_bytes: u64, utilisation: f64, pattern: Pattern, quick: bool
         for chunk in buf.chunks_mut(4096) {
             two_to_one_block(&mut rng, chunk);
         }
-        store.write(filled_bytes, &buf, false).unwrap();
+        store.write(filled_bytes, &buf, Durability::Buffered).unwrap();
         filled_bytes += buf.len() as u64;
     }
     let blocks = filled_bytes / 4096;
@@ -253,15 +253,19 @@ const DRIVE_HELD_FREE_SHARE: f64 = 0.95e9 / (4u64 << 40) as f64;
 fn native_point(physical_bytes: u64, over_provision_ppm: u32) {
     let dir = bench_dir();
     let path = dir.path().join("native.zdisk");
-    let native =
-        zdisk_engine::native_capacity_of_physical(physical_bytes, Some(segment_bytes()), over_provision_ppm, false);
+    let native = zdisk_engine::native_capacity_of_physical(
+        physical_bytes,
+        Some(segment_bytes()),
+        over_provision_ppm,
+        zdisk_engine::Sealing::Plain,
+    );
     let store = format_store(&path, physical_bytes, native, over_provision_ppm);
     let mut rng = StdRng::seed_from_u64(over_provision_ppm as u64);
     let mut buf = vec![0u8; 128 << 10];
     for offset in (0..native).step_by(buf.len()) {
         let len = buf.len().min((native - offset) as usize);
         rng.fill(&mut buf[..len]);
-        store.write(offset, &buf[..len], false).unwrap();
+        store.write(offset, &buf[..len], Durability::Buffered).unwrap();
     }
     let blocks = native / 4096;
     let picker = Picker::new(Pattern::Uniform, blocks, &mut rng);
@@ -307,7 +311,7 @@ fn fill_overhead(logical_bytes: u64) {
         for chunk in buf.chunks_mut(4096) {
             two_to_one_block(&mut rng, chunk);
         }
-        store.write(offset, &buf, false).unwrap();
+        store.write(offset, &buf, Durability::Buffered).unwrap();
         if offset % (64 << 20) == 0 {
             store.flush().unwrap();
         }
@@ -353,7 +357,7 @@ fn recovery_time(logical_written_bytes: u64) {
         for chunk in buf.chunks_mut(4096) {
             two_to_one_block(&mut rng, chunk);
         }
-        store.write(offset, &buf, false).unwrap();
+        store.write(offset, &buf, Durability::Buffered).unwrap();
         if offset % (64 << 20) == 0 {
             store.flush().unwrap();
         }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, Store};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -45,7 +45,7 @@ fn main() {
                         if write {
                             rng.fill(&mut block[..2048]);
                             block[2048..].fill(0);
-                            store.write(lba * 4096, &block, false).unwrap();
+                            store.write(lba * 4096, &block, Durability::Buffered).unwrap();
                         } else {
                             store.read(lba * 4096, &mut block).unwrap();
                         }

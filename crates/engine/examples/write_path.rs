@@ -3,7 +3,7 @@
 //! files whose code ran. Formats a small store at PATH (default codec), writes `count`
 //! 4 KiB blocks of 2:1 data at scattered LBAs (no FUA), closes it.
 
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, Store};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -32,7 +32,7 @@ fn main() {
             *byte = x as u8;
         }
         let lba = (i * 7919) % (64 << 10);
-        store.write(lba * 4096, &block, false).expect("write");
+        store.write(lba * 4096, &block, Durability::Buffered).expect("write");
     }
     store.flush().expect("flush");
 }

@@ -133,7 +133,7 @@ fn read_on_ring(ring: &mut io_uring::IoUring, file: &File, reads: &mut [(u64, &m
     for chunk in reads.chunks_mut(RING_ENTRIES as usize) {
         {
             let mut queue = ring.submission();
-            debug_assert!(queue.is_empty(), "a ring is left empty between calls");
+            assert!(queue.is_empty(), "a ring is left empty between calls");
             for (index, (offset, buf)) in chunk.iter_mut().enumerate() {
                 let entry = opcode::Read::new(types::Fd(fd), buf.as_mut_ptr(), buf.len() as u32)
                     .offset(*offset)

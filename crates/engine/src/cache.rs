@@ -22,6 +22,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use crate::types::SegmentId;
+
 /// The slot size allocated up front: a 2:1 block's fragment (about 2,090 bytes of LZ4 output
 /// and CRC) fits. Larger fragments grow their slot, within the byte budget.
 const TYPICAL_FRAGMENT_BYTES: u64 = 2176;
@@ -75,13 +77,18 @@ impl FragmentCache {
         Some(&self.slots[(hash % self.slots.len() as u64) as usize])
     }
 
-    fn epoch(&self, segment: u32) -> u32 {
-        self.epochs[segment as usize].load(Ordering::Acquire)
+    fn epoch(&self, segment: SegmentId) -> u32 {
+        self.epochs[segment.index()].load(Ordering::Acquire)
     }
 
     /// Runs `decode` on the fragment stored at `offset_bytes` in `segment` if it is cached
     /// (and its slot not busy). The caller holds the map read lock that made the offset current.
-    pub fn with_fragment<R>(&self, segment: u32, offset_bytes: u64, decode: impl FnOnce(&[u8]) -> R) -> Option<R> {
+    pub fn with_fragment<R>(
+        &self,
+        segment: SegmentId,
+        offset_bytes: u64,
+        decode: impl FnOnce(&[u8]) -> R,
+    ) -> Option<R> {
         let slot = self.slot(offset_bytes)?;
         let found = slot.try_lock().and_then(|slot| {
             (slot.len > 0 && slot.offset_bytes == offset_bytes && slot.epoch == self.epoch(segment))
@@ -94,7 +101,7 @@ impl FragmentCache {
 
     /// Remembers a fragment just read from the backing store (same lock rule as
     /// `with_fragment`). Skipped when the slot is busy or the budget is spent.
-    pub fn insert(&self, segment: u32, offset_bytes: u64, fragment: &[u8]) {
+    pub fn insert(&self, segment: SegmentId, offset_bytes: u64, fragment: &[u8]) {
         let Some(slot) = self.slot(offset_bytes) else { return };
         let Some(mut slot) = slot.try_lock() else { return };
         let grow = fragment.len().saturating_sub(slot.bytes.len()) as u64;
@@ -113,8 +120,8 @@ impl FragmentCache {
 
     /// Forgets everything cached from `segment`: called when it is freed, after no reader can
     /// hold a map entry into it and before it can be written again.
-    pub fn forget_segment(&self, segment: u32) {
-        self.epochs[segment as usize].fetch_add(1, Ordering::AcqRel);
+    pub fn forget_segment(&self, segment: SegmentId) {
+        self.epochs[segment.index()].fetch_add(1, Ordering::AcqRel);
     }
 
     /// (hits, misses, bytes held).
@@ -153,20 +160,20 @@ impl Reads {
 mod tests {
     use super::*;
 
-    fn get(cache: &FragmentCache, segment: u32, offset_bytes: u64) -> Option<Vec<u8>> {
+    fn get(cache: &FragmentCache, segment: SegmentId, offset_bytes: u64) -> Option<Vec<u8>> {
         cache.with_fragment(segment, offset_bytes, |f| f.to_vec())
     }
 
     #[test]
     fn a_freed_segment_no_longer_hits() {
         let cache = FragmentCache::new(1 << 20, 4);
-        cache.insert(2, 8192, b"fragment");
-        assert_eq!(get(&cache, 2, 8192).as_deref(), Some(&b"fragment"[..]));
-        assert!(get(&cache, 2, 8193).is_none());
-        cache.forget_segment(2);
-        assert!(get(&cache, 2, 8192).is_none(), "a fragment of a freed segment must not be returned");
-        cache.insert(2, 8192, b"new one");
-        assert_eq!(get(&cache, 2, 8192).as_deref(), Some(&b"new one"[..]));
+        cache.insert(SegmentId(2), 8192, b"fragment");
+        assert_eq!(get(&cache, SegmentId(2), 8192).as_deref(), Some(&b"fragment"[..]));
+        assert!(get(&cache, SegmentId(2), 8193).is_none());
+        cache.forget_segment(SegmentId(2));
+        assert!(get(&cache, SegmentId(2), 8192).is_none(), "a fragment of a freed segment must not be returned");
+        cache.insert(SegmentId(2), 8192, b"new one");
+        assert_eq!(get(&cache, SegmentId(2), 8192).as_deref(), Some(&b"new one"[..]));
         let (hits, misses, held) = cache.counters();
         assert_eq!((hits, misses), (2, 2));
         assert!(held > 0);
@@ -177,28 +184,30 @@ mod tests {
         let capacity = 64 << 10;
         let cache = FragmentCache::new(capacity, 1);
         for i in 0..1000u64 {
-            cache.insert(0, i * 2100, &[i as u8; 2100]);
+            cache.insert(SegmentId(0), i * 2100, &[i as u8; 2100]);
         }
         let (_, _, held) = cache.counters();
         assert!(held <= capacity, "{held} bytes held, bound {capacity}");
-        let kept = (900..1000u64).filter(|i| get(&cache, 0, i * 2100).is_some_and(|f| f == [*i as u8; 2100])).count();
+        let kept = (900..1000u64)
+            .filter(|i| get(&cache, SegmentId(0), i * 2100).is_some_and(|f| f == [*i as u8; 2100]))
+            .count();
         assert!(kept >= 5, "only {kept} of the last 100 fragments are cached");
     }
 
     #[test]
     fn a_busy_slot_is_a_miss_not_a_wait() {
         let cache = FragmentCache::new(1 << 20, 1);
-        cache.insert(0, 4096, b"x");
+        cache.insert(SegmentId(0), 4096, b"x");
         let _held = cache.slot(4096).unwrap().lock();
-        assert!(get(&cache, 0, 4096).is_none());
-        cache.insert(0, 4096, b"y");
+        assert!(get(&cache, SegmentId(0), 4096).is_none());
+        cache.insert(SegmentId(0), 4096, b"y");
     }
 
     #[test]
     fn a_zero_sized_cache_holds_nothing() {
         let cache = FragmentCache::new(0, 1);
-        cache.insert(0, 0, b"x");
-        assert!(get(&cache, 0, 0).is_none());
+        cache.insert(SegmentId(0), 0, b"x");
+        assert!(get(&cache, SegmentId(0), 0).is_none());
         assert_eq!(cache.counters(), (0, 0, 0));
     }
 }

@@ -84,22 +84,6 @@ pub enum CodecFallback {
     Never,
 }
 
-impl CodecFallback {
-    /// The variable that overrides the default, for tests and measurements.
-    pub const ENV: &'static str = "ZDISK_CODEC_FALLBACK";
-
-    /// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
-    pub fn from_env() -> CodecFallback {
-        match std::env::var(Self::ENV) {
-            Ok(value) => value.parse().unwrap_or_else(|e| {
-                tracing::warn!("{}: {e}; using auto", Self::ENV);
-                CodecFallback::Auto
-            }),
-            Err(_) => CodecFallback::Auto,
-        }
-    }
-}
-
 impl FromStr for CodecFallback {
     type Err = String;
 
@@ -252,7 +236,7 @@ impl Dictionary {
     /// Compresses one block with this dictionary at its level into `out` (cleared first).
     /// Returns `ZstdDict`, or `Raw` when that does not save `MIN_SAVING_BYTES`.
     pub fn compress_block(&self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-        debug_assert_eq!(block.len(), BLOCK_SIZE);
+        assert_eq!(block.len(), BLOCK_SIZE);
         out.clear();
         out.resize(OUT_BOUND_BYTES, 0);
         match with_contexts(|c| c.zstd_dictionary_compress(self, block, out)) {
@@ -559,7 +543,7 @@ impl Codec {
     /// Compresses one block into `out` (cleared first). Returns the tag actually used: `Raw`
     /// when compression does not save at least `MIN_SAVING_BYTES`.
     pub fn compress_block(self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-        debug_assert_eq!(block.len(), BLOCK_SIZE);
+        assert_eq!(block.len(), BLOCK_SIZE);
         out.clear();
         out.resize(OUT_BOUND_BYTES, 0);
         let compressed_len = match self {
@@ -589,7 +573,7 @@ pub fn store_raw(block: &[u8], out: &mut Vec<u8>) -> CodecTag {
 /// dictionary the set does not hold is a `Checksum` error: the bytes on disk are not what we
 /// wrote (or name a dictionary no retained checkpoint carries).
 pub fn decompress_block(tag: CodecTag, input: &[u8], block: &mut [u8], dictionaries: &DictionarySet) -> Result<()> {
-    debug_assert_eq!(block.len(), BLOCK_SIZE);
+    assert_eq!(block.len(), BLOCK_SIZE);
     let decoded_len = match tag {
         CodecTag::Raw if input.len() == BLOCK_SIZE => {
             block.copy_from_slice(input);

@@ -42,9 +42,9 @@ pub use store::capacity::{
     OVER_PROVISION_MIN_PPM,
 };
 pub use store::{
-    Allocation, CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Encryption, Extent, ExtentKind,
-    FormatOptions, KeyChange, OpenOptions, ReadDone, ReadPlan, ReadQueue, Reaped, RecompressReport, Store, StoreInfo,
-    DICTIONARY_LEVEL_DEFAULT,
+    Allocation, CheckReport, DamageReport, DictionaryOptions, DictionaryReport, Durability, Encryption, Extent,
+    ExtentKind, FormatOptions, KeyChange, OpenOptions, ReadDone, ReadPlan, ReadQueue, Reaped, RecompressReport,
+    Sealing, Store, StoreInfo, DICTIONARY_LEVEL_DEFAULT,
 };
 pub use types::{Lba, SegmentId};
 

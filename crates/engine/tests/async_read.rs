@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use common::*;
 use rand::Rng;
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, ReadQueue, Store, BLOCK_SIZE};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, ReadQueue, Store, BLOCK_SIZE};
 
 /// Reads of every shape (unaligned, spanning blocks, in memory and on disk, past the end),
 /// 32 at a time through a `ReadQueue` on a file store, each compared with `Store::read`.
@@ -41,12 +41,12 @@ fn a_read_queue_reads_what_synchronous_reads_read() {
             Arc::new(Store::open(&path, &OpenOptions { read_cache_bytes: 1 << 20, ..OpenOptions::default() }).unwrap());
         // 24 MiB written and made durable, then 1 MiB more left in the segment buffers.
         for chunk in 0..24u64 {
-            store.write(chunk << 20, &block_data(&mut rng, 1 << 20, 30), false).unwrap();
+            store.write(chunk << 20, &block_data(&mut rng, 1 << 20, 30), Durability::Buffered).unwrap();
         }
         store.flush().unwrap();
         for _ in 0..64 {
             let lba = rng.gen_range(0..(logical_bytes / BLOCK_SIZE as u64));
-            store.write(lba * BLOCK_SIZE as u64, &block_data(&mut rng, BLOCK_SIZE, 50), false).unwrap();
+            store.write(lba * BLOCK_SIZE as u64, &block_data(&mut rng, BLOCK_SIZE, 50), Durability::Buffered).unwrap();
         }
         let mut queue = ReadQueue::new(store.clone(), 64);
         assert!(queue.poll_fd().is_some(), "a file store reads on io_uring here");
@@ -112,7 +112,7 @@ fn a_read_whose_segment_is_freed_before_its_device_read_is_read_again() {
         let disk = new_disk(64, segment_bytes, logical_bytes, Codec::Lz4, seed);
         let store = Store::open_backing(disk, &test_options()).unwrap();
         let old = block_data(&mut rng, 512 << 10, 0);
-        store.write(0, &old, false).unwrap();
+        store.write(0, &old, Durability::Buffered).unwrap();
         store.flush().unwrap();
         store.write_out_unflushed().unwrap();
 
@@ -121,14 +121,16 @@ fn a_read_whose_segment_is_freed_before_its_device_read_is_read_again() {
         // Everything the plan points at dies and its segments are freed and reused.
         let new = block_data(&mut rng, 512 << 10, 100);
         for _ in 0..3 {
-            store.write(0, &new, false).unwrap();
+            store.write(0, &new, Durability::Buffered).unwrap();
             store.flush().unwrap();
             store.checkpoint().unwrap();
             store.collect_garbage(64).unwrap();
             store.checkpoint().unwrap();
         }
         for i in 0..8u64 {
-            store.write((1 << 20) + i * (256 << 10), &block_data(&mut rng, 256 << 10, 0), false).unwrap();
+            store
+                .write((1 << 20) + i * (256 << 10), &block_data(&mut rng, 256 << 10, 0), Durability::Buffered)
+                .unwrap();
         }
         store.flush().unwrap();
         store.write_out_unflushed().unwrap();

@@ -1,6 +1,6 @@
 //! Requests, formats and bad input on a real file.
 
-use zdisk_engine::{Codec, ErrorKind, ExtentKind, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, ErrorKind, ExtentKind, FormatOptions, OpenOptions, Store};
 
 fn format(dir: &tempfile::TempDir, physical: u64, logical: u64, codec: Codec) -> std::path::PathBuf {
     let path = dir.path().join("store.zdisk");
@@ -35,8 +35,8 @@ fn writes_read_back_across_reopen() {
     let data = pattern(1 << 20, 7);
     {
         let store = Store::open(&path, &OpenOptions::default()).unwrap();
-        store.write(4096 * 10, &data, false).unwrap();
-        store.write(12345, b"hello unaligned world", true).unwrap();
+        store.write(4096 * 10, &data, Durability::Buffered).unwrap();
+        store.write(12345, b"hello unaligned world", Durability::Fua).unwrap();
         let mut back = vec![0; data.len()];
         store.read(4096 * 10, &mut back).unwrap();
         assert!(back == data);
@@ -63,12 +63,12 @@ fn unaligned_writes_merge_with_neighbours() {
         [(100usize, 5000usize), (4000, 200), (8191, 2), (0, 1), (65535, 1), (30000, 20000)].into_iter().enumerate()
     {
         let data = pattern(len, i as u8 + 1);
-        store.write(offset as u64, &data, false).unwrap();
+        store.write(offset as u64, &data, Durability::Buffered).unwrap();
         model[offset..offset + len].copy_from_slice(&data);
     }
-    store.write_zeroes(1000, 3000, false).unwrap();
+    store.write_zeroes(1000, 3000, Durability::Buffered).unwrap();
     model[1000..4000].fill(0);
-    store.trim(0, 4096 * 3, false).unwrap(); // whole blocks 0..3 become holes
+    store.trim(0, 4096 * 3, Durability::Buffered).unwrap(); // whole blocks 0..3 become holes
     model[..4096 * 3].fill(0);
     let mut back = vec![0; model.len()];
     store.read(0, &mut back).unwrap();
@@ -80,15 +80,15 @@ fn zero_length_and_out_of_range_requests() {
     let dir = tempfile::tempdir().unwrap();
     let path = format(&dir, 16 << 20, 16 << 20, Codec::Lz4);
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
-    store.write(0, &[], false).unwrap();
-    store.write(16 << 20, &[], true).unwrap();
+    store.write(0, &[], Durability::Buffered).unwrap();
+    store.write(16 << 20, &[], Durability::Fua).unwrap();
     store.read(0, &mut []).unwrap();
-    store.trim(0, 0, false).unwrap();
-    store.write_zeroes(0, 0, true).unwrap();
-    assert_eq!(store.write((16 << 20) - 1, &[1, 2], false).unwrap_err().kind(), ErrorKind::OutOfRange);
+    store.trim(0, 0, Durability::Buffered).unwrap();
+    store.write_zeroes(0, 0, Durability::Fua).unwrap();
+    assert_eq!(store.write((16 << 20) - 1, &[1, 2], Durability::Buffered).unwrap_err().kind(), ErrorKind::OutOfRange);
     assert_eq!(store.read(16 << 20, &mut [0]).unwrap_err().kind(), ErrorKind::OutOfRange);
-    assert_eq!(store.trim(u64::MAX - 1, 10, false).unwrap_err().kind(), ErrorKind::OutOfRange);
-    assert_eq!(store.write_zeroes(0, (16 << 20) + 1, false).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(store.trim(u64::MAX - 1, 10, Durability::Buffered).unwrap_err().kind(), ErrorKind::OutOfRange);
+    assert_eq!(store.write_zeroes(0, (16 << 20) + 1, Durability::Buffered).unwrap_err().kind(), ErrorKind::OutOfRange);
     assert!(store.block_status(u64::MAX, 1).is_err());
 }
 
@@ -97,9 +97,9 @@ fn block_status_reports_holes_zeroes_and_data() {
     let dir = tempfile::tempdir().unwrap();
     let path = format(&dir, 16 << 20, 16 << 20, Codec::Lz4);
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
-    store.write(0, &pattern(8192, 3), false).unwrap();
-    store.write_zeroes(8192, 8192, false).unwrap();
-    store.write(16384, &vec![0u8; 4096], false).unwrap();
+    store.write(0, &pattern(8192, 3), Durability::Buffered).unwrap();
+    store.write_zeroes(8192, 8192, Durability::Buffered).unwrap();
+    store.write(16384, &vec![0u8; 4096], Durability::Buffered).unwrap();
     let extents = store.block_status(0, 32768).unwrap();
     let kinds: Vec<(u64, u64, ExtentKind)> = extents.iter().map(|e| (e.offset, e.length, e.kind)).collect();
     assert_eq!(
@@ -187,7 +187,7 @@ fn every_codec_round_trips_text_binary_zero_and_random_data() {
         let mut offset = 0u64;
         let mut written = Vec::new();
         for data in [&text[..text.len().min(1 << 20)], &binary[..binary.len().min(1 << 20)], &zero[..], &random[..]] {
-            store.write(offset, data, false).unwrap();
+            store.write(offset, data, Durability::Buffered).unwrap();
             written.push((offset, data.to_vec()));
             offset += (data.len() as u64).div_ceil(4096) * 4096;
         }
@@ -217,14 +217,14 @@ fn resize_grows_and_refuses_a_shrink_that_would_drop_data() {
     let dir = tempfile::tempdir().unwrap();
     let path = format(&dir, 16 << 20, 160 << 20, Codec::Lz4);
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
-    store.write((160 << 20) - 4096, &pattern(4096, 5), false).unwrap();
+    store.write((160 << 20) - 4096, &pattern(4096, 5), Durability::Buffered).unwrap();
     assert_eq!(store.resize(80 << 20).unwrap_err().kind(), ErrorKind::InvalidArgument);
     store.resize(320 << 20).unwrap();
-    store.write((320 << 20) - 4096, &pattern(4096, 6), false).unwrap();
+    store.write((320 << 20) - 4096, &pattern(4096, 6), Durability::Buffered).unwrap();
     store.close().unwrap();
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     assert_eq!(store.logical_size_bytes(), 320 << 20);
-    store.trim((160 << 20) - 4096, (160 << 20) + 4096, false).unwrap();
+    store.trim((160 << 20) - 4096, (160 << 20) + 4096, Durability::Buffered).unwrap();
     store.resize(80 << 20).unwrap();
     assert_eq!(store.logical_size_bytes(), 80 << 20);
 }
@@ -253,7 +253,7 @@ fn a_version_1_store_is_read_and_upgraded_when_opened_for_writing() {
     // Version 1 stores hold write records only: write whole 64 KiB requests (no batches).
     {
         let store = Store::open(&path, &OpenOptions::default()).unwrap();
-        store.write(0, &pattern(64 << 10, 3), true).unwrap();
+        store.write(0, &pattern(64 << 10, 3), Durability::Fua).unwrap();
         store.close().unwrap();
     }
     set_format_version(&path, 1);
@@ -266,7 +266,7 @@ fn a_version_1_store_is_read_and_upgraded_when_opened_for_writing() {
     assert_eq!(slot_versions(&path), [1, 1], "a read-only open changes nothing");
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     assert_eq!(slot_versions(&path), [4, 4], "both slots are upgraded before anything is written");
-    store.write(1 << 20, &pattern(4096, 5), false).unwrap();
+    store.write(1 << 20, &pattern(4096, 5), Durability::Buffered).unwrap();
     store.close().unwrap();
     let store = Store::open(&path, &OpenOptions::default()).unwrap();
     let mut back = vec![0u8; 64 << 10];
@@ -285,11 +285,11 @@ fn host_backing_reads_count_coalesced_reads() {
     let path = format(&dir, 64 << 20, 64 << 20, Codec::Lz4);
     {
         let store = Store::open(&path, &OpenOptions::default()).unwrap();
-        store.write(0, &pattern(16 << 10, 3), false).unwrap();
+        store.write(0, &pattern(16 << 10, 3), Durability::Buffered).unwrap();
         // Two blocks far apart in the log: a megabyte written between them.
-        store.write(1 << 20, &pattern(4096, 5), false).unwrap();
-        store.write(4 << 20, &pattern(1 << 20, 6), false).unwrap();
-        store.write((1 << 20) + 4096, &pattern(4096, 9), false).unwrap();
+        store.write(1 << 20, &pattern(4096, 5), Durability::Buffered).unwrap();
+        store.write(4 << 20, &pattern(1 << 20, 6), Durability::Buffered).unwrap();
+        store.write((1 << 20) + 4096, &pattern(4096, 9), Durability::Buffered).unwrap();
         store.close().unwrap();
     }
     // Reopened, nothing is in a segment buffer: every read goes to the backing.

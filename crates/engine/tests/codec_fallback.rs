@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::*;
 use rand::Rng;
-use zdisk_engine::{Codec, CodecFallback, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, CodecFallback, Durability, FormatOptions, OpenOptions, Store};
 
 const ZSTD: Codec = Codec::Zstd { level: 1 };
 
@@ -30,7 +30,7 @@ fn store_of_fallback_blocks(seed: u64) -> (Arc<zdisk_engine::sim::SimDisk>, Vec<
     let mut rng = rng(seed);
     let image = word_text(&mut rng, 1 << 20);
     for (i, chunk) in image.chunks(64 << 10).enumerate() {
-        store.write((i as u64) << 16, chunk, false).unwrap();
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
     }
     let stats = store.stats();
     assert_eq!(stats.codec.codec_fallback_blocks, 256, "{stats:?}");
@@ -55,7 +55,7 @@ fn a_lone_writer_in_auto_mode_uses_the_stores_codec() {
     let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, 7);
     let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
     let data = word_text(&mut rng(7), 256 << 10);
-    store.write(0, &data, false).unwrap();
+    store.write(0, &data, Durability::Buffered).unwrap();
     let stats = store.stats();
     // One thread compresses at a time: a core is always free for zstd.
     assert_eq!((stats.codec.blocks_written_zstd, stats.codec.codec_fallback_blocks), (64, 0), "{stats:?}");
@@ -69,7 +69,7 @@ fn gc_recompresses_fallback_fragments_it_moves_and_keeps_the_accounting_exact() 
     // Trim every other 64 KiB: every segment becomes half garbage, worth cleaning.
     let mut model = image.clone();
     for offset in (0..1u64 << 20).step_by(128 << 10) {
-        store.trim(offset, 64 << 10, false).unwrap();
+        store.trim(offset, 64 << 10, Durability::Buffered).unwrap();
         model[offset as usize..(offset + (64 << 10)) as usize].fill(0);
     }
     store.checkpoint().unwrap();
@@ -120,7 +120,7 @@ fn recompress_into_a_stronger_level_takes_the_stores_own_codec_too() {
     let disk = new_disk(48, 64 << 10, 1 << 20, Codec::Lz4, 13);
     let store = Store::open_backing(disk, &options(CodecFallback::Never)).unwrap();
     let image = word_text(&mut rng(13), 1 << 20);
-    store.write(0, &image, false).unwrap();
+    store.write(0, &image, Durability::Buffered).unwrap();
     // An LZ4 store has nothing in another codec...
     assert_eq!(store.recompress(None, &mut |_, _| {}).unwrap().segments, 0);
     // ...but can be moved into zstd on request.
@@ -183,7 +183,13 @@ fn host_overwrites_racing_recompression_always_win() {
                     let offset = rng.gen_range(0..region / 4096 - 4) * 4096;
                     let len = rng.gen_range(1..=4) * 4096;
                     let data = word_text(&mut rng, len as usize);
-                    store.write(t * region + offset, &data, i % 200 == 0).unwrap();
+                    store
+                        .write(
+                            t * region + offset,
+                            &data,
+                            if i % 200 == 0 { Durability::Fua } else { Durability::Buffered },
+                        )
+                        .unwrap();
                     model[offset as usize..(offset + len) as usize].copy_from_slice(&data);
                     if i % 10 == 0 {
                         let at = rng.gen_range(0..region - 16384);
@@ -229,8 +235,8 @@ fn incompressible_blocks_skip_a_slow_codec_and_are_counted() {
     let text = word_text(&mut rng(22), 256 << 10);
     let disk = new_disk(48, 64 << 10, 1 << 20, ZSTD, 21);
     let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
-    store.write(0, &random, false).unwrap();
-    store.write(256 << 10, &text, false).unwrap();
+    store.write(0, &random, Durability::Buffered).unwrap();
+    store.write(256 << 10, &text, Durability::Buffered).unwrap();
     let codec = store.stats().codec;
     assert_eq!((codec.incompressible_skipped_blocks, codec.blocks_written_raw), (64, 64), "{codec:?}");
     assert_eq!((codec.blocks_written_zstd, codec.codec_fallback_blocks), (64, 0), "{codec:?}");
@@ -241,7 +247,7 @@ fn incompressible_blocks_skip_a_slow_codec_and_are_counted() {
     // An LZ4 store runs LZ4 on every block (it gives up on random data about as fast).
     let disk = new_disk(48, 64 << 10, 1 << 20, Codec::Lz4, 23);
     let store = Store::open_backing(disk, &options(CodecFallback::Auto)).unwrap();
-    store.write(0, &random, false).unwrap();
+    store.write(0, &random, Durability::Buffered).unwrap();
     let codec = store.stats().codec;
     assert_eq!((codec.incompressible_skipped_blocks, codec.blocks_written_raw), (0, 64), "{codec:?}");
 }
@@ -253,7 +259,7 @@ fn pending_recompress_bytes_follow_the_fallbacks_live_fragments_until_recompress
     let store = Store::open_backing(disk.clone(), &options(CodecFallback::Always)).unwrap();
     // 4 MiB: recompression then tries more than the 1 MiB it measures its share on.
     let mut image = word_text(&mut rng(31), 4 << 20);
-    store.write(0, &image, false).unwrap();
+    store.write(0, &image, Durability::Buffered).unwrap();
     let pending_of = |image: &[u8]| -> u64 { image.chunks(4096).filter_map(lz4_fragment_bytes).sum() };
     let stats = store.stats();
     assert!(pending_of(&image) > 0);
@@ -264,12 +270,12 @@ fn pending_recompress_bytes_follow_the_fallbacks_live_fragments_until_recompress
     // Overwrites take the old fragments off and count the new ones; random blocks are raw,
     // trimmed and zeroed ones gone.
     image[..64 << 10].copy_from_slice(&word_text(&mut rng(32), 64 << 10));
-    store.write(0, &image[..64 << 10], false).unwrap();
+    store.write(0, &image[..64 << 10], Durability::Buffered).unwrap();
     let random = random_bytes(33, 64 << 10);
     image[64 << 10..128 << 10].copy_from_slice(&random);
-    store.write(64 << 10, &random, false).unwrap();
-    store.trim(128 << 10, 64 << 10, false).unwrap();
-    store.write_zeroes(192 << 10, 64 << 10, false).unwrap();
+    store.write(64 << 10, &random, Durability::Buffered).unwrap();
+    store.trim(128 << 10, 64 << 10, Durability::Buffered).unwrap();
+    store.write_zeroes(192 << 10, 64 << 10, Durability::Buffered).unwrap();
     image[128 << 10..256 << 10].fill(0);
     store.checkpoint().unwrap();
     let codec = store.stats().codec;
@@ -283,7 +289,7 @@ fn pending_recompress_bytes_follow_the_fallbacks_live_fragments_until_recompress
     assert_clean(&store);
     // Written with the fallback again: the estimate is at the share measured (zstd:1 stores
     // these text blocks in about 1/1.7 of LZ4's bytes), no longer 21%.
-    store.write(0, &image[..256 << 10], false).unwrap();
+    store.write(0, &image[..256 << 10], Durability::Buffered).unwrap();
     let codec = store.stats().codec;
     let share = codec.pending_recompress_saving_bytes as f64 / codec.pending_recompress_bytes as f64;
     assert!(share > 0.3 && share < 0.6, "{codec:?}");

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use common::*;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, Store};
+use zdisk_engine::{Codec, Durability, Store};
 
 const CODECS: [(&str, Codec); 3] =
     [("lz4", Codec::Lz4), ("zstd", Codec::Zstd { level: 3 }), ("deflate", Codec::Deflate { level: 6 })];
@@ -86,7 +86,7 @@ fn text(first_lba: u64, blocks: u64, version: u8) -> Vec<u8> {
 fn garbage_then_gc(store: &Store, expected: &mut [u8], blocks: u64, what: &str) {
     for lba in (0..blocks).step_by(3) {
         let data = text(lba, 1, 8);
-        store.write(lba * 4096, &data, false).unwrap();
+        store.write(lba * 4096, &data, Durability::Buffered).unwrap();
         expected[lba as usize * 4096..(lba as usize + 1) * 4096].copy_from_slice(&data);
     }
     store.checkpoint().unwrap();
@@ -106,7 +106,7 @@ fn make_version_2_fixtures() {
         let mut model = vec![0u8; LOGICAL_BYTES as usize];
         let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
         fn apply(offset: u64, data: &[u8], store: &Store, model: &mut [u8]) {
-            store.write(offset, data, false).unwrap();
+            store.write(offset, data, Durability::Buffered).unwrap();
             model[offset as usize..offset as usize + data.len()].copy_from_slice(data);
         }
         // Write records (more than 8 blocks), one group crossing a segment boundary.
@@ -128,9 +128,9 @@ fn make_version_2_fixtures() {
         store.checkpoint().unwrap();
         assert!(store.collect_garbage(3).unwrap() > 0);
         // Trim and write-zeroes (aligned: trim/zero records; unaligned: write records).
-        store.trim(10 * 4096, 20 * 4096, false).unwrap();
+        store.trim(10 * 4096, 20 * 4096, Durability::Buffered).unwrap();
         model[10 * 4096..30 * 4096].fill(0);
-        store.write_zeroes(40 * 4096 + 100, 10 * 4096, false).unwrap();
+        store.write_zeroes(40 * 4096 + 100, 10 * 4096, Durability::Buffered).unwrap();
         model[40 * 4096 + 100..50 * 4096 + 100].fill(0);
         store.checkpoint().unwrap();
         store.checkpoint().unwrap();
@@ -145,9 +145,9 @@ fn make_version_2_fixtures() {
         let checkpoints = store.stats().checkpoints;
         assert!(store.collect_garbage(2).unwrap() > 0);
         assert_eq!(store.stats().checkpoints, checkpoints, "the replay window must not be checkpointed");
-        store.trim(100 * 4096, 8 * 4096, false).unwrap();
+        store.trim(100 * 4096, 8 * 4096, Durability::Buffered).unwrap();
         model[100 * 4096..108 * 4096].fill(0);
-        store.write_zeroes(200 * 4096, 16 * 4096, false).unwrap();
+        store.write_zeroes(200 * 4096, 16 * 4096, Durability::Buffered).unwrap();
         model[200 * 4096..216 * 4096].fill(0);
         store.flush().unwrap();
         // A crash: the image is what is durable now, nothing more.
@@ -188,9 +188,9 @@ fn version_2_stores_open_read_replay_and_check_clean() {
         assert_eq!(store.info_of().codec, codec.to_string());
         // New writes on top, flushed, then a crash and a reopen.
         let data = text(800, 24, 9);
-        store.write(800 * 4096, &data, false).unwrap();
+        store.write(800 * 4096, &data, Durability::Buffered).unwrap();
         expected[800 * 4096..824 * 4096].copy_from_slice(&data);
-        store.trim(0, 4 * 4096, false).unwrap();
+        store.trim(0, 4 * 4096, Durability::Buffered).unwrap();
         expected[..4 * 4096].fill(0);
         store.flush().unwrap();
         let crashed = disk.crash_image();
@@ -231,7 +231,7 @@ fn make_relocate_record_fixture() {
     let mut model = vec![0u8; LOGICAL_BYTES as usize];
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     let apply = |offset: u64, data: &[u8], model: &mut [u8]| {
-        store.write(offset, data, false).unwrap();
+        store.write(offset, data, Durability::Buffered).unwrap();
         model[offset as usize..offset as usize + data.len()].copy_from_slice(data);
     };
     apply(0, &text(0, RELOCATE_FIXTURE_BLOCKS, 1), &mut model);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::*;
 use rand::Rng;
-use zdisk_engine::{Codec, FormatOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, FormatOptions, OpenOptions, Store};
 
 fn open_file_store(dir: &tempfile::TempDir, physical: u64, logical: u64) -> Store {
     let path = dir.path().join("store");
@@ -43,8 +43,14 @@ fn concurrent_sub_block_writes_to_one_block_never_lose_bytes() {
                     // Each thread owns 512 bytes of block 3 and of the block pair 6–7 (spanning
                     // the boundary), and rewrites them with its round number.
                     let fill = [t.wrapping_mul(31) ^ round as u8; 512];
-                    store.write(3 * 4096 + t as u64 * 512, &fill, false).unwrap();
-                    store.write(6 * 4096 + 2048 + t as u64 * 512, &fill, round % 50 == 0).unwrap();
+                    store.write(3 * 4096 + t as u64 * 512, &fill, Durability::Buffered).unwrap();
+                    store
+                        .write(
+                            6 * 4096 + 2048 + t as u64 * 512,
+                            &fill,
+                            if round % 50 == 0 { Durability::Fua } else { Durability::Buffered },
+                        )
+                        .unwrap();
                 }
             })
         })
@@ -86,7 +92,13 @@ fn threads_read_back_their_own_writes_while_gc_and_checkpoints_run() {
                     let offset = rng.gen_range(0..region - 20000);
                     let len = rng.gen_range(1..20000);
                     let data = block_data(&mut rng, len as usize, 60);
-                    store.write(t * region + offset, &data, i % 100 == 0).unwrap();
+                    store
+                        .write(
+                            t * region + offset,
+                            &data,
+                            if i % 100 == 0 { Durability::Fua } else { Durability::Buffered },
+                        )
+                        .unwrap();
                     if i % 250 == 0 {
                         // Checkpoints from several threads at once, racing the background ones.
                         store.checkpoint().unwrap();
@@ -156,7 +168,7 @@ fn concurrent_partial_block_requests_of_every_kind_never_lose_each_other() {
                         let base = base_lba * BLOCK;
                         let span = blocks * BLOCK;
                         let initial: Vec<u8> = (0..span).map(|i| (i as u8).wrapping_mul(7) | 1).collect();
-                        store.write(base, &initial, false).unwrap();
+                        store.write(base, &initial, Durability::Buffered).unwrap();
                         // A cut inside the span; with overlap the two ranges share some bytes.
                         let cut = rng.gen_range(1..span);
                         let (ra, rb) = if overlap {
@@ -172,7 +184,7 @@ fn concurrent_partial_block_requests_of_every_kind_never_lose_each_other() {
                             let (store, barrier) = (Arc::clone(&store), Arc::clone(&barrier));
                             std::thread::spawn(move || {
                                 barrier.wait();
-                                r.run(&store, false).unwrap();
+                                r.run(&store, Durability::Buffered).unwrap();
                             })
                         };
                         let (ta, tb) = (run(req_a.clone()), run(req_b.clone()));

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, ErrorKind, Store};
+use zdisk_engine::{Codec, Durability, ErrorKind, Store};
 
 const SLOT: usize = 16 << 10;
 
@@ -25,7 +25,7 @@ fn fresh() -> Arc<SimDisk> {
 fn one_write_of_eight_blocks() -> Arc<SimDisk> {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(8 * 4096, 1), true).unwrap();
+    store.write(0, &data(8 * 4096, 1), Durability::Fua).unwrap();
     store.close().unwrap();
     disk
 }
@@ -72,7 +72,7 @@ fn a_lost_record_under_a_checkpoint_is_reported_and_its_segment_kept() {
     // Incompressible data fills segment 0 and more, so the checkpoint lands elsewhere.
     let mut rng = rng(9);
     let bytes = block_data(&mut rng, 40 * 4096, 100);
-    store.write(0, &bytes, true).unwrap();
+    store.write(0, &bytes, Durability::Fua).unwrap();
     store.close().unwrap();
     let first = zdisk_engine::sim::inspect::records(&disk.image()).remove(0);
     disk.flip_bit(first.head.start + 20, 0);
@@ -84,7 +84,7 @@ fn a_lost_record_under_a_checkpoint_is_reported_and_its_segment_kept() {
     assert!(report.problems.iter().any(|p| p.contains("segment 0")), "{:?}", report.problems);
     assert!(report.damage.iter().any(|d| d.offset_bytes == first.head.start), "{:?}", report.damage);
     // GC cannot parse segment 0, so it must not free it: its data stays readable.
-    store.trim(0, 4096, false).unwrap();
+    store.trim(0, 4096, Durability::Buffered).unwrap();
     // Two checkpoints move the reuse horizon past segment 0, so background GC considers it.
     store.checkpoint().unwrap();
     store.checkpoint().unwrap();
@@ -100,10 +100,10 @@ fn two_checkpoints() -> (Arc<SimDisk>, Vec<u8>) {
     let disk = fresh();
     let mut expected = vec![0u8; 1 << 20];
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(16 * 4096, 1), false).unwrap();
+    store.write(0, &data(16 * 4096, 1), Durability::Buffered).unwrap();
     expected[..16 * 4096].copy_from_slice(&data(16 * 4096, 1));
     store.checkpoint().unwrap();
-    store.write(32 * 4096, &data(16 * 4096, 2), false).unwrap();
+    store.write(32 * 4096, &data(16 * 4096, 2), Durability::Buffered).unwrap();
     expected[32 * 4096..48 * 4096].copy_from_slice(&data(16 * 4096, 2));
     store.close().unwrap();
     (disk, expected)
@@ -152,13 +152,13 @@ fn both_superblocks_damaged_is_a_clear_error() {
 fn enospc_from_the_backing_fails_the_flush_and_keeps_durable_data() {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(4096, 1), true).unwrap();
+    store.write(0, &data(4096, 1), Durability::Fua).unwrap();
     disk.set_faults(Faults { enospc_from_write: Some(1), ..Faults::default() });
-    store.write(4096, &data(4096, 2), false).unwrap();
+    store.write(4096, &data(4096, 2), Durability::Buffered).unwrap();
     let err = store.flush().unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
     // Failed, and says why; later writes and flushes get ENOSPC, not EROFS.
-    let later = store.write(8192, &data(4096, 3), false).unwrap_err();
+    let later = store.write(8192, &data(4096, 3), Durability::Buffered).unwrap_err();
     assert_eq!((later.kind(), later.errno()), (ErrorKind::BackingFull, libc::ENOSPC), "{later}");
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::BackingFull);
     let stats = store.stats();
@@ -180,12 +180,12 @@ fn enospc_from_the_backing_fails_the_flush_and_keeps_durable_data() {
 fn a_failed_sync_makes_the_store_read_only_until_reopened() {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(4096, 1), false).unwrap();
+    store.write(0, &data(4096, 1), Durability::Buffered).unwrap();
     disk.set_faults(Faults { fail_sync_at: Some(1), ..Faults::default() });
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::Io);
     // A later flush must not claim durability the failed one lost.
     assert_eq!(store.flush().unwrap_err().kind(), ErrorKind::ReadOnly);
-    assert_eq!(store.write(0, &data(4096, 2), true).unwrap_err().kind(), ErrorKind::ReadOnly);
+    assert_eq!(store.write(0, &data(4096, 2), Durability::Fua).unwrap_err().kind(), ErrorKind::ReadOnly);
     let stats = store.stats();
     assert_eq!(stats.state, zdisk_engine::StoreState::Failed, "{stats:?}");
     assert!(stats.state_reason.contains("sync"), "{}", stats.state_reason);
@@ -195,7 +195,7 @@ fn a_failed_sync_makes_the_store_read_only_until_reopened() {
 fn a_failed_backing_read_is_an_io_error_and_the_store_keeps_serving() {
     let disk = fresh();
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(4096, 1), true).unwrap();
+    store.write(0, &data(4096, 1), Durability::Fua).unwrap();
     store.close().unwrap();
     let (disk, store) = reopen(&disk);
     disk.set_faults(Faults { fail_read_at: Some(1), ..Faults::default() });
@@ -235,8 +235,8 @@ fn a_damaged_map_page_fails_the_reads_of_its_blocks_only() {
     // 4 MiB logical: two leaves (512 blocks each) under a root page.
     let disk = new_disk(64, 64 << 10, 4 << 20, Codec::Lz4, 7);
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
-    store.write(0, &data(4096, 1), false).unwrap(); // leaf 0
-    store.write(512 * 4096, &data(4096, 2), false).unwrap(); // leaf 1
+    store.write(0, &data(4096, 1), Durability::Buffered).unwrap(); // leaf 0
+    store.write(512 * 4096, &data(4096, 2), Durability::Buffered).unwrap(); // leaf 1
     store.checkpoint().unwrap();
     store.close().unwrap();
     // The newest version of leaf 0 (page id tag 0: level 0, index 0).
@@ -253,7 +253,7 @@ fn a_damaged_map_page_fails_the_reads_of_its_blocks_only() {
     store.read(512 * 4096, &mut block).expect("a block under the other leaf reads");
     assert!(block == data(4096, 2));
     assert_eq!(store.stats().map_damaged_pages, 1);
-    store.write(0, &data(4096, 3), true).unwrap();
+    store.write(0, &data(4096, 3), Durability::Fua).unwrap();
     store.read(0, &mut block).expect("written again, the block reads");
     assert!(block == data(4096, 3));
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::*;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, Store};
+use zdisk_engine::{Codec, Durability, Store};
 
 #[derive(Debug, Clone, Copy)]
 enum Op {
@@ -54,19 +54,24 @@ fn run_sequence(disk: &Arc<SimDisk>, sequence: &[Op], model: &mut Model) {
     };
     for (i, op) in sequence.iter().enumerate() {
         let tag = 0x40 + i as u8;
-        let (request, fua) = match op {
+        let (request, durability) = match op {
             Op::BigWrite => {
                 let mut rng = rng(tag as u64);
-                (Some(Request::Write { offset: 4 * BLOCK, data: block_data(&mut rng, 20 * 4096, 100) }), false)
+                (
+                    Some(Request::Write { offset: 4 * BLOCK, data: block_data(&mut rng, 20 * 4096, 100) }),
+                    Durability::Buffered,
+                )
             }
-            Op::WriteUnalignedAcross01 => (Some(Request::Write { offset: 2048, data: data(4096, tag) }), false),
-            Op::FuaWriteBlock2 => (Some(Request::Write { offset: 2 * BLOCK, data: data(4096, tag) }), true),
-            Op::TrimBlocks01 => (Some(Request::Trim { offset: 0, len: 2 * BLOCK }), false),
-            Op::ZeroUnaligned => (Some(Request::Zero { offset: 3000, len: 6000 }), false),
-            _ => (None, false),
+            Op::WriteUnalignedAcross01 => {
+                (Some(Request::Write { offset: 2048, data: data(4096, tag) }), Durability::Buffered)
+            }
+            Op::FuaWriteBlock2 => (Some(Request::Write { offset: 2 * BLOCK, data: data(4096, tag) }), Durability::Fua),
+            Op::TrimBlocks01 => (Some(Request::Trim { offset: 0, len: 2 * BLOCK }), Durability::Buffered),
+            Op::ZeroUnaligned => (Some(Request::Zero { offset: 3000, len: 6000 }), Durability::Buffered),
+            _ => (None, Durability::Buffered),
         };
         let result = match (&request, op) {
-            (Some(r), _) => r.run(&store, fua),
+            (Some(r), _) => r.run(&store, durability),
             (None, Op::Flush) => store.flush(),
             (None, Op::Checkpoint) => store.checkpoint(),
             (None, _) => store.collect_garbage(4).map(|_| ()),
@@ -76,7 +81,7 @@ fn run_sequence(disk: &Arc<SimDisk>, sequence: &[Op], model: &mut Model) {
         }
         match result {
             Ok(()) => {
-                if fua || matches!(op, Op::Flush) {
+                if durability == Durability::Fua || matches!(op, Op::Flush) {
                     model.flushed();
                 }
             }
@@ -97,7 +102,7 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
     {
         let store = Store::open_backing(base.clone(), &test_options()).unwrap();
         let request = Request::Write { offset: 0, data: data(LOGICAL as usize, 0x11) };
-        request.run(&store, false).unwrap();
+        request.run(&store, Durability::Buffered).unwrap();
         base_model.pending.push(request);
         store.close().unwrap();
         base_model.flushed();
@@ -138,7 +143,7 @@ fn every_short_sequence_survives_a_crash_at_every_write() {
                     panic!("{sequence:?} crash at write {crash_at} (tear {tear_seed}): {e}");
                 }
                 // The recovered store must itself be sound and writable.
-                store.write(0, &data(100, 0x77), true).unwrap();
+                store.write(0, &data(100, 0x77), Durability::Fua).unwrap();
                 let report = store.check(&mut |_, _| {}).unwrap();
                 assert!(report.problems.is_empty(), "{sequence:?} crash at {crash_at}: {:?}", report.problems);
                 runs += 1;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, ErrorKind, Store};
+use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, Durability, ErrorKind, Store};
 
 struct Scenario {
     name: &'static str,
@@ -60,7 +60,7 @@ fn native_logical_bytes(segments: u64, segment_bytes: u64) -> u64 {
         physical,
         Some(segment_bytes),
         zdisk_engine::OVER_PROVISION_DEFAULT_PPM,
-        false,
+        zdisk_engine::Sealing::Plain,
     );
     native / BLOCK * BLOCK
 }
@@ -158,7 +158,7 @@ fn run(s: &Scenario, seed: u64) -> Result<RunCounts, String> {
         for offset in (0..s.logical_bytes).step_by(64 << 10) {
             let len = (64 << 10).min(s.logical_bytes - offset);
             let data = scenario_data(s, &mut rng, len as usize);
-            store.write(offset, &data, false).map_err(|e| format!("fill write at {offset}: {e}"))?;
+            store.write(offset, &data, Durability::Buffered).map_err(|e| format!("fill write at {offset}: {e}"))?;
             model.pending.push(Request::Write { offset, data });
             if offset % (1 << 20) == 0 {
                 store.maintain().map_err(|e| format!("fill maintain: {e}"))?;
@@ -338,11 +338,11 @@ fn run_op(
             let (offset, len) = random_range(rng, s.logical_bytes, 64);
             Request::Zero { offset, len }
         };
-        let fua = rng.gen_bool(0.1);
-        match request.run(store, fua) {
+        let durability = if rng.gen_bool(0.1) { Durability::Fua } else { Durability::Buffered };
+        match request.run(store, durability) {
             Ok(()) => {
                 model.pending.push(request);
-                if fua {
+                if durability == Durability::Fua {
                     model.flushed();
                 }
                 false
@@ -432,7 +432,7 @@ fn recompress_racing_writes(
         });
         let mut written = Vec::new();
         for request in writes {
-            let result = request.run(store, false);
+            let result = request.run(store, Durability::Buffered);
             written.push((request, result));
         }
         (recompressing.join().expect("the recompression thread does not panic"), written)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use zdisk_engine::sim::inspect::{self, RecordLayout};
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, ErrorKind, OpenOptions, Store};
+use zdisk_engine::{Codec, Durability, ErrorKind, OpenOptions, Store};
 
 const LOGICAL: u64 = 2 << 20;
 const BLOCKS: usize = (LOGICAL / BLOCK) as usize;
@@ -24,7 +24,7 @@ fn flushed_history(seed: u64) -> (Vec<u8>, Vec<u8>) {
     let mut model = Model::new(LOGICAL);
     let mut rng = rng(seed);
     fn run(r: Request, store: &Store, model: &mut Model) {
-        r.run(store, false).unwrap();
+        r.run(store, Durability::Buffered).unwrap();
         model.pending.push(r);
     }
     // Before the checkpoint: data the window's records overwrite.
@@ -180,7 +180,7 @@ fn losing_both_copies_of_a_description_opens_the_store_degraded() {
         let what = format!("record {} lost", record.seq);
         let (failed, store) = reads_are_latest_or_errors(damaged, &expected, &what);
         assert!(failed > 0, "{what}: blocks not provably newer than the loss must fail");
-        let err = store.write(0, &[1u8; 4096], false).unwrap_err();
+        let err = store.write(0, &[1u8; 4096], Durability::Buffered).unwrap_err();
         assert_eq!(err.kind(), ErrorKind::ReadOnly, "{what}: {err}");
         assert!(store.stats().space_flag == 2 || store.stats().damaged, "{what}: stat says the store is damaged");
         let problems = check_names_damage(&store, &what);
@@ -198,7 +198,7 @@ fn a_store_with_lost_records_opens_for_writing_when_the_loss_is_accepted() {
     flip(&mut damaged, record.fragments[0].1.start + 5, 2);
     let disk = Arc::new(SimDisk::from_image(damaged, 1));
     let store = Store::open_backing(disk, &OpenOptions { accept_data_loss: true, ..test_options() }).unwrap();
-    store.write(0, &[7u8; 4096], true).unwrap();
+    store.write(0, &[7u8; 4096], Durability::Fua).unwrap();
     let mut block = vec![0u8; 4096];
     store.read(0, &mut block).unwrap();
     assert!(block.iter().all(|&b| b == 7));
@@ -289,7 +289,7 @@ fn the_last_record_with_one_flipped_bit_is_applied_and_with_more_fails_its_block
     assert!(inspect::proven_seq(&disk.image()).is_some());
     let store = Store::open_backing(disk, &test_options()).unwrap();
     assert!(!store.stats().damaged);
-    store.write(0, &[3u8; 4096], true).unwrap();
+    store.write(0, &[3u8; 4096], Durability::Fua).unwrap();
 }
 
 /// A write torn by a crash is still a torn write: the proof covers only what a flush made
@@ -301,9 +301,9 @@ fn an_unflushed_torn_record_past_the_proof_is_a_torn_write() {
     let disk = Arc::new(SimDisk::from_image(image, 4));
     let store = Store::open_backing(disk.clone(), &test_options()).unwrap();
     let mut rng = rng(12);
-    store.write(5 * BLOCK, &block_data(&mut rng, 4 * BLOCK as usize, 30), false).unwrap();
+    store.write(5 * BLOCK, &block_data(&mut rng, 4 * BLOCK as usize, 30), Durability::Buffered).unwrap();
     // (A later write, so the first record lies in whole sectors.)
-    store.write(40 * BLOCK, &block_data(&mut rng, 16 * BLOCK as usize, 30), false).unwrap();
+    store.write(40 * BLOCK, &block_data(&mut rng, 16 * BLOCK as usize, 30), Durability::Buffered).unwrap();
     // Written out (whole sectors), never flushed: the disk holds it, as a crash may leave it.
     store.write_out_unflushed().unwrap();
     let mut image = disk.image();
@@ -317,7 +317,7 @@ fn an_unflushed_torn_record_past_the_proof_is_a_torn_write() {
     let (failed, store) = reads_are_latest_or_errors(image, &expected, "an unflushed torn record");
     assert_eq!(failed, 0);
     assert!(!store.stats().damaged);
-    store.write(0, &[1u8; 4096], true).unwrap();
+    store.write(0, &[1u8; 4096], Durability::Fua).unwrap();
 }
 
 #[test]
@@ -362,7 +362,7 @@ fn records_past_a_never_durable_gap_are_not_replayed_after_a_loss() {
         Request::Write { offset: 0, data: block_data(&mut rng, LOGICAL as usize, 30) },
         Request::Write { offset: 100 * BLOCK, data: block_data(&mut rng, 16 * 4096, 30) },
     ] {
-        request.run(&store, false).unwrap();
+        request.run(&store, Durability::Buffered).unwrap();
         model.pending.push(request);
         store.flush().unwrap();
     }
@@ -372,7 +372,9 @@ fn records_past_a_never_durable_gap_are_not_replayed_after_a_loss() {
     // is the one written now (put back below).
     let proof_before_gap = disk.crash_image()[inspect::FLUSH_PROOF].to_vec();
     for lba in [300, 400] {
-        Request::Write { offset: lba * BLOCK, data: block_data(&mut rng, 16 * 4096, 30) }.run(&store, false).unwrap();
+        Request::Write { offset: lba * BLOCK, data: block_data(&mut rng, 16 * 4096, 30) }
+            .run(&store, Durability::Buffered)
+            .unwrap();
     }
     store.flush().unwrap();
     let mut image = disk.crash_image();
@@ -416,7 +418,7 @@ fn a_torn_last_record_applied_at_open_is_not_taken_for_damage_by_a_later_recover
     // recovery must still not replay it as a synced record that decayed.
     let mut expected = expected;
     let data = vec![0x5au8; BLOCK as usize];
-    store.write(3 * BLOCK, &data, false).unwrap();
+    store.write(3 * BLOCK, &data, Durability::Buffered).unwrap();
     store.flush().unwrap();
     expected[3 * BLOCK as usize..4 * BLOCK as usize].copy_from_slice(&data);
     let image = disk.crash_image();

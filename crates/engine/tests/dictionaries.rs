@@ -11,7 +11,7 @@ use std::sync::Arc;
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, OpenOptions, Store};
+use zdisk_engine::{Codec, CodecFallback, DictionaryOptions, Durability, OpenOptions, Store};
 
 const ZSTD: Codec = Codec::Zstd { level: 1 };
 const LOGICAL_BYTES: u64 = 1 << 20;
@@ -47,7 +47,7 @@ fn store_of_text(seed: u64) -> (Arc<SimDisk>, Store, Vec<u8>) {
     let store = Store::open_backing(disk.clone(), &options()).unwrap();
     let image = text_data(&mut rng(seed), LOGICAL_BYTES as usize);
     for (i, chunk) in image.chunks(64 << 10).enumerate() {
-        store.write((i as u64) << 16, chunk, false).unwrap();
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
     }
     store.flush().unwrap();
     (disk, store, image)
@@ -95,7 +95,7 @@ fn a_second_dictionary_frees_the_first_once_no_fragment_names_it() {
     store.recompress_with_new_dictionary(&dictionary_options(), &mut |_, _| {}).unwrap();
     // New text over a quarter of the store, then a second dictionary.
     let fresh = text_data(&mut rng(22), (LOGICAL_BYTES / 4) as usize);
-    store.write(0, &fresh, false).unwrap();
+    store.write(0, &fresh, Durability::Buffered).unwrap();
     image[..fresh.len()].copy_from_slice(&fresh);
     let report = store.recompress_with_new_dictionary(&dictionary_options(), &mut |_, _| {}).unwrap();
     let trained = report.dictionary.unwrap();
@@ -118,7 +118,7 @@ fn gc_and_plain_recompress_use_the_newest_dictionary() {
     let before = store.stats().codec.recompressed_fragments_dictionary;
     // Host writes are zstd:1 fragments (the write path never uses a dictionary)...
     let fresh = text_data(&mut rng(33), (LOGICAL_BYTES / 2) as usize);
-    store.write(0, &fresh, false).unwrap();
+    store.write(0, &fresh, Durability::Buffered).unwrap();
     image[..fresh.len()].copy_from_slice(&fresh);
     assert_eq!(store.stats().codec.blocks_written_zstd, 256 + 128, "{:?}", store.stats().codec);
     // ... which plain `recompress` moves into the dictionary.
@@ -126,10 +126,10 @@ fn gc_and_plain_recompress_use_the_newest_dictionary() {
     assert!(report.after.codec.recompressed_fragments_dictionary >= before + 100, "{:?}", report.after.codec);
     // Trimming half makes segments worth cleaning; GC recompresses what it moves.
     let fresh = text_data(&mut rng(34), (LOGICAL_BYTES / 2) as usize);
-    store.write(LOGICAL_BYTES / 2, &fresh, false).unwrap();
+    store.write(LOGICAL_BYTES / 2, &fresh, Durability::Buffered).unwrap();
     image[(LOGICAL_BYTES / 2) as usize..].copy_from_slice(&fresh);
     for offset in (0..LOGICAL_BYTES).step_by(128 << 10) {
-        store.trim(offset, 64 << 10, false).unwrap();
+        store.trim(offset, 64 << 10, Durability::Buffered).unwrap();
         image[offset as usize..(offset + (64 << 10)) as usize].fill(0);
     }
     store.checkpoint().unwrap();
@@ -160,7 +160,7 @@ fn host_overwrites_racing_a_dictionary_recompression_win() {
         let recompressing =
             scope.spawn(|| store.recompress_with_new_dictionary(&dictionary_options(), &mut |_, _| {}).unwrap());
         for (offset, data) in &overwrites {
-            store.write(*offset, data, false).unwrap();
+            store.write(*offset, data, Durability::Buffered).unwrap();
         }
         recompressing.join().unwrap();
     });
@@ -175,7 +175,7 @@ fn host_overwrites_racing_a_dictionary_recompression_win() {
 fn a_store_too_empty_to_train_on_is_told_so_and_left_as_it_was() {
     let disk = new_disk(64, 64 << 10, LOGICAL_BYTES, ZSTD, 5);
     let store = Store::open_backing(disk.clone(), &options()).unwrap();
-    store.write(0, &text_data(&mut rng(5), 2 * BLOCK as usize), false).unwrap();
+    store.write(0, &text_data(&mut rng(5), 2 * BLOCK as usize), Durability::Buffered).unwrap();
     let err = store.recompress_with_new_dictionary(&dictionary_options(), &mut |_, _| {}).unwrap_err();
     assert_eq!(err.kind(), zdisk_engine::ErrorKind::InvalidArgument, "{err}");
     assert_eq!(store.stats().codec.dictionary_count, 0);

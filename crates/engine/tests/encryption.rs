@@ -14,7 +14,7 @@ use common::*;
 use rand::Rng;
 use zdisk_engine::sim::inspect;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, DictionaryOptions, ErrorKind, OpenOptions, Secret, Store};
+use zdisk_engine::{Codec, DictionaryOptions, Durability, ErrorKind, OpenOptions, Secret, Store};
 
 const LOGICAL: u64 = 4 << 20;
 /// Bytes a sealed fragment adds: the stored nonce's low 32 bits (4) and the tag (16).
@@ -36,7 +36,7 @@ fn options(passphrase: &str) -> OpenOptions {
 /// Writes `data` from offset 0, flushes, checkpoints, closes.
 fn write_and_close(disk: &Arc<SimDisk>, data: &[u8]) {
     let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
-    store.write(0, data, false).unwrap();
+    store.write(0, data, Durability::Buffered).unwrap();
     store.flush().unwrap();
     store.checkpoint().unwrap();
     store.close().unwrap();
@@ -117,7 +117,7 @@ fn the_backing_holds_no_plaintext() {
     let data: Vec<u8> = text.iter().copied().cycle().take(2 << 20).collect();
     let plain = new_disk(96, 64 << 10, LOGICAL, Codec::Lz4, 7);
     let store = Store::open_backing(plain.clone(), &test_options()).unwrap();
-    store.write(0, &data, false).unwrap();
+    store.write(0, &data, Durability::Buffered).unwrap();
     store.flush().unwrap();
     store.close().unwrap();
     assert!(text_windows_found(&text, &plain.image()) > 100, "the control: a plain store shows its text");
@@ -199,7 +199,7 @@ fn nonces_crossing_into_a_new_epoch_keep_every_block() {
     // Incompressible: a raw fragment is its protection information, the block and the seal.
     let mut expected = block_data(&mut rng, 256 * 4096, 100);
     let store = Store::open_backing(disk.clone(), &options).unwrap();
-    store.write(0, &expected, false).unwrap();
+    store.write(0, &expected, Durability::Buffered).unwrap();
     store.flush().unwrap();
     let stored = (0..256u64).find(|&lba| expected[lba as usize * 4096..][..4096].iter().any(|&b| b != 0)).unwrap();
     let range = fragment_of(&disk.image(), stored);
@@ -213,7 +213,7 @@ fn nonces_crossing_into_a_new_epoch_keep_every_block() {
         for _ in 0..48 {
             let lba = rng.gen_range(0..256u64);
             let block = block_data(&mut rng, 4096, 100);
-            store.write(lba * 4096, &block, false).unwrap();
+            store.write(lba * 4096, &block, Durability::Buffered).unwrap();
             expected[lba as usize * 4096..][..4096].copy_from_slice(&block);
         }
         store.flush().unwrap();
@@ -225,7 +225,7 @@ fn nonces_crossing_into_a_new_epoch_keep_every_block() {
     let store = Store::open_backing(disk.clone(), &options).unwrap();
     for lba in 0..128u64 {
         let block = block_data(&mut rng, 4096, 100);
-        store.write(lba * 4096, &block, false).unwrap();
+        store.write(lba * 4096, &block, Durability::Buffered).unwrap();
         expected[lba as usize * 4096..][..4096].copy_from_slice(&block);
     }
     store.flush().unwrap();
@@ -313,10 +313,10 @@ fn forge_trim(image: &mut [u8], record: &inspect::RecordLayout, lba: u64) {
 fn trim_after_checkpoint(disk: &Arc<SimDisk>, options: &OpenOptions) -> (Vec<u8>, Vec<u8>) {
     let data = block_data(&mut rng(6), 16 * 4096, 100);
     let store = Store::open_backing(disk.clone(), options).unwrap();
-    store.write(0, &data, false).unwrap();
+    store.write(0, &data, Durability::Buffered).unwrap();
     store.flush().unwrap();
     store.checkpoint().unwrap();
-    store.trim(5 * 4096, 4096, false).unwrap();
+    store.trim(5 * 4096, 4096, Durability::Buffered).unwrap();
     store.flush().unwrap();
     disk.power_off();
     drop(store);
@@ -375,10 +375,10 @@ fn two_versions(disk: &Arc<SimDisk>, options: &OpenOptions) -> (Vec<u8>, Vec<u8>
     let mut rng = rng(8);
     let (old, new) = (block_data(&mut rng, 4096, 100), block_data(&mut rng, 4096, 100));
     let store = Store::open_backing(disk.clone(), options).unwrap();
-    store.write(3 * 4096, &old, false).unwrap();
+    store.write(3 * 4096, &old, Durability::Buffered).unwrap();
     store.flush().unwrap();
     store.checkpoint().unwrap();
-    store.write(3 * 4096, &new, false).unwrap();
+    store.write(3 * 4096, &new, Durability::Buffered).unwrap();
     store.close().unwrap();
     (old, new, disk.image())
 }
@@ -426,7 +426,7 @@ fn image_with_a_version_from_an_earlier_use(disk: &Arc<SimDisk>, options: &OpenO
     let mut earlier: std::collections::HashMap<u64, (Vec<u8>, Vec<u8>)> = Default::default();
     for _ in 0..5000 {
         let data = block_data(&mut rng, 4096, 100);
-        store.write(3 * 4096, &data, false).unwrap();
+        store.write(3 * 4096, &data, Durability::Buffered).unwrap();
         store.flush().unwrap();
         let image = disk.image();
         let newest = inspect::records(&image).into_iter().flat_map(|r| r.fragments).rfind(|(lba, _)| *lba == 3);
@@ -492,7 +492,7 @@ fn encrypted_stores_of_earlier_layouts_still_work() {
         let store = Store::open_backing(disk.clone(), &options("correct horse")).unwrap();
         assert!(read_all(&store)[..expected.len()] == expected[..], "{fixture} reads back different");
         let fresh = block_data(&mut rng(7), 64 << 10, 50);
-        store.write(256 << 10, &fresh, false).unwrap();
+        store.write(256 << 10, &fresh, Durability::Buffered).unwrap();
         expected[256 << 10..(256 << 10) + fresh.len()].copy_from_slice(&fresh);
         store.flush().unwrap();
         store.collect_garbage(usize::MAX).unwrap();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, OpenOptions, Store, BLOCK_SIZE};
+use zdisk_engine::{Codec, Durability, OpenOptions, Store, BLOCK_SIZE};
 
 const THREADS: u64 = 4;
 /// Blocks each thread owns (its writes cycle through them).
@@ -44,7 +44,9 @@ fn tag_of(data: &[u8]) -> Option<(u64, u64)> {
 fn writer(store: &Store, thread: u64, flushed: &AtomicU64) {
     for n in 1.. {
         let lba = thread * BLOCKS_PER_THREAD + n % BLOCKS_PER_THREAD;
-        if store.write(lba * BLOCK_SIZE as u64, &block(thread, n), false).is_err() || store.flush().is_err() {
+        if store.write(lba * BLOCK_SIZE as u64, &block(thread, n), Durability::Buffered).is_err()
+            || store.flush().is_err()
+        {
             return;
         }
         flushed.store(n, Ordering::Release);
@@ -128,7 +130,7 @@ fn a_write_past_the_write_behind_bound_writes_the_backlog_out() {
         let options = OpenOptions { write_behind_bytes_max: bound_bytes, ..test_options() };
         let store = Store::open_backing(disk.clone(), &options).unwrap();
         let before = disk.writes();
-        store.write(0, &data, false).unwrap();
+        store.write(0, &data, Durability::Buffered).unwrap();
         assert_eq!(disk.writes() > before, written_out, "write-behind bound {bound_bytes}");
         let mut back = vec![0u8; data.len()];
         store.read(0, &mut back).unwrap();

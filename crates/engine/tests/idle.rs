@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, CodecFallback, OpenOptions, Stats, Store};
+use zdisk_engine::{Codec, CodecFallback, Durability, OpenOptions, Stats, Store};
 
 const ZSTD: Codec = Codec::Zstd { level: 1 };
 const LOGICAL_BYTES: u64 = 1 << 20;
@@ -39,7 +39,7 @@ fn write_text(store: &Store, seed: u64) -> Vec<u8> {
 fn write_vocabulary(store: &Store, seed: u64, logical_bytes: u64, vocabulary_seed: u64) -> Vec<u8> {
     let image = text_of_vocabulary(&mut rng(seed), logical_bytes as usize, vocabulary_seed);
     for (i, chunk) in image.chunks(64 << 10).enumerate() {
-        store.write((i as u64) << 16, chunk, false).unwrap();
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
     }
     store.flush().unwrap();
     image
@@ -158,7 +158,7 @@ fn host_overwrites_racing_idle_work_win() {
         let blocks = rng.gen_range(1..8usize);
         let at = rng.gen_range(0..(LOGICAL_BYTES as usize / 4096 - blocks)) * 4096;
         let data = text_data(&mut rng, blocks * 4096);
-        store.write(at as u64, &data, false).unwrap();
+        store.write(at as u64, &data, Durability::Buffered).unwrap();
         image[at..at + data.len()].copy_from_slice(&data);
         overwrites += 1;
         let pause_ms = if rng.gen_bool(0.1) { 250 } else { rng.gen_range(0..5) };
@@ -239,14 +239,14 @@ fn idle_work_makes_its_own_room_on_a_store_overwritten_three_times() {
     let store = Store::open_backing(disk.clone(), &idle_options(Duration::from_millis(300), None)).unwrap();
     let mut image = text_of_vocabulary(&mut rng, logical as usize, 7);
     for (i, chunk) in image.chunks(64 << 10).enumerate() {
-        store.write((i as u64) << 16, chunk, false).unwrap();
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
     }
     // Three times the store's size in random 64 KiB overwrites; the host never pauses for
     // as long as idle work waits.
     for _ in 0..3 * logical / (64 << 10) {
         let at = rng.gen_range(0..logical / (64 << 10)) << 16;
         let data = text_of_vocabulary(&mut rng, 64 << 10, 7);
-        store.write(at, &data, false).unwrap();
+        store.write(at, &data, Durability::Buffered).unwrap();
         image[at as usize..(at + (64 << 10)) as usize].copy_from_slice(&data);
     }
     store.flush().unwrap();

@@ -8,7 +8,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
-use zdisk_engine::{Codec, CodecFallback, OpenOptions, Store};
+use zdisk_engine::{Codec, CodecFallback, Durability, OpenOptions, Store};
 
 /// Busy loops in other processes, one per core, killed when dropped.
 struct BusyCores(Vec<Child>);
@@ -47,7 +47,7 @@ fn idle_work_waits_while_other_processes_keep_every_core_busy() {
     let busy_cores = BusyCores::start();
     let text = text_of_vocabulary(&mut rng(4), LOGICAL_BYTES as usize, 99);
     for (i, chunk) in text.chunks(64 << 10).enumerate() {
-        store.write((i as u64) << 16, chunk, false).unwrap();
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
     }
     store.flush().unwrap();
     std::thread::sleep(Duration::from_secs(3));

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use common::*;
 use rand::Rng;
 use zdisk_engine::sim::{Faults, SimDisk};
-use zdisk_engine::{Codec, ErrorKind, Store};
+use zdisk_engine::{Codec, Durability, ErrorKind, Store};
 
 #[test]
 fn out_of_space_cycles_lose_nothing_and_trims_give_space_back() {
@@ -47,7 +47,7 @@ fn out_of_space_cycles(seed: u64) {
         loop {
             let offset = rng.gen_range(0..logical / BLOCK - 4) * BLOCK;
             let request = Request::Write { offset, data: block_data(&mut rng, 4 * BLOCK as usize, 100) };
-            match request.run(&store, false) {
+            match request.run(&store, Durability::Buffered) {
                 Ok(()) => {
                     model.pending.push(request);
                     writes_ok += 1;
@@ -96,17 +96,17 @@ fn out_of_space_cycles(seed: u64) {
         for _ in 0..8 {
             let offset = rng.gen_range(0..logical / BLOCK - 13) * BLOCK;
             let request = Request::Trim { offset, len: 13 * BLOCK };
-            request.run(&store, false).unwrap_or_else(|e| panic!("cycle {cycle}: trim while full: {e}"));
+            request.run(&store, Durability::Buffered).unwrap_or_else(|e| panic!("cycle {cycle}: trim while full: {e}"));
             model.pending.push(request);
         }
         let zero = Request::Zero { offset: rng.gen_range(0..logical / BLOCK - 2) * BLOCK, len: 2 * BLOCK };
-        zero.run(&store, true).unwrap_or_else(|e| panic!("cycle {cycle}: write-zeroes while full: {e}"));
+        zero.run(&store, Durability::Fua).unwrap_or_else(|e| panic!("cycle {cycle}: write-zeroes while full: {e}"));
         model.pending.push(zero);
         model.flushed();
         let offset = rng.gen_range(0..logical / BLOCK - 1) * BLOCK;
         let request = Request::Write { offset, data: block_data(&mut rng, BLOCK as usize, 100) };
         request
-            .run(&store, true)
+            .run(&store, Durability::Fua)
             .unwrap_or_else(|e| panic!("cycle {cycle}: write after trimming: {e}; {:?}", store.stats()));
         model.pending.push(request);
         model.flushed();
@@ -125,7 +125,7 @@ fn overwriting_compressible_data_with_incompressible_until_full_and_back() {
     let mut image = vec![0u8; logical as usize];
     for offset in (0..logical).step_by(64 << 10) {
         let data = block_data(&mut rng, 64 << 10, 0);
-        store.write(offset, &data, false).unwrap();
+        store.write(offset, &data, Durability::Buffered).unwrap();
         image[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
     }
     let ratio = store.stats().comp_ratio;
@@ -133,7 +133,7 @@ fn overwriting_compressible_data_with_incompressible_until_full_and_back() {
     let mut full_at = None;
     for offset in (0..logical).step_by(16 << 10) {
         let data = block_data(&mut rng, 16 << 10, 100);
-        match store.write(offset, &data, false) {
+        match store.write(offset, &data, Durability::Buffered) {
             Ok(()) => image[offset as usize..offset as usize + data.len()].copy_from_slice(&data),
             Err(e) => {
                 assert_eq!(e.kind(), ErrorKind::NoSpace, "{e}");
@@ -156,7 +156,7 @@ fn overwriting_compressible_data_with_incompressible_until_full_and_back() {
     for offset in (0..full_at).step_by(16 << 10) {
         let data = block_data(&mut rng, 16 << 10, 0);
         store
-            .write(offset, &data, false)
+            .write(offset, &data, Durability::Buffered)
             .unwrap_or_else(|e| panic!("compressible overwrite at {offset}: {e} {:?}", store.stats()));
         image[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
     }
@@ -175,13 +175,13 @@ fn ten_times_logical_capacity_holds_a_sparse_pattern_and_grows() {
     let mut written = Vec::new();
     for offset in (0..logical).step_by(256 << 10) {
         let data = block_data(&mut rng, BLOCK as usize, 30);
-        store.write(offset, &data, false).unwrap();
+        store.write(offset, &data, Durability::Buffered).unwrap();
         written.push((offset, data));
     }
-    store.write(logical - BLOCK, &block_data(&mut rng, BLOCK as usize, 0), true).unwrap();
+    store.write(logical - BLOCK, &block_data(&mut rng, BLOCK as usize, 0), Durability::Fua).unwrap();
     assert!(store.resize(logical / 2).is_err(), "shrink below mapped data must be refused");
     store.resize(2 * logical).unwrap();
-    store.write(2 * logical - BLOCK, &[7u8; 4096], true).unwrap();
+    store.write(2 * logical - BLOCK, &[7u8; 4096], Durability::Fua).unwrap();
     store.close().unwrap();
     let disk = Arc::new(SimDisk::from_image(disk.image(), 1));
     let store = Store::open_backing(disk, &test_options()).unwrap();
@@ -221,10 +221,10 @@ fn allocation_after_freeing(discard_freed: bool) -> (u64, u64, u64) {
     let store = Store::open(&path, &options).unwrap();
     let mut rng = rng(13);
     let data = block_data(&mut rng, 32 << 20, 100);
-    store.write(0, &data, true).unwrap();
+    store.write(0, &data, Durability::Fua).unwrap();
     let allocated_full = std::fs::metadata(&path).unwrap().blocks() * 512;
     assert!(allocated_full >= 28 << 20, "allocated {allocated_full}");
-    store.trim(0, 32 << 20, true).unwrap();
+    store.trim(0, 32 << 20, Durability::Fua).unwrap();
     while store.collect_garbage(64).unwrap() > 0 {}
     store.checkpoint().unwrap();
     store.checkpoint().unwrap();
@@ -286,14 +286,14 @@ fn steady_overwrites_at_high_utilisation_never_run_out_of_space() {
         let mut blocks = 0u64;
         while store.stats().physical_size < live_target {
             let data = block_data(&mut rng, 16 * BLOCK as usize, 0);
-            store.write(blocks * BLOCK, &data, false).unwrap();
+            store.write(blocks * BLOCK, &data, Durability::Buffered).unwrap();
             blocks += 16;
         }
         let mut expected = std::collections::HashMap::new();
         for i in 0..4 * blocks {
             let lba = rng.gen_range(0..blocks);
             let data = block_data(&mut rng, BLOCK as usize, 0);
-            if let Err(e) = store.write(lba * BLOCK, &data, false) {
+            if let Err(e) = store.write(lba * BLOCK, &data, Durability::Buffered) {
                 panic!("seed {seed}: overwrite {i} of lba {lba} failed: {e}; {:?}", store.stats());
             }
             expected.insert(lba, data);
@@ -330,7 +330,7 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
         let store = Arc::new(Store::open_backing(disk.clone(), &options).unwrap());
         let mut rng = rng(seed);
         for at in (0..logical).step_by(128 << 10) {
-            store.write(at, &block_data(&mut rng, 128 << 10, 0), false).unwrap();
+            store.write(at, &block_data(&mut rng, 128 << 10, 0), Durability::Buffered).unwrap();
         }
         let writers = 8u64;
         let threads: Vec<_> = (0..writers)
@@ -350,7 +350,7 @@ fn concurrent_overwrites_of_a_half_full_store_never_run_out_of_space() {
                                 (w * share + i * (128 << 10), 128 << 10)
                             };
                             let data = block_data(&mut rng, len as usize, 0);
-                            if let Err(e) = store.write(at, &data, false) {
+                            if let Err(e) = store.write(at, &data, Durability::Buffered) {
                                 panic!(
                                     "seed {seed}: writer {w} round {round}: write at {at} failed: {e}; {:?}",
                                     store.stats()
@@ -443,7 +443,12 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("store");
     let physical = 32u64 << 20;
-    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
+    let native = zdisk_engine::native_capacity_of_physical(
+        physical,
+        Some(segment),
+        over_provision_ppm,
+        zdisk_engine::Sealing::Plain,
+    );
     let big = 128u64 << 10;
     let logical = native * times / big * big;
     format_lz4(&path, physical, logical, segment, over_provision_ppm);
@@ -460,7 +465,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
     };
     let mut rng = rng(seed);
     for at in (0..logical).step_by(big as usize) {
-        store.write(at, &contents(&mut rng, big), false).unwrap();
+        store.write(at, &contents(&mut rng, big), Durability::Buffered).unwrap();
     }
     // Each writer owns a slice of the store and overwrites it twice over: once in random
     // 4 KiB writes, once in random 128 KiB ones.
@@ -476,7 +481,7 @@ fn fill_and_overwrite_at_native_capacity(seed: u64, shape: Shape) {
                     for i in 0..share / len {
                         let at = w * share + rng.gen_range(0..share / len) * len;
                         let data = contents(&mut rng, len);
-                        if let Err(e) = store.write(at, &data, false) {
+                        if let Err(e) = store.write(at, &data, Durability::Buffered) {
                             panic!(
                                 "seed {seed}: writer {w}: write {i} of {len} bytes at {at} failed: {e}; {:?}",
                                 store.stats()
@@ -518,7 +523,7 @@ fn gc_output_goes_to_a_cold_segment_and_replay_follows_the_jumps() {
         let mut expected = vec![0u8; 2 << 20];
         let write = |store: &Store, expected: &mut Vec<u8>, rng: &mut rand::rngs::StdRng, at: u64, len: usize| {
             let data = block_data(rng, len, 50);
-            store.write(at, &data, false).unwrap();
+            store.write(at, &data, Durability::Buffered).unwrap();
             expected[at as usize..at as usize + len].copy_from_slice(&data);
         };
         for at in (0..2u64 << 20).step_by(64 << 10) {
@@ -587,7 +592,12 @@ fn skewed_overwrites_at_native_capacity(seed: u64, map_cache_bytes: u64) {
     let path = dir.path().join("store");
     let (physical, segment) = (48u64 << 20, 256u64 << 10);
     let over_provision_ppm = zdisk_engine::OVER_PROVISION_DEFAULT_PPM;
-    let native = zdisk_engine::native_capacity_of_physical(physical, Some(segment), over_provision_ppm, false);
+    let native = zdisk_engine::native_capacity_of_physical(
+        physical,
+        Some(segment),
+        over_provision_ppm,
+        zdisk_engine::Sealing::Plain,
+    );
     let (fill_write, overwrite) = (256u64 << 10, 64u64 << 10);
     let logical = native / fill_write * fill_write;
     format_lz4(&path, physical, logical, segment, over_provision_ppm);
@@ -598,7 +608,7 @@ fn skewed_overwrites_at_native_capacity(seed: u64, map_cache_bytes: u64) {
     let mut write = |store: &Store, rng: &mut rand::rngs::StdRng, at: u64, len: u64, i: usize| {
         let data = &mut expected[at as usize..(at + len) as usize];
         rng.fill(data);
-        if let Err(e) = store.write(at, data, false) {
+        if let Err(e) = store.write(at, data, Durability::Buffered) {
             panic!("seed {seed}, map cache {map_cache_bytes}: write {i} of {len} bytes at {at} failed: {e}");
         }
     };

@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use nbdkit::{ExtentHandle, ExtentType, Flags, FuaFlags, Server, ThreadModel};
 use parking_lot::Mutex;
-use zdisk_engine::{ErrorKind, ExtentKind, OpenOptions, Secret, Store};
+use zdisk_engine::{Durability, ErrorKind, ExtentKind, OpenOptions, Secret, Store};
 
 pub use metrics::{render_prometheus, Metrics, Op};
 pub use service::{control_socket_path, failed_file_path, live_file_path, DEFAULT_RUN_DIR};
@@ -114,6 +114,14 @@ fn nbd_error(op: Op, error: zdisk_engine::Error) -> nbdkit::Error {
 }
 
 /// One NBD connection. Holds the shared store; carries no per-connection state.
+/// The engine's name for a request's FUA flag.
+fn durability_of(flags: Flags) -> Durability {
+    match flags.contains(Flags::FUA) {
+        true => Durability::Fua,
+        false => Durability::Buffered,
+    }
+}
+
 struct Handle {
     shared: Arc<Shared>,
 }
@@ -418,14 +426,14 @@ impl Server for Handle {
 
     fn write_at(&self, buf: &[u8], offset: u64, flags: Flags) -> nbdkit::Result<()> {
         self.check_not_draining(Op::Write)?;
-        let fua = flags.contains(Flags::FUA);
-        self.timed(Op::Write, buf.len() as u64, |store| store.write(offset, buf, fua))
+        let durability = durability_of(flags);
+        self.timed(Op::Write, buf.len() as u64, |store| store.write(offset, buf, durability))
     }
 
     fn trim(&self, count: u32, offset: u64, flags: Flags) -> nbdkit::Result<()> {
         self.check_not_draining(Op::Trim)?;
-        let fua = flags.contains(Flags::FUA);
-        self.timed(Op::Trim, u64::from(count), |store| store.trim(offset, u64::from(count), fua))
+        let durability = durability_of(flags);
+        self.timed(Op::Trim, u64::from(count), |store| store.trim(offset, u64::from(count), durability))
     }
 
     fn zero(&self, count: u32, offset: u64, flags: Flags) -> nbdkit::Result<()> {
@@ -434,14 +442,14 @@ impl Server for Handle {
         // MAY_TRIM lets us leave a hole, but only where the hole reads as zeroes: the engine
         // trims whole blocks only (a trim is advisory), so an unaligned range is written as
         // zeroes instead. One engine call either way keeps the request atomic.
-        let fua = flags.contains(Flags::FUA);
+        let durability = durability_of(flags);
         let length = u64::from(count);
         let block = zdisk_engine::BLOCK_SIZE as u64;
         let aligned = offset.is_multiple_of(block) && length.is_multiple_of(block);
         if flags.contains(Flags::MAY_TRIM) && aligned {
-            self.timed(Op::Zero, length, |store| store.trim(offset, length, fua))
+            self.timed(Op::Zero, length, |store| store.trim(offset, length, durability))
         } else {
-            self.timed(Op::Zero, length, |store| store.write_zeroes(offset, length, fua))
+            self.timed(Op::Zero, length, |store| store.write_zeroes(offset, length, durability))
         }
     }
 

@@ -32,6 +32,7 @@ use super::keys::KeyHeader;
 use super::{DataKey, KeyMemoryLock, KEY_BYTES};
 use crate::backing::Backing;
 use crate::error::{Error, ErrorKind, Result};
+use crate::store::lock::{Mutex, MutexGuard, Rank};
 
 /// The stored part of a whole nonce: the counter, u64 (dictionaries; every fragment of a
 /// store formatted before 2026-11-27).
@@ -234,7 +235,7 @@ impl StoreCipher {
         let Ok(plaintext) = self.open(domain, tag, entry_packed, sealed, epoch) else { return Ok(None) };
         let mut out = Vec::with_capacity(sealed.len());
         let epoch = self.seal(domain, tag, entry_packed, &plaintext, &mut out)?;
-        debug_assert_eq!(out.len(), sealed.len());
+        assert_eq!(out.len(), sealed.len());
         Ok(Some((out, epoch)))
     }
 
@@ -298,7 +299,7 @@ impl StoreCipher {
 
 /// The epoch of a nonce counter value (leases stay below 2^48: `NonceState::renew`).
 pub fn epoch_of(counter: u64) -> NonceEpoch {
-    debug_assert!(counter >> 32 <= NonceEpoch::MAX as u64, "nonce {counter} past the last epoch");
+    assert!(counter >> 32 <= NonceEpoch::MAX as u64, "nonce {counter} past the last epoch");
     (counter >> 32) as NonceEpoch
 }
 
@@ -328,10 +329,11 @@ impl std::fmt::Debug for NonceObserver {
 /// Where a run's nonces come from: a range leased from the key header, renewed (a durable
 /// header write) when it runs out. One mutex: taken once per seal, rarely contended (a seal
 /// costs microseconds, the lock tens of nanoseconds), and it makes "handed out at most
-/// once" evident. The standard library's: a contended `parking_lot` mutex yields the core
-/// (`store/lock.rs`).
+/// once" evident. It has a place in the store's lock order (`Rank::Nonce`, above the log's:
+/// a group is resealed under the log lock; below the map's: no reader waits for a header
+/// write), so every acquisition is checked where the order is.
 pub struct NonceSource {
-    state: std::sync::Mutex<NonceState>,
+    state: Mutex<NonceState>,
     used: AtomicU64,
     /// The epoch of the current lease (`StoreCipher::current_epoch`).
     epoch: AtomicU16,
@@ -360,7 +362,7 @@ impl NonceSource {
     /// A source that seals nothing (read-only opens).
     fn none() -> NonceSource {
         NonceSource {
-            state: std::sync::Mutex::new(NonceState { next: 0, limit: 0, lease: None }),
+            state: Mutex::new(Rank::Nonce, NonceState { next: 0, limit: 0, lease: None }),
             used: AtomicU64::new(0),
             epoch: AtomicU16::new(0),
             #[cfg(any(test, feature = "sim"))]
@@ -397,8 +399,8 @@ impl NonceSource {
         self
     }
 
-    fn lock_state(&self) -> std::sync::MutexGuard<'_, NonceState> {
-        crate::store::lock::lock_unranked(&self.state)
+    fn lock_state(&self) -> MutexGuard<'_, NonceState> {
+        self.state.lock()
     }
 
     fn next(&self) -> Result<u64> {
@@ -431,7 +433,7 @@ impl NonceState {
         };
         lease.header.write(lease.backing.as_ref())?;
         // Only now, with the new high-water mark durable, may a value of the lease be used.
-        debug_assert!(first >= self.limit, "leases only move up");
+        assert!(first >= self.limit, "leases only move up");
         self.next = first;
         self.limit = first + lease.size;
         tracing::debug!("leased nonces {first}..{}", self.limit);

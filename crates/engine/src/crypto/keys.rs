@@ -234,7 +234,7 @@ impl KeyHeader {
     /// mark, or — the rest of its epoch is shorter — from the next epoch's start, the values
     /// skipped never used. Refuses a lease reaching past epoch `last_epoch`.
     pub fn lease_within_epoch(&mut self, count: u64, per_epoch: u64, last_epoch: u64) -> Result<u64> {
-        debug_assert!(count <= per_epoch);
+        assert!(count <= per_epoch);
         let mark = self.nonce_high_water;
         let first = if mark % per_epoch + count > per_epoch { mark.next_multiple_of(per_epoch) } else { mark };
         if (first + count - 1) / per_epoch > last_epoch {

@@ -48,7 +48,7 @@ pub(crate) fn protect_process() {
 
 fn lock_all_memory() -> std::result::Result<(), String> {
     use rustix::mm::{mlockall, MlockAllFlags};
-    if std::env::var("ZDISK_LOCK_MEMORY").is_ok_and(|v| v == "off") {
+    if !crate::store::options::lock_memory_from_env() {
         return Err("ZDISK_LOCK_MEMORY=off".into());
     }
     let unlimited = rustix::process::getrlimit(rustix::process::Resource::Memlock).current.is_none();

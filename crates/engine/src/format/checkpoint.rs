@@ -190,7 +190,7 @@ impl Checkpoint {
 
     /// Serialized (version 4) and zstd-compressed.
     pub fn encode(&self) -> Vec<u8> {
-        debug_assert!(self.legacy_map.is_empty(), "older images are read, never written");
+        assert!(self.legacy_map.is_empty(), "older images are read, never written");
         let map_root = self.map_root.expect("a version 4 image has a map root");
         let raw_bytes = FIXED_BYTES
             + MAP_ROOT_BYTES
@@ -247,7 +247,7 @@ impl Checkpoint {
                 w.u16(s.nonce_epoch);
             }
         }
-        debug_assert_eq!(raw.len() as u64, raw_bytes);
+        assert_eq!(raw.len() as u64, raw_bytes);
         zstd::bulk::compress(&raw, 1).expect("zstd compression of a memory buffer cannot fail")
     }
 

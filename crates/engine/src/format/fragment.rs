@@ -63,7 +63,7 @@ impl FragmentEntry {
 
     /// Packed in two bytes: stored length (13 bits), codec tag (3 bits).
     pub fn packed(self) -> u16 {
-        debug_assert!(self.stored_len as usize <= STORED_LEN_MAX && (self.codec as u8) < 8);
+        assert!(self.stored_len as usize <= STORED_LEN_MAX && (self.codec as u8) < 8);
         self.stored_len | (self.codec as u16) << 13
     }
 

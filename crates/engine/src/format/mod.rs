@@ -67,7 +67,7 @@ impl Writer<'_> {
         self.buf.extend_from_slice(&v.to_le_bytes());
     }
     pub fn u48(&mut self, v: u64) {
-        debug_assert!(v < 1 << 48);
+        assert!(v < 1 << 48);
         self.buf.extend_from_slice(&v.to_le_bytes()[..6]);
     }
 }

@@ -314,7 +314,7 @@ impl RecordBody {
                 let mut one = Vec::with_capacity(entries.len() * RELOCATE_ENTRY_BYTES + 4);
                 let mut copy = Writer { buf: &mut one };
                 for e in entries {
-                    debug_assert!(e.old_offset_bytes < OLD_WAS_V2_BIT);
+                    assert!(e.old_offset_bytes < OLD_WAS_V2_BIT);
                     let flag = if e.old_format == FragmentFormat::V2 { OLD_WAS_V2_BIT } else { 0 };
                     copy.u48(e.lba.0);
                     copy.u48(e.old_offset_bytes | flag);
@@ -515,8 +515,8 @@ impl RecordHeader {
     }
 
     fn encode_with(&self, mac: Option<RecordMacFn<'_>>) -> EncodedRecord {
-        debug_assert_eq!(self.version, RecordVersion::V3);
-        debug_assert_eq!(mac.is_some(), self.flags & FLAG_MAC != 0);
+        assert_eq!(self.version, RecordVersion::V3);
+        assert_eq!(mac.is_some(), self.flags & FLAG_MAC != 0);
         let (start_lba, count) = self.body.lba_and_count();
         let mut head = Vec::with_capacity(HEAD_BYTES);
         let mut w = Writer { buf: &mut head };
@@ -533,7 +533,7 @@ impl RecordHeader {
         w.u32(self.store_tag);
         w.u32(self.payload_len);
         w.u32(self.payload_crc);
-        debug_assert_eq!(head.len(), HEAD_CRC_OFFSET);
+        assert_eq!(head.len(), HEAD_CRC_OFFSET);
         let crc = crc32c::crc32c(&head);
         head.extend_from_slice(&crc.to_le_bytes());
         let mut tail = Vec::with_capacity(self.tail_len());
@@ -545,7 +545,7 @@ impl RecordHeader {
         tail.extend_from_slice(&head);
         let tail_crc = crc32c::crc32c(&tail);
         tail.extend_from_slice(&tail_crc.to_le_bytes());
-        debug_assert_eq!(tail.len(), self.tail_len());
+        assert_eq!(tail.len(), self.tail_len());
         EncodedRecord { head: head.try_into().expect("64 bytes"), tail, crc }
     }
 }

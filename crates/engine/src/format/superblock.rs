@@ -129,7 +129,7 @@ impl Superblock {
         w.u64(self.logical_size_bytes);
         w.u64(self.physical_size_bytes);
         w.u64(self.segment_size_bytes);
-        debug_assert_eq!(w.buf.len(), CODEC_TAG_OFFSET);
+        assert_eq!(w.buf.len(), CODEC_TAG_OFFSET);
         w.u8(self.codec_tag);
         w.u8(0);
         w.u16(0);
@@ -139,11 +139,11 @@ impl Superblock {
         w.u64(self.replay_offset_bytes);
         w.u32(self.replay_prev_crc);
         w.u32(self.checkpoint_chunks.len() as u32);
-        debug_assert_eq!(w.buf.len(), OVER_PROVISION_OFFSET);
+        assert_eq!(w.buf.len(), OVER_PROVISION_OFFSET);
         w.u32(self.over_provision_ppm);
-        debug_assert_eq!(w.buf.len(), MAC_OFFSET);
+        assert_eq!(w.buf.len(), MAC_OFFSET);
         w.buf.extend_from_slice(&self.mac);
-        debug_assert_eq!(w.buf.len(), CHUNK_REFS_OFFSET);
+        assert_eq!(w.buf.len(), CHUNK_REFS_OFFSET);
         for chunk in &self.checkpoint_chunks {
             w.u64(chunk.offset_bytes);
             w.u32(chunk.length_bytes);

@@ -65,7 +65,7 @@ impl PagedMap {
         let dirty: Vec<PageId> = std::mem::take(&mut tree.dirty).into_iter().collect();
         for &id in &dirty {
             tree.with_state(id, |s| {
-                debug_assert!(s.frozen.is_empty() && s.frozen_walks.is_empty(), "a checkpoint is already frozen");
+                assert!(s.frozen.is_empty() && s.frozen_walks.is_empty(), "a checkpoint is already frozen");
                 s.frozen = std::mem::take(&mut s.pending);
                 s.frozen_walks = std::mem::take(&mut s.pending_walks);
                 s.rewrite = true;
@@ -162,7 +162,7 @@ impl PagedMap {
         let mut tree = self.lock();
         for &id in ids {
             tree.with_state(id, |s| {
-                debug_assert!(s.pins > 0, "unpinning an unpinned page");
+                assert!(s.pins > 0, "unpinning an unpinned page");
                 s.pins = s.pins.saturating_sub(1);
             });
         }

@@ -42,8 +42,8 @@ impl PackedEntry {
     pub const LOST: PackedEntry = PackedEntry(4);
 
     pub fn stored(s: Stored) -> PackedEntry {
-        debug_assert!(s.offset_bytes <= OFFSET_MAX);
-        debug_assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
+        assert!(s.offset_bytes <= OFFSET_MAX);
+        assert!((s.stored_len as u64) < (1 << LEN_BITS) && s.stored_len > 0);
         let kind = match s.format {
             FragmentFormat::V2 => KIND_STORED_V2,
             FragmentFormat::V3 => KIND_STORED_V3,

@@ -54,7 +54,7 @@ impl PageId {
 
     /// The id as the 48-bit reference tag of the page's fragment.
     pub fn tag(self) -> Lba {
-        debug_assert!(self.level <= LEVELS_MAX && self.index < 1 << LEVEL_SHIFT);
+        assert!(self.level <= LEVELS_MAX && self.index < 1 << LEVEL_SHIFT);
         Lba((self.level as u64) << LEVEL_SHIFT | self.index)
     }
 

@@ -424,7 +424,7 @@ const CHANGE_BYTES_FLOOR: usize = 4 << 20;
 
 impl PagedMap {
     pub fn new(block_count: u64, height: u8, root: u64, budget_bytes: usize) -> PagedMap {
-        debug_assert!(height >= page::height_for(block_count));
+        assert!(height >= page::height_for(block_count));
         let tree = Tree {
             root,
             height,
@@ -633,7 +633,7 @@ impl PagedMap {
         acct: &mut dyn Accounting,
         src: &dyn PageSource,
     ) -> Result<()> {
-        debug_assert!(is_constant(value.0));
+        assert!(is_constant(value.0));
         let end = (first.0 + count).min(self.block_count);
         let mut from = first.0;
         while from < end {

@@ -219,8 +219,9 @@ pub fn native_capacity_of_physical(
     physical_size_bytes: u64,
     segment_size_bytes: Option<u64>,
     over_provision_ppm: u32,
-    encrypted: bool,
+    sealing: super::options::Sealing,
 ) -> u64 {
+    let encrypted = sealing == super::options::Sealing::Encrypted;
     let physical_size_bytes = physical_size_bytes / SECTOR_SIZE as u64 * SECTOR_SIZE as u64;
     let segment_size_bytes = segment_size_bytes.unwrap_or_else(|| default_segment_size(physical_size_bytes));
     if !segment_size_is_valid(segment_size_bytes) {

@@ -91,7 +91,7 @@ impl Inner {
             map_root: Some(map_root),
             stored_blocks: pages.counts.stored,
             zero_blocks: pages.counts.zero,
-            superseded: pages.superseded.iter().map(|(&s, &b)| (s, b)).collect(),
+            superseded: pages.superseded.iter().map(|(&s, &b)| (s.0, b)).collect(),
             legacy_map: Vec::new(),
             dictionaries: self.codecs.dictionaries.read().entries(self.log.cipher.as_deref())?,
             nonce_epochs: self.log.cipher.as_deref().is_some_and(StoreCipher::short_nonces),
@@ -270,7 +270,7 @@ impl Inner {
                 "freeing segment {id} before what emptied it is durable"
             );
             log.segments.release(id);
-            self.reads.cache.forget_segment(id.0);
+            self.reads.cache.forget_segment(id);
         }
         self.space.publish_host_slack(log.host_slack(&self.reserves()));
         Ok(freeable.len())

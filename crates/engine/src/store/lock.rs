@@ -2,29 +2,41 @@
 //!
 //! A thread holding a lock may only take locks of a higher rank:
 //!
-//! | rank | lock (field of `Inner`) | guards |
+//! | rank | lock (path from `Inner`, unless named) | guards |
 //! |---|---|---|
-//! | 0 | `block_locks` (stripes) | read-modify-write of partial blocks; several, in index order |
-//! | 1 | `foreground_gc` | one foreground GC round at a time |
-//! | 2 | `checkpoint` | checkpoints, freeing segments; the newest durable superblock |
-//! | 3 | `gc_lock` | one GC victim at a time; freeing never races a victim |
-//! | 4 | `io` | backing writes of log data, so a flush knows every earlier write is done |
-//! | 5 | `log` | the appender, the segment table, checkpoint epochs |
-//! | 6 | `map` | the block map (write: resize, and the freeing barrier) |
-//! | 7 | the map's `tree` | map page states, cached pages, changes (never held across I/O) |
-//! | 8 | `buffered` | the list of segment buffers readers may find data in |
-//! | 9 | a segment buffer's `data` | its bytes |
-//! | 10 | `signal` | the worker threads' wake-up flags |
+//! | 0 | `Store::idle` | `Store::idle_work_once`'s idle-work state; held through one step of idle work |
+//! | 1 | `space.block_locks` (stripes) | read-modify-write of partial blocks; several, in index order |
+//! | 2 | `background.foreground_gc` | one foreground GC round at a time |
+//! | 3 | `checkpoint` | checkpoints, freeing segments; the newest durable superblock |
+//! | 4 | `background.gc_lock` | one GC victim at a time; freeing never races a victim |
+//! | 5 | `log.io` | backing writes of log data, so a flush knows every earlier write is done |
+//! | 6 | `log` (`Log::lock`) | the appender, the segment table, checkpoint epochs |
+//! | 7 | the cipher's nonce source (`crypto/cipher.rs`) | the nonce lease; renewing it writes and syncs the key header |
+//! | 8 | `map` | the block map (write: resize, and the freeing barrier) |
+//! | 9 | the map's `tree` | map page states, cached pages, changes (never held across I/O) |
+//! | 10 | `log.buffered` | the list of segment buffers readers may find data in |
+//! | 11 | a segment buffer's `data` | its bytes |
+//! | 12 | `background.wakeups.signal` | the worker threads' wake-up flags |
 //!
 //! The path of a host write shows why: it holds its block stripes while it may run a
 //! foreground GC round, which checkpoints, which cleans a victim, which appends (log), which
 //! publishes map entries, which may open a segment (buffered list) and copies bytes into its
-//! buffer, which wakes the worker.
+//! buffer, which wakes the worker. A step of idle work (`Store::idle`) runs GC, checkpoints
+//! and dictionary work, so it comes before all of them; it takes no block stripe and no
+//! write permit. The nonce source is taken wherever a fragment is sealed: a host write's
+//! blocks (under its stripes, if any), GC's recompressed copies (under `gc_lock`), a checkpoint's
+//! map pages and dictionary table (under `checkpoint`), and a group resealed into the
+//! current nonce epoch under `log` (`LogGuard::hold_to_one_epoch`) — hence above the log. It
+//! sits below the map's locks on purpose: a lease renewal is a synced write of the key
+//! header, and readers must never wait for one; nothing is taken while it is held.
 //!
-//! Debug builds (and CI's profile) check every acquisition against the locks the thread
-//! already holds and panic naming both; release builds check nothing. The read cache's
-//! slot locks are outside the order: they are only ever try-locked. So is the dictionary
-//! table's lock: it is held only to read or swap `Arc`s, never while another is taken.
+//! Debug builds check every acquisition against the locks the thread already holds and
+//! panic naming both; so does CI, whose `--profile ci` (`Cargo.toml`; `scripts/test.sh`
+//! runs `cargo test --workspace --profile ci`) keeps `debug-assertions` on. Release builds
+//! check nothing. The read cache's slot locks are outside the order: they are only ever
+//! try-locked. So is the dictionary table's lock: it is held only to read or swap `Arc`s,
+//! never while another lock of the order is taken — except that a checkpoint seals the
+//! table under it (the nonce source, which takes nothing further).
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
@@ -33,20 +45,22 @@ use std::time::Duration;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum Rank {
-    BlockStripe = 0,
-    ForegroundGc = 1,
-    Checkpoint = 2,
-    Gc = 3,
-    Io = 4,
-    Log = 5,
-    Map = 6,
-    MapTree = 7,
-    Buffered = 8,
-    SegmentData = 9,
-    Signal = 10,
+    Idle = 0,
+    BlockStripe = 1,
+    ForegroundGc = 2,
+    Checkpoint = 3,
+    Gc = 4,
+    Io = 5,
+    Log = 6,
+    Nonce = 7,
+    Map = 8,
+    MapTree = 9,
+    Buffered = 10,
+    SegmentData = 11,
+    Signal = 12,
 }
 
-const RANKS: usize = 11;
+const RANKS: usize = 13;
 
 thread_local! {
     /// How many locks of each rank this thread holds (debug builds only).
@@ -89,8 +103,8 @@ impl Drop for Held {
     }
 }
 
-/// Locks a standard library mutex kept outside the lock order (the write permits, the
-/// nonce source), ignoring poisoning like the ranked locks below.
+/// Locks a standard library mutex kept outside the lock order (the write permits),
+/// ignoring poisoning like the ranked locks below.
 pub(crate) fn lock_unranked<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -230,6 +244,26 @@ mod tests {
         let map = RwLock::new(Rank::Map, 2);
         let _map = map.read();
         let _log = log.lock();
+    }
+
+    #[test]
+    fn the_nonce_source_may_be_taken_under_the_log_and_idle_work_before_anything() {
+        let idle = Mutex::new(Rank::Idle, ());
+        let log = Mutex::new(Rank::Log, ());
+        let nonce = Mutex::new(Rank::Nonce, ());
+        let _idle = idle.lock();
+        let _log = log.lock();
+        let _nonce = nonce.lock();
+    }
+
+    #[test]
+    #[cfg(debug_assertions)]
+    #[should_panic(expected = "lock order violated")]
+    fn the_nonce_source_under_the_map_panics_in_debug_builds() {
+        let map = RwLock::new(Rank::Map, ());
+        let nonce = Mutex::new(Rank::Nonce, ());
+        let _map = map.read();
+        let _nonce = nonce.lock();
     }
 
     #[test]

@@ -168,7 +168,7 @@ pub(crate) struct CheckpointEpochs {
     pub release_after_next: Vec<(u32, u64)>,
     /// Pages replaced by checkpoints that failed before they were durable (carried into the
     /// next one's list).
-    pub superseded_carry: std::collections::BTreeMap<u32, u64>,
+    pub superseded_carry: std::collections::BTreeMap<SegmentId, u64>,
 }
 
 pub(crate) struct OpenSegment {

@@ -57,7 +57,7 @@ mod idle;
 pub(crate) mod lock;
 mod log;
 mod op;
-mod options;
+pub(crate) mod options;
 mod pacing;
 mod pages;
 mod pending;
@@ -84,18 +84,20 @@ pub use dictionaries::{DictionaryOptions, DictionaryReport, DICTIONARY_LEVEL_DEF
 pub use encryption::KeyChange;
 pub use gc::RecompressReport;
 pub use options::{
-    Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, StoreInfo,
+    Allocation, CheckReport, DamageReport, Encryption, Extent, ExtentKind, FormatOptions, OpenOptions, Sealing,
+    StoreInfo,
 };
 pub use read::{ReadDone, ReadPlan};
 pub use read_queue::{ReadQueue, Reaped};
+pub use request::Durability;
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use lock::{Mutex, Rank};
 use op::RangeKind;
-use request::Durability;
 use state::Inner;
 
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
@@ -113,16 +115,9 @@ pub struct Store {
     /// The GC/checkpoint worker and the log writer (empty without `background`).
     workers: Vec<JoinHandle<()>>,
     closed: bool,
-    /// Idle work's state for `idle_work_once` (the worker thread keeps its own).
-    idle: parking_lot::Mutex<idle::IdleWork>,
-}
-
-fn durability(fua: bool) -> Durability {
-    if fua {
-        Durability::Fua
-    } else {
-        Durability::Buffered
-    }
+    /// Idle work's state for `idle_work_once` (the worker thread keeps its own). Ranked
+    /// (`Rank::Idle`, below every lock a step of idle work takes).
+    idle: Mutex<idle::IdleWork>,
 }
 
 impl Store {
@@ -196,7 +191,7 @@ impl Store {
         let inner = Arc::new(recovery::open(backing, options)?);
         let writable = !options.read_only && inner.degraded().is_none();
         let workers = if options.background && writable { spawn_workers(&inner)? } else { Vec::new() };
-        Ok(Store { inner, workers, closed: false, idle: Default::default() })
+        Ok(Store { inner, workers, closed: false, idle: Mutex::new(Rank::Idle, Default::default()) })
     }
 
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
@@ -291,16 +286,16 @@ impl Store {
         self.inner.finish_read(plan)
     }
 
-    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.inner.write(offset, data, durability(fua))
+    pub fn write(&self, offset: u64, data: &[u8], durability: Durability) -> Result<()> {
+        self.inner.write(offset, data, durability)
     }
 
-    pub fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.inner.range_request(RangeKind::Trim, offset, length, durability(fua))
+    pub fn trim(&self, offset: u64, length: u64, durability: Durability) -> Result<()> {
+        self.inner.range_request(RangeKind::Trim, offset, length, durability)
     }
 
-    pub fn write_zeroes(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.inner.range_request(RangeKind::Zero, offset, length, durability(fua))
+    pub fn write_zeroes(&self, offset: u64, length: u64, durability: Durability) -> Result<()> {
+        self.inner.range_request(RangeKind::Zero, offset, length, durability)
     }
 
     pub fn flush(&self) -> Result<()> {

@@ -1,7 +1,25 @@
 //! What a caller passes to the store and gets back besides data: format and open options,
 //! the superblock summary, extents, and the check report.
+//!
+//! The environment variables the engine heeds are read here and nowhere else, so one file
+//! says what outside the options can change a store's behaviour. Most set an `OpenOptions`
+//! default (a caller's explicit value wins); the rest of the engine gets them as options or
+//! arguments:
+//!
+//! | variable | sets |
+//! |---|---|
+//! | `ZDISK_CODEC_FALLBACK` | `OpenOptions::codec_fallback` |
+//! | `ZDISK_CODEC_CORES` | `OpenOptions::codec_cores` |
+//! | `ZDISK_PACING` | `OpenOptions::pacing` (`off`) |
+//! | `ZDISK_WRITE_PERMITS` | `OpenOptions::write_concurrency` |
+//! | `ZDISK_WRITE_PERMIT_FAIR_US` | `OpenOptions::write_permit_fair_after` |
+//! | `ZDISK_DISCARD_FREED` | `OpenOptions::discard_freed` (`on`) |
+//! | `ZDISK_IDLE_AFTER_MS` | `OpenOptions::idle_after` |
+//! | `ZDISK_IDLE_SPARE_CORES` | `OpenOptions::idle_spare_cores` |
+//! | `ZDISK_LOCK_MEMORY` | whether the process locks all its memory once it holds keys (`off`; `lock_memory_from_env`, read by `crypto::protect_process`, which runs once per process whatever the store) |
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::codec::{available_cores, check_codec_cores, Codec, CodecFallback};
 #[cfg(feature = "sim")]
@@ -47,6 +65,15 @@ pub enum Allocation {
     /// and written, so no flush waits for it to allocate or convert them (docs/format.md,
     /// "Backing allocation"). Costs one write of the physical size at format.
     Zeroed,
+}
+
+/// Whether a store's fragments are sealed (encrypted), where that is all a computation
+/// needs to know of encryption: a sealed fragment carries a nonce and a tag, so fewer fit a
+/// segment (`native_capacity_of_physical`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sealing {
+    Plain,
+    Encrypted,
 }
 
 /// How `format` encrypts a store.
@@ -126,6 +153,11 @@ pub struct OpenOptions {
     /// only preempt each other while holding the store's locks (docs/space.md, "Write
     /// admission").
     pub write_concurrency: usize,
+    /// How long a host write waiting for a permit may be passed over by writers arriving
+    /// after it (`permits.rs`): longer trades the tail for throughput. Defaults to
+    /// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else 1 ms (docs/space.md, "Write
+    /// admission").
+    pub write_permit_fair_after: Duration,
     /// Discard each segment as it is freed (a hole punched in a backing file, BLKDISCARD
     /// on a block device), giving its space back to a thin backing. Off by default, as
     /// ZFS's `autotrim`: the log reuses freed segments, and in a backing file each reuse
@@ -174,10 +206,11 @@ impl Default for OpenOptions {
             map_cache_bytes: DEFAULT_MAP_CACHE_BYTES,
             background: true,
             accept_data_loss: false,
-            codec_fallback: CodecFallback::from_env(),
+            codec_fallback: codec_fallback_from_env(),
             codec_cores: codec_cores_from_env(),
             pacing: !std::env::var("ZDISK_PACING").is_ok_and(|v| v == "off"),
             write_concurrency: write_concurrency_from_env(),
+            write_permit_fair_after: write_permit_fair_after_from_env(),
             discard_freed: std::env::var("ZDISK_DISCARD_FREED").is_ok_and(|v| v == "on"),
             idle_after: idle_after_from_env(),
             idle_spare_cores: idle_spare_cores_from_env(),
@@ -190,6 +223,40 @@ impl Default for OpenOptions {
             nonce_epoch_end_margin: None,
         }
     }
+}
+
+/// The variable that sets `OpenOptions::codec_fallback` by default (tests and measurements).
+pub const CODEC_FALLBACK_ENV: &str = "ZDISK_CODEC_FALLBACK";
+
+/// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
+fn codec_fallback_from_env() -> CodecFallback {
+    match std::env::var(CODEC_FALLBACK_ENV) {
+        Ok(value) => value.parse().unwrap_or_else(|e| {
+            tracing::warn!("{CODEC_FALLBACK_ENV}: {e}; using auto");
+            CodecFallback::Auto
+        }),
+        Err(_) => CodecFallback::Auto,
+    }
+}
+
+/// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else `permits::FAIR_AFTER`.
+fn write_permit_fair_after_from_env() -> Duration {
+    let default = super::permits::FAIR_AFTER;
+    match std::env::var("ZDISK_WRITE_PERMIT_FAIR_US") {
+        Ok(v) => v.parse().map(Duration::from_micros).unwrap_or_else(|_| {
+            tracing::warn!("ZDISK_WRITE_PERMIT_FAIR_US={v:?} is not a number of microseconds; using the default");
+            default
+        }),
+        Err(_) => default,
+    }
+}
+
+/// Whether the process should lock all its memory once it holds key material
+/// (`crypto::protect_process`): yes unless `ZDISK_LOCK_MEMORY=off`. A process-wide choice
+/// made once, before any store's options exist (format and key changes have none), hence a
+/// function and not an option.
+pub(crate) fn lock_memory_from_env() -> bool {
+    !std::env::var("ZDISK_LOCK_MEMORY").is_ok_and(|v| v == "off")
 }
 
 /// `ZDISK_IDLE_SPARE_CORES` (cores, fractions allowed; 0: idle work never waits for the

@@ -82,7 +82,7 @@ pub(crate) struct PageCheckpoint {
     pub usage: Vec<SegmentUsage>,
     pub counts: BlockCounts,
     /// Map page bytes per segment this checkpoint replaced.
-    pub superseded: BTreeMap<u32, u64>,
+    pub superseded: BTreeMap<SegmentId, u64>,
     pub page_bytes_written: u64,
     pub pages_written: u64,
 }
@@ -92,17 +92,17 @@ pub(crate) struct PageCheckpoint {
 /// superseded.
 #[derive(Default)]
 struct WalkDebt {
-    live_bytes: BTreeMap<u32, u64>,
+    live_bytes: BTreeMap<SegmentId, u64>,
     /// Of `live_bytes`, the LZ4 fragments' (`pending.rs`).
-    lz4_bytes: BTreeMap<u32, u64>,
+    lz4_bytes: BTreeMap<SegmentId, u64>,
     counts: BlockCounts,
-    pages: BTreeMap<u32, u64>,
+    pages: BTreeMap<SegmentId, u64>,
 }
 
 impl WalkDebt {
     fn remove(&self, usage: &mut [SegmentUsage], counts: &mut BlockCounts) {
         for (&segment, &bytes) in &self.live_bytes {
-            let u = &mut usage[segment as usize];
+            let u = &mut usage[segment.index()];
             debug_assert!(u.live_bytes >= bytes, "live bytes underflow in segment {segment}");
             u.live_bytes = u.live_bytes.saturating_sub(bytes);
         }
@@ -185,7 +185,7 @@ impl Inner {
                 SnapshotAccount { usage: &mut cp.usage, counts: &mut cp.counts, geometry: &self.geometry };
             let old = map.install_rewrite(p, new_pointer, body, &mut live, &mut snapshot);
             if let Ok(crate::map::Entry::Stored(s)) = PackedEntry(old).unpack() {
-                *cp.superseded.entry(self.geometry.segment_of(s.offset_bytes).0).or_default() += s.stored_len as u64;
+                *cp.superseded.entry(self.geometry.segment_of(s.offset_bytes)).or_default() += s.stored_len as u64;
             }
         }
         drop(map);
@@ -202,13 +202,13 @@ impl Inner {
             let geometry = &self.geometry;
             walk_subtree(child, pointer, self, &mut |visit| match visit {
                 Visit::Page(s) => {
-                    *debt.pages.entry(geometry.segment_of(s.offset_bytes).0).or_default() += s.stored_len as u64
+                    *debt.pages.entry(geometry.segment_of(s.offset_bytes)).or_default() += s.stored_len as u64
                 }
                 Visit::Leaf(body) => {
                     for &v in body.iter() {
                         match PackedEntry(v).unpack() {
                             Ok(crate::map::Entry::Stored(s)) => {
-                                let segment = geometry.segment_of(s.offset_bytes).0;
+                                let segment = geometry.segment_of(s.offset_bytes);
                                 *debt.live_bytes.entry(segment).or_default() += s.stored_len as u64;
                                 if s.codec == crate::codec::CodecTag::Lz4 {
                                     *debt.lz4_bytes.entry(segment).or_default() += s.stored_len as u64;

@@ -73,12 +73,12 @@ impl PendingRecompress {
 
     /// The entries of replaced map subtrees left the map (a checkpoint walked them): their LZ4
     /// bytes per segment, and each segment's first record.
-    pub fn account_walked(&mut self, lz4_bytes: &BTreeMap<u32, u64>, first_seq_of: impl Fn(SegmentId) -> u64) {
+    pub fn account_walked(&mut self, lz4_bytes: &BTreeMap<SegmentId, u64>, first_seq_of: impl Fn(SegmentId) -> u64) {
         if !self.counts_lz4 {
             return;
         }
         for (&segment, &bytes) in lz4_bytes {
-            if first_seq_of(SegmentId(segment)) > self.counted_after_seq {
+            if first_seq_of(segment) > self.counted_after_seq {
                 self.change(bytes, Delta::Remove);
             }
         }
@@ -155,7 +155,7 @@ mod tests {
         pending.account(fragment(1, 2000, CodecTag::Lz4), Delta::Remove, first_seq_of);
         assert_eq!(pending.bytes(), 1500);
         // A checkpoint's walk of a replaced subtree.
-        let walked = BTreeMap::from([(0u32, 700u64), (2, 1500)]);
+        let walked = BTreeMap::from([(SegmentId(0), 700u64), (SegmentId(2), 1500)]);
         pending.account_walked(&walked, |segment| first_seq_of(segment.0 as u64 * SEGMENT_BYTES));
         assert_eq!(pending.bytes(), 0);
     }

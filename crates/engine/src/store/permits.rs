@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 /// sleeping waiter leaves it idle until the scheduler runs that thread (on a busy 2-core
 /// machine ~0.4 ms on average), so permits go to whoever asks first while the wait is
 /// short, and in order once it is not: strict order cost 22% of the throughput of 4K
-/// writes, none cost the tail (docs/space.md, "Write admission").
-const FAIR_AFTER: Duration = Duration::from_millis(1);
+/// writes, none cost the tail (docs/space.md, "Write admission"). The default of
+/// `OpenOptions::write_permit_fair_after`.
+pub(crate) const FAIR_AFTER: Duration = Duration::from_millis(1);
 
 /// A waiter is overdue only past this many times the wait its place in the queue explains.
 /// Measured with 128K writes (a permit held ~100 µs, so a queue of 14 is ~0.7 ms): with
@@ -47,18 +48,6 @@ const QUEUE_WAIT_SLACK: f64 = 4.0;
 /// the gaps between waits under a sustained load (a 128K write holds a permit ~100 µs), and
 /// a lone writer never waits, so it keeps the store's codec.
 const FULL_MEMORY: Duration = Duration::from_millis(10);
-
-/// `FAIR_AFTER`, or `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds): longer trades the tail for
-/// throughput (docs/space.md, "Write admission").
-fn fair_after_from_env() -> Duration {
-    match std::env::var("ZDISK_WRITE_PERMIT_FAIR_US") {
-        Ok(v) => v.parse().map(Duration::from_micros).unwrap_or_else(|_| {
-            tracing::warn!("ZDISK_WRITE_PERMIT_FAIR_US={v:?} is not a number of microseconds; using the default");
-            FAIR_AFTER
-        }),
-        Err(_) => FAIR_AFTER,
-    }
-}
 
 /// Permits for host writes' CPU work: taken at once while one is free and no waiter is
 /// overdue; an overdue waiter (`front_overdue`) gets the next one handed to it.
@@ -100,11 +89,9 @@ pub(crate) struct WritePermit<'a> {
 }
 
 impl WritePermits {
-    pub fn new(count: usize) -> WritePermits {
-        WritePermits::with_fair_after(count, fair_after_from_env())
-    }
-
-    fn with_fair_after(count: usize, fair_after: Duration) -> WritePermits {
+    /// `count` permits (0: unlimited); a waiter is overdue after `fair_after`
+    /// (`OpenOptions::write_permit_fair_after`) at the least.
+    pub fn new(count: usize, fair_after: Duration) -> WritePermits {
         WritePermits {
             state: std::sync::Mutex::new(PermitState { free: count, waiting: VecDeque::new(), hold_ns: 0.0 }),
             count,
@@ -214,7 +201,7 @@ impl WritePermits {
         }
         state.free += 1;
         self.held.fetch_sub(1, Ordering::Relaxed);
-        debug_assert!(state.free <= self.count, "more permits returned than taken");
+        assert!(state.free <= self.count, "more permits returned than taken");
         // The first waiter may take it — unless a writer arriving meanwhile does first
         // (no hand-over: a sleeping thread would hold the permit idle until it runs).
         if let Some(waiter) = state.waiting.front() {
@@ -236,7 +223,7 @@ mod tests {
 
     #[test]
     fn no_more_holders_than_permits_and_every_waiter_gets_one() {
-        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
+        let permits = Arc::new(WritePermits::new(2, FAIR_AFTER));
         let holders = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let threads: Vec<_> = (0..8)
@@ -264,7 +251,7 @@ mod tests {
 
     #[test]
     fn load_counts_other_holders_and_a_recent_wait() {
-        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
+        let permits = Arc::new(WritePermits::new(2, FAIR_AFTER));
         let first = permits.acquire().expect("limited");
         assert_eq!(permits.load_besides_holder(), 0, "a lone writer sees no load");
         let second = permits.acquire().expect("limited");
@@ -290,7 +277,7 @@ mod tests {
 
     #[test]
     fn waiters_are_served_in_arrival_order() {
-        let permits = Arc::new(WritePermits::with_fair_after(1, FAIR_AFTER));
+        let permits = Arc::new(WritePermits::new(1, FAIR_AFTER));
         let held = permits.acquire();
         let order = Arc::new(parking_lot::Mutex::new(Vec::new()));
         let mut threads = Vec::new();
@@ -314,7 +301,7 @@ mod tests {
 
     #[test]
     fn an_overdue_waiter_is_handed_the_next_permit() {
-        let permits = Arc::new(WritePermits::with_fair_after(1, FAIR_AFTER));
+        let permits = Arc::new(WritePermits::new(1, FAIR_AFTER));
         let held = permits.acquire();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let waiter = {
@@ -341,7 +328,7 @@ mod tests {
 
     #[test]
     fn permits_freed_together_reach_every_waiter() {
-        let permits = Arc::new(WritePermits::with_fair_after(2, FAIR_AFTER));
+        let permits = Arc::new(WritePermits::new(2, FAIR_AFTER));
         let (first, second) = (permits.acquire(), permits.acquire());
         let (got_tx, got_rx) = std::sync::mpsc::channel::<()>();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
@@ -378,7 +365,7 @@ mod tests {
 
     #[test]
     fn a_long_queue_of_long_writes_is_not_overdue_after_fair_after() {
-        let permits = WritePermits::with_fair_after(1, FAIR_AFTER);
+        let permits = WritePermits::new(1, FAIR_AFTER);
         let waited = Instant::now().checked_sub(FAIR_AFTER * 2).unwrap();
         let waiter =
             Arc::new(Waiter { thread: std::thread::current(), since: waited, granted: AtomicBool::new(false) });
@@ -392,7 +379,7 @@ mod tests {
 
     #[test]
     fn zero_means_unlimited() {
-        let permits = WritePermits::new(0);
+        let permits = WritePermits::new(0, FAIR_AFTER);
         let all: Vec<_> = (0..100).map(|_| permits.acquire()).collect();
         assert!(all.iter().all(Option::is_none));
     }

@@ -171,7 +171,7 @@ impl Inner {
                 let at = (s.offset_bytes - self.geometry.segment_base(segment)) as usize;
                 self.decode_fragment(*s, &buffer.data.read()[at..at + s.stored_len as usize], block, lba)?;
             } else if let Some(decoded) = read_cache.and_then(|c| {
-                c.with_fragment(segment.0, s.offset_bytes, |fragment| self.decode_fragment(*s, fragment, block, lba))
+                c.with_fragment(segment, s.offset_bytes, |fragment| self.decode_fragment(*s, fragment, block, lba))
             }) {
                 decoded?;
             } else {
@@ -202,7 +202,7 @@ impl Inner {
                 self.decode_fragment(f.stored, fragment, block, first_lba.plus(f.index as u64))?;
                 // Only fragments that proved good are cached.
                 if let Some(c) = read_cache {
-                    c.insert(self.geometry.segment_of(f.stored.offset_bytes).0, f.stored.offset_bytes, fragment);
+                    c.insert(self.geometry.segment_of(f.stored.offset_bytes), f.stored.offset_bytes, fragment);
                 }
             }
         }

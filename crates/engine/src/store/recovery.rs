@@ -369,6 +369,7 @@ fn inner_from_checkpoint(
     )?;
     let space = Space::new(SpaceParts {
         write_concurrency: options.write_concurrency,
+        write_permit_fair_after: options.write_permit_fair_after,
         pacing: options.pacing,
         logical_size_bytes,
         over_provision_ppm: sb.over_provision_ppm,

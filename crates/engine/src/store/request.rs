@@ -36,12 +36,14 @@ use super::space::BLOCK_LOCK_STRIPES;
 /// changing its blocks between its read and its append.
 const CONFLICT_RETRIES_MAX: usize = 1000;
 
-/// When a request must be durable.
+/// When a write, trim or write-zeroes must be durable: the NBD FUA flag, named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Durability {
-    /// At the next flush.
+pub enum Durability {
+    /// At the next flush (or FUA request) that follows it: the request returns once its
+    /// data is in the store's buffers and its map entries are published.
     Buffered,
-    /// Before the request returns (FUA).
+    /// Before the request returns (Force Unit Access): it is written and synced, with the
+    /// flush proof, as a flush would.
     Fua,
 }
 
@@ -170,7 +172,7 @@ impl Inner {
         let mut bytes = Vec::with_capacity(stored_len);
         bytes.extend_from_slice(&Protection { guard: 0, lba, entry }.encode());
         let epoch = cipher.seal(Domain::Block, lba.0, entry.packed(), scratch, &mut bytes)?;
-        debug_assert_eq!(bytes.len(), stored_len);
+        assert_eq!(bytes.len(), stored_len);
         Ok(Block { entry, bytes, nonce_epoch: cipher.short_nonces().then_some(epoch) })
     }
 
@@ -221,7 +223,7 @@ impl Inner {
                 }
                 data_at += take;
             }
-            debug_assert_eq!(data_at, data.len());
+            assert_eq!(data_at, data.len());
             let class = self.write_class(first_lba, last_lba, &blocks);
             let op = Op::Write { start_lba: first_lba, blocks, expected };
             let admitted = self.admit(&[op], class).inspect_err(|e| self.space.note_no_space(e));

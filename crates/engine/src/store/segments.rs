@@ -255,7 +255,7 @@ impl SegmentTable {
 
     /// Marks an open segment as a GC stream's (see `gc_output`).
     pub fn note_gc_output(&mut self, id: SegmentId) {
-        debug_assert_eq!(self.usage[id.index()].state, SegmentState::Open, "GC output goes to an open segment");
+        assert_eq!(self.usage[id.index()].state, SegmentState::Open, "GC output goes to an open segment");
         self.gc_output[id.index()] = true;
     }
 
@@ -289,7 +289,7 @@ impl SegmentTable {
                 usage.nonce_epoch = nonce_epoch;
                 self.uses[id.index()].set(seq, nonce_epoch);
             }
-            debug_assert_eq!(usage.nonce_epoch, nonce_epoch, "segment {id}: one nonce epoch per use");
+            assert_eq!(usage.nonce_epoch, nonce_epoch, "segment {id}: one nonce epoch per use");
         }
     }
 
@@ -306,9 +306,9 @@ impl SegmentTable {
     }
 
     /// A replaced map subtree's entries left the map: live bytes per segment and counts.
-    pub fn remove_debt(&mut self, live_bytes: &std::collections::BTreeMap<u32, u64>, counts: BlockCounts) {
+    pub fn remove_debt(&mut self, live_bytes: &std::collections::BTreeMap<SegmentId, u64>, counts: BlockCounts) {
         for (&segment, &bytes) in live_bytes {
-            let u = &mut self.usage[segment as usize];
+            let u = &mut self.usage[segment.index()];
             debug_assert!(u.live_bytes >= bytes, "live bytes underflow in segment {segment}");
             u.live_bytes = u.live_bytes.saturating_sub(bytes);
         }

@@ -43,6 +43,8 @@ pub(crate) struct Space {
 /// What a store's space starts from at open.
 pub(crate) struct SpaceParts {
     pub write_concurrency: usize,
+    /// `OpenOptions::write_permit_fair_after` (`permits.rs`).
+    pub write_permit_fair_after: std::time::Duration,
     pub pacing: bool,
     pub logical_size_bytes: u64,
     pub over_provision_ppm: u32,
@@ -54,7 +56,7 @@ impl Space {
     pub fn new(parts: SpaceParts) -> Space {
         Space {
             block_locks: (0..BLOCK_LOCK_STRIPES).map(|_| Mutex::new(Rank::BlockStripe, ())).collect(),
-            write_permits: WritePermits::new(parts.write_concurrency),
+            write_permits: WritePermits::new(parts.write_concurrency, parts.write_permit_fair_after),
             pacer: Pacer::new(),
             pacing: parts.pacing,
             host_slack_bytes: AtomicU64::new(u64::MAX),

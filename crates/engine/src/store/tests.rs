@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::capacity::SpaceClass;
 use super::gc::GcMode;
 use super::state::Inner;
-use super::{FormatOptions, OpenOptions, Store};
+use super::{Durability, FormatOptions, OpenOptions, Store};
 use crate::codec::Codec;
 use crate::error::ErrorKind;
 use crate::sim::SimDisk;
@@ -44,9 +44,9 @@ fn incompressible(rng: &mut crate::sim::SimRng, len: usize) -> Vec<u8> {
 /// 512 KiB of incompressible blocks, then every other block of them overwritten: the first
 /// segments are half garbage.
 fn write_half_garbage(store: &Store, rng: &mut crate::sim::SimRng) {
-    store.write(0, &incompressible(rng, 512 << 10), false).unwrap();
+    store.write(0, &incompressible(rng, 512 << 10), Durability::Buffered).unwrap();
     for lba in (0..128u64).step_by(2) {
-        store.write(lba * 4096, &incompressible(rng, 4096), false).unwrap();
+        store.write(lba * 4096, &incompressible(rng, 4096), Durability::Buffered).unwrap();
     }
 }
 
@@ -84,7 +84,7 @@ fn gc_can_always_move_at_its_floor() {
     // Fill the open segment to its last few KiB with fresh blocks.
     let mut lba = 512;
     while inner.log.lock().room() > 12 << 10 {
-        store.write(lba * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+        store.write(lba * 4096, &incompressible(&mut rng, 4096), Durability::Buffered).unwrap();
         lba += 1;
     }
     store.flush().unwrap();
@@ -131,7 +131,7 @@ fn a_round_that_frees_enough_cleans_no_victim() {
     assert!(inner.log.lock().segments.free_count() > keep, "the store has fewer free segments than the test needs");
     take_free_segments(inner, keep);
     let cleaned_before = crate::stats::Counters::get(&inner.counters.gc_segments_cleaned);
-    store.write(600 * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+    store.write(600 * 4096, &incompressible(&mut rng, 4096), Durability::Buffered).unwrap();
     assert_eq!(inner.log.lock().segments.cleaned_count(), 0, "the cleaned segment was not freed");
     assert_eq!(
         crate::stats::Counters::get(&inner.counters.gc_segments_cleaned),
@@ -154,7 +154,7 @@ fn a_dictionary_counts_in_the_checkpoint_room_and_is_refused_at_the_floor() {
         text.extend_from_slice(WORDS[(rng.next_u64() % 8) as usize].as_bytes());
         text.push(if rng.next_u64().is_multiple_of(9) { b'\n' } else { b' ' });
     }
-    store.write(0, &text[..256 << 10], false).unwrap();
+    store.write(0, &text[..256 << 10], Durability::Buffered).unwrap();
     store.flush().unwrap();
     let room_before = inner.reserves().checkpoint_room_bytes();
     let options = super::DictionaryOptions { level: 3, size_bytes: 8 << 10, sample_blocks_max: 64 };
@@ -178,7 +178,7 @@ fn a_trim_on_a_full_store_may_go_below_the_metadata_reserve() {
     let inner = &store.inner;
     // Incompressible, never overwritten: nothing for GC to give back.
     let data = incompressible(&mut crate::sim::SimRng::new(7), 256 << 10);
-    store.write(0, &data, false).unwrap();
+    store.write(0, &data, Durability::Buffered).unwrap();
     store.flush().unwrap();
     {
         let log = inner.log.lock();
@@ -192,10 +192,10 @@ fn a_trim_on_a_full_store_may_go_below_the_metadata_reserve() {
         let floor = inner.reserves().of(SpaceClass::TrimWhileFull);
         assert!(log.available_bytes() > floor + 4096, "the test state is below the trim floor too");
     }
-    let err = store.write(512 << 10, &data[..4096], false).unwrap_err();
+    let err = store.write(512 << 10, &data[..4096], Durability::Buffered).unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NoSpace, "{err}");
-    store.trim(0, 64 << 10, false).expect("a trim on a full store");
-    store.write_zeroes(64 << 10, 8192, false).expect("a write-zeroes on a full store");
+    store.trim(0, 64 << 10, Durability::Buffered).expect("a trim on a full store");
+    store.write_zeroes(64 << 10, 8192, Durability::Buffered).expect("a write-zeroes on a full store");
     let mut back = vec![0xffu8; 128 << 10];
     store.read(0, &mut back).unwrap();
     assert!(back[..(64 << 10) + 8192].iter().all(|&b| b == 0), "trimmed and zeroed blocks read as zeros");
@@ -212,13 +212,13 @@ fn a_write_out_queued_behind_one_that_cleared_the_backlog_does_nothing() {
     let inner = &store.inner;
     let mut rng = crate::sim::SimRng::new(5);
     let bound_bytes = 16 << 10;
-    store.write(0, &incompressible(&mut rng, 32 << 10), false).unwrap();
+    store.write(0, &incompressible(&mut rng, 32 << 10), Durability::Buffered).unwrap();
     let before = disk.writes();
     inner.write_out_behind(bound_bytes).unwrap();
     assert!(disk.writes() > before, "32 KiB behind a 16 KiB bound: written out");
     // Appended while the first write-out ran: under the bound.
     let appended = incompressible(&mut rng, 8 << 10);
-    store.write(64 << 10, &appended, false).unwrap();
+    store.write(64 << 10, &appended, Durability::Buffered).unwrap();
     let backlog_bytes = inner.log.lock().appender.backlog_bytes() as u64;
     assert!(backlog_bytes > 4096 && backlog_bytes <= bound_bytes, "backlog {backlog_bytes}");
     let before = disk.writes();
@@ -251,7 +251,7 @@ fn gc_copies_lose_to_a_concurrent_overwrite() {
     }
     let overwritten = live[live.len() / 2].lba.0;
     let newer = incompressible(&mut rng, 4096);
-    store.write(overwritten * 4096, &newer, false).unwrap();
+    store.write(overwritten * 4096, &newer, Durability::Buffered).unwrap();
     expected.iter_mut().find(|(lba, _)| *lba == overwritten).unwrap().1 = newer;
     inner.relocate(live, Vec::new(), SpaceClass::Gc).unwrap();
     let check = |store: &Store, when: &str| {
@@ -313,11 +313,11 @@ fn data_gc_moved_before_goes_to_the_colder_stream_which_is_sealed_when_space_run
     assert!(inner.log.lock().segments.holds_gc_output(second));
     // A host write parks the colder stream; then free space runs short beyond the host
     // reserve, and the next append seals the colder segment.
-    store.write(600 * 4096, &incompressible(&mut rng, 4096), false).unwrap();
+    store.write(600 * 4096, &incompressible(&mut rng, 4096), Durability::Buffered).unwrap();
     assert!(inner.log.lock().stream_room(Stream::Colder) > 0, "the colder segment is not open");
     let keep = inner.reserves().host_segments() as usize;
     take_free_segments(inner, keep);
-    let _ = store.write(601 * 4096, &incompressible(&mut rng, 4096), false);
+    let _ = store.write(601 * 4096, &incompressible(&mut rng, 4096), Durability::Buffered);
     assert_eq!(inner.log.lock().stream_room(Stream::Colder), 0, "the colder segment stayed open when short");
     let check = |store: &Store, when: &str| {
         let mut back = vec![0u8; 512 << 10];
@@ -341,12 +341,12 @@ fn blocks_gc_copied_after_a_lost_record_read_their_latest_value() {
     let (disk, store) = small_store_on_disk(17);
     let inner = &store.inner;
     let mut rng = crate::sim::SimRng::new(17);
-    store.write(0, &incompressible(&mut rng, 256 << 10), false).unwrap();
+    store.write(0, &incompressible(&mut rng, 256 << 10), Durability::Buffered).unwrap();
     store.flush().unwrap();
     inner.checkpoint_now().unwrap();
     // The record to be lost: 16 blocks over older data (a write record), flushed.
-    store.write(0, &incompressible(&mut rng, 64 << 10), false).unwrap();
-    store.write(200 * 4096, &incompressible(&mut rng, 8 << 10), false).unwrap();
+    store.write(0, &incompressible(&mut rng, 64 << 10), Durability::Buffered).unwrap();
+    store.write(200 * 4096, &incompressible(&mut rng, 8 << 10), Durability::Buffered).unwrap();
     store.flush().unwrap();
     // GC copies its segment (the lost record's blocks with it); later host records prove
     // the copies durable.
@@ -355,7 +355,7 @@ fn blocks_gc_copied_after_a_lost_record_read_their_latest_value() {
     store.flush().unwrap();
     inner.relocate(inner.collect_live(segment).unwrap(), Vec::new(), SpaceClass::Gc).unwrap();
     assert_ne!(segment_of_block(inner, 0), segment, "GC did not move block 0");
-    store.write(300 * 4096, &incompressible(&mut rng, 8 << 10), false).unwrap();
+    store.write(300 * 4096, &incompressible(&mut rng, 8 << 10), Durability::Buffered).unwrap();
     store.flush().unwrap();
     let mut expected = vec![0u8; 4 << 20];
     store.read(0, &mut expected).unwrap();
@@ -409,7 +409,7 @@ fn a_victim_owed_a_racing_overwrite_is_cleaned_or_waits_for_a_checkpoint_never_k
             for leaf in 0..2u64 {
                 let lba = leaf * 512 + k;
                 let data = incompressible(&mut rng, 4096);
-                store.write(lba * 4096, &data, false).unwrap();
+                store.write(lba * 4096, &data, Durability::Buffered).unwrap();
                 expected.insert(lba, data);
             }
         }
@@ -426,7 +426,7 @@ fn a_victim_owed_a_racing_overwrite_is_cleaned_or_waits_for_a_checkpoint_never_k
         let racing = live.iter().find(|f| f.lba.0 < 512).expect("a live block in leaf 0").lba.0;
         store.read(512 * 4096, &mut [0u8; 4096]).unwrap();
         let newer = incompressible(&mut rng, 4096);
-        store.write(racing * 4096, &newer, false).unwrap();
+        store.write(racing * 4096, &newer, Durability::Buffered).unwrap();
         expected.insert(racing, newer);
         assert!(!inner.map.read().unsettled_among(&leaves).is_empty(), "the overwrite owes nothing: no race made");
         let relocated_bytes = super::op::gc_copy_bytes(&live, inner.log.record_extra_bytes());

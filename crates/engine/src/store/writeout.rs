@@ -204,7 +204,7 @@ impl Inner {
     /// Writes and syncs a proof that every record up to `proven_seq` is durable. The caller
     /// holds the `io` lock and has synced those records.
     pub(crate) fn write_flush_proof(&self, state: &mut ProofState, proven_seq: u64) -> Result<()> {
-        debug_assert!(state.session != 0, "a proof before open set the session");
+        assert!(state.session != 0, "a proof before open set the session");
         debug_assert!(proven_seq < self.log.lock().appender.next_seq, "a proof of records not appended yet");
         let proof = FlushProof { generation: state.generation + 1, proven_seq, session: state.session };
         let mut aligned = new_buffer(FLUSH_PROOF_BYTES);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use zdisk_engine::sim::SimDisk;
-use zdisk_engine::{Codec, Encryption, FormatOptions, KdfParams, OpenOptions, Secret, Store};
+use zdisk_engine::{Codec, Durability, Encryption, FormatOptions, KdfParams, OpenOptions, Secret, Store};
 
 pub const BLOCK: u64 = 4096;
 
@@ -45,11 +45,11 @@ impl Request {
         }
     }
 
-    pub fn run(&self, store: &Store, fua: bool) -> zdisk_engine::Result<()> {
+    pub fn run(&self, store: &Store, durability: Durability) -> zdisk_engine::Result<()> {
         match self {
-            Request::Write { offset, data } => store.write(*offset, data, fua),
-            Request::Trim { offset, len } => store.trim(*offset, *len, fua),
-            Request::Zero { offset, len } => store.write_zeroes(*offset, *len, fua),
+            Request::Write { offset, data } => store.write(*offset, data, durability),
+            Request::Trim { offset, len } => store.trim(*offset, *len, durability),
+            Request::Zero { offset, len } => store.write_zeroes(*offset, *len, durability),
         }
     }
 }

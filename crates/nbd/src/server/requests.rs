@@ -3,6 +3,7 @@
 //! its reply, and the NBD error for an engine error.
 
 use super::*;
+use zdisk_engine::Durability;
 /// The NBD error for an engine error (NBD has a short list of them).
 pub(super) fn nbd_errno(op: Op, error: &zdisk_engine::Error) -> u32 {
     match (error.kind(), op) {
@@ -138,7 +139,10 @@ pub(super) fn serve_now(
     reply: &mut Vec<u8>,
 ) {
     let store = &shared.store;
-    let fua = request.flags & proto::CMD_FLAG_FUA != 0;
+    let durability = match request.flags & proto::CMD_FLAG_FUA != 0 {
+        true => Durability::Fua,
+        false => Durability::Buffered,
+    };
     let changes = matches!(request.command, Command::Write | Command::Trim | Command::WriteZeroes);
     if changes && shared.draining.load(Ordering::Relaxed) {
         // Refused once the server drains for shutdown, so the flush and checkpoint the
@@ -155,8 +159,8 @@ pub(super) fn serve_now(
     let (offset, length) = (request.offset, u64::from(request.length));
     let (op, result) = match request.command {
         Command::Flush => (Op::Flush, store.flush()),
-        Command::Write => (Op::Write, store.write(offset, payload, fua)),
-        Command::Trim => (Op::Trim, store.trim(offset, length, fua)),
+        Command::Write => (Op::Write, store.write(offset, payload, durability)),
+        Command::Trim => (Op::Trim, store.trim(offset, length, durability)),
         Command::WriteZeroes => {
             // Without NO_HOLE the server may leave a hole — where a hole reads as zeroes:
             // the engine trims whole blocks only, so an unaligned range is written as
@@ -166,8 +170,8 @@ pub(super) fn serve_now(
             let aligned = offset.is_multiple_of(block) && length.is_multiple_of(block);
             let may_trim = request.flags & proto::CMD_FLAG_NO_HOLE == 0;
             let result = match may_trim && aligned {
-                true => store.trim(offset, length, fua),
-                false => store.write_zeroes(offset, length, fua),
+                true => store.trim(offset, length, durability),
+                false => store.write_zeroes(offset, length, durability),
             };
             (Op::Zero, result)
         }
