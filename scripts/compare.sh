@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Side-by-side speed check for the serving issue: the same fio job (nbd engine, unix sockets,
 # 2:1 data: buffer_compress_percentage=50, buffer_compress_chunk=4096) against
-#   zdisk  (zdisk serve, nbdkit + plugin, O_DIRECT),
+#   zdisk  (zdisk serve: its default front end, O_DIRECT),
 #   raw    (qemu-nbd -f raw --cache=none --aio=native on a file on the same disk),
 #   memory (nbdkit memory: the transport ceiling),
 # 4 GiB targets, all three filled sequentially first, in one run.
@@ -14,6 +14,9 @@
 # ENCRYPTED=1 adds a fourth target, the same store formatted --encrypt (a key file), and the
 # columns "encrypted IOPS" and "encrypted/zdisk"; the stat at the end then shows both
 # stores' comp_ratio (issue 17's side-by-side check).
+# BEFORE_BIN=/path/to/other/zdisk adds a target served by that build (an older commit's, its
+# plugin beside it) with the same format and serve arguments, and the columns "before IOPS"
+# and "zdisk/before": two builds side by side, taking turns with ROUNDS (a refactor's check).
 # Idle work (docs/space.md, "Idle work") is off unless ZDISK_IDLE_AFTER_MS is set: several
 # servers run at once here, and one store's idle recompression would take the cores while
 # another target is measured (it did: encrypted/zdisk 1.36 on reads and 1.62 on 128K writes,
@@ -33,7 +36,7 @@ mkdir -p "$dir"
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -f "$dir"/*.sock "$dir"/o.json; }
 pids=()
 trap cleanup EXIT
-rm -f "$dir"/s.zdisk "$dir"/e.zdisk "$dir"/raw.img "$dir"/*.sock
+rm -f "$dir"/s.zdisk "$dir"/e.zdisk "$dir"/b.zdisk "$dir"/raw.img "$dir"/*.sock
 truncate -s 4G "$dir/raw.img"
 # shellcheck disable=SC2086
 "$zdisk" format "$dir/s.zdisk" --physical-size 4G --logical-size 4G ${ZDISK_FORMAT_ARGS:-} >/dev/null
@@ -49,6 +52,13 @@ if [[ -n ${ENCRYPTED:-} ]]; then
   "$zdisk" serve "$dir/e.zdisk" --unix "$dir/e.sock" --key-file "$dir/key" ${ZDISK_SERVE_ARGS:-} \
     >"$dir/serve-e.log" 2>&1 & pids+=($!)
   targets+=(e)
+fi
+if [[ -n ${BEFORE_BIN:-} ]]; then
+  # shellcheck disable=SC2086
+  "$BEFORE_BIN" format "$dir/b.zdisk" --physical-size 4G --logical-size 4G ${ZDISK_FORMAT_ARGS:-} >/dev/null
+  # shellcheck disable=SC2086
+  "$BEFORE_BIN" serve "$dir/b.zdisk" --unix "$dir/b.sock" ${ZDISK_SERVE_ARGS:-} >"$dir/serve-b.log" 2>&1 & pids+=($!)
+  targets+=(b)
 fi
 qemu-nbd -f raw --cache=none --aio=native --persistent --shared=8 --socket="$dir/r.sock" "$dir/raw.img" >"$dir/qemu.log" 2>&1 & pids+=($!)
 nbdkit --foreground -U "$dir/m.sock" memory 4G & pids+=($!)
@@ -69,13 +79,12 @@ PY
 for s in "${targets[@]}"; do
   fio --name=fill --ioengine=nbd --uri="$(uri $s)" --rw=write --bs=128k --iodepth=32 "${data[@]}" >/dev/null 2>&1
 done
-if [[ -n ${ENCRYPTED:-} ]]; then
-  echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw | encrypted IOPS | encrypted/zdisk |"
-  echo "|---|---|---|---|---|---|---|---|---|"
-else
-  echo "| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
-  echo "|---|---|---|---|---|---|---|"
-fi
+header="| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
+rule="|---|---|---|---|---|---|---|"
+[[ -n ${ENCRYPTED:-} ]] && header+=" encrypted IOPS | encrypted/zdisk |" rule+="---|---|"
+[[ -n ${BEFORE_BIN:-} ]] && header+=" before IOPS | zdisk/before |" rule+="---|---|"
+echo "$header"
+echo "$rule"
 row() { # name rw bs qd [mix]
   if [[ -n ${ROWS:-} ]]; then
     local wanted=0 word
@@ -87,6 +96,7 @@ row() { # name rw bs qd [mix]
   # the row falls on all of them alike; IOPS and latency are the means over the slices.
   local targets_now=(z r m) t round i l
   [[ -n ${ENCRYPTED:-} ]] && targets_now+=(e)
+  [[ -n ${BEFORE_BIN:-} ]] && targets_now+=(b)
   declare -A iops=() lat=()
   for round in $(seq "$rounds"); do
     for t in "${targets_now[@]}"; do
@@ -100,6 +110,10 @@ row() { # name rw bs qd [mix]
   if [[ -n ${ENCRYPTED:-} ]]; then
     local ei=$((iops[e] / rounds))
     extra=$(python3 -c "print(f' $ei | {$ei/$zi:.2f} |')")
+  fi
+  if [[ -n ${BEFORE_BIN:-} ]]; then
+    local bi=$((iops[b] / rounds))
+    extra+=$(python3 -c "print(f' $bi | {$zi/$bi:.2f} |')")
   fi
   python3 -c "print(f'| $1 | $zi | $ri | $mi | {$zi/$ri:.2f}x | {$zi/$mi:.2f} | $zl / $rl |$extra')"
 }

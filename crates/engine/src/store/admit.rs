@@ -87,17 +87,14 @@ impl Inner {
     pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
         let mut log = self.log.lock();
         self.check_writable()?;
-        let map = self.map.read();
-        let target = MapTarget { map: &map, pages: self };
-        if !expectations_hold(target, ops)? {
+        if !expectations_hold(MapTarget { map: &self.map.read(), pages: self }, ops)? {
             return Ok(Attempt::Conflict);
         }
         let reserves = self.reserves();
-        let appended = match log.append(ops, class, &reserves, target)? {
+        let appended = match log.append(ops, class, &reserves, &self.map, self)? {
             Attempt::Appended(appended) => appended,
             other => return Ok(other),
         };
-        drop(map);
         self.space.publish_host_slack(log.host_slack(&reserves));
         if matches!(class, SpaceClass::Host | SpaceClass::HostShrinking) {
             self.space.exhausted.store(false, Ordering::Relaxed);

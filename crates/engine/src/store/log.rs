@@ -342,16 +342,19 @@ impl DerefMut for LogGuard<'_> {
 }
 
 impl LogGuard<'_> {
-    /// Appends the group and publishes its map entries if the log has room for it beyond
-    /// its class's reserve (`reserves`), else says how much it lacks. The caller checked
+    /// Appends the group and publishes its map entries (in `map`, whose pages `pages`
+    /// reads) if the log has room for it beyond its class's reserve (`reserves`), else says
+    /// how much it lacks. The caller checked
     /// that the store is writable and the group's expectations hold, under this lock.
     pub(crate) fn append(
         &mut self,
         ops: &[Op],
         class: SpaceClass,
         reserves: &Reserves,
-        map: MapTarget<'_>,
+        map: &RwLock<PagedMap>,
+        pages: &dyn PageSource,
     ) -> Result<Attempt> {
+        // (Before the map's lock: resealing takes the nonce source, which ranks below it.)
         let resealed = self.hold_to_one_epoch(ops)?;
         let ops = resealed.as_deref().unwrap_or(ops);
         self.retire_colder_when_short(reserves);
@@ -360,7 +363,8 @@ impl LogGuard<'_> {
         if shortfall_bytes > 0 {
             return Ok(Attempt::Short { shortfall_bytes, available_bytes: self.available_bytes() });
         }
-        Ok(Attempt::Appended(self.append_checked(ops, stream, map)?))
+        let map = map.read();
+        Ok(Attempt::Appended(self.append_checked(ops, stream, MapTarget { map: &map, pages })?))
     }
 
     /// Appends a group whose space was checked, and publishes its map entries.

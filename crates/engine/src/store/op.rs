@@ -22,7 +22,7 @@ pub(crate) struct Block {
     pub entry: FragmentEntry,
     pub bytes: Vec<u8>,
     /// A short-nonce store's sealed fragment: the epoch of its nonce, which the segment it
-    /// goes to must record (`Inner::hold_to_one_epoch`). None: nothing sealed, or the whole
+    /// goes to must record (`LogGuard::hold_to_one_epoch`). None: nothing sealed, or the whole
     /// nonce stored.
     pub nonce_epoch: Option<u16>,
 }
