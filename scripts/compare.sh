@@ -17,6 +17,7 @@
 # BEFORE_BIN=/path/to/other/zdisk adds a target served by that build (an older commit's, its
 # plugin beside it) with the same format and serve arguments, and the columns "before IOPS"
 # and "zdisk/before": two builds side by side, taking turns with ROUNDS (a refactor's check).
+# COMPRESS_PERCENT=0 writes incompressible data instead of fio's 2:1 (50, the default).
 # Idle work (docs/space.md, "Idle work") is off unless ZDISK_IDLE_AFTER_MS is set: several
 # servers run at once here, and one store's idle recompression would take the cores while
 # another target is measured (it did: encrypted/zdisk 1.36 on reads and 1.62 on 128K writes,
@@ -65,7 +66,7 @@ nbdkit --foreground -U "$dir/m.sock" memory 4G & pids+=($!)
 for s in "${targets[@]}"; do for _ in $(seq 100); do [[ -S $dir/$s.sock ]] && break; sleep 0.1; done; done
 sleep 1
 uri() { echo "nbd+unix:///?socket=$dir/$1.sock"; }
-data=(--buffer_compress_percentage=50 --buffer_compress_chunk=4096 --refill_buffers=1 --size=4g)
+data=(--buffer_compress_percentage="${COMPRESS_PERCENT:-50}" --buffer_compress_chunk=4096 --refill_buffers=1 --size=4g)
 job() { # target rw bs qd [rwmixread] -> "iops mean_latency_us"
   fio --name=j --ioengine=nbd --uri="$(uri "$1")" --rw="$2" ${5:+--rwmixread=$5} --bs="$3" --iodepth="$4" \
       --time_based=1 --runtime="$slice" "${data[@]}" --output-format=json --output="$dir/o.json" >/dev/null 2>&1
