@@ -26,7 +26,9 @@ use super::capacity::SpaceClass;
 use super::geometry::{AlignedBuf, Geometry, SegmentBuffer, FRAGMENT_END_WASTE_BYTES};
 use super::health::Health;
 use super::lock::{Mutex, MutexGuard, Rank, RwLock};
-use super::op::{Block, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX};
+use super::op::{
+    fragments_fitting, Block, GroupFlags, LiveFragment, Op, RangeKind, BATCH_WRITE_BLOCKS_MAX, RECORD_BLOCKS_MAX,
+};
 use super::proof::ProofState;
 use super::segments::{SegmentTable, UseCell};
 use super::streams::{ParkedStream, Stream};
@@ -224,40 +226,6 @@ pub(crate) enum Attempt {
     },
     /// A block the group read-modify-writes changed since it was read: redo the request.
     Conflict,
-}
-
-/// Hands out FIRST and LAST for the records of one group.
-struct GroupFlags {
-    first: bool,
-}
-
-impl GroupFlags {
-    fn next(&mut self, last: bool) -> u8 {
-        let flags = if self.first { FLAG_FIRST } else { 0 } | if last { FLAG_LAST } else { 0 };
-        self.first = false;
-        flags
-    }
-
-    /// A record that is a group of its own; the next record starts a new group.
-    fn alone(&mut self) -> u8 {
-        self.first = true;
-        FLAG_FIRST | FLAG_LAST
-    }
-}
-
-/// How many fragments (given their sizes) fit in `room` bytes as one record whose header
-/// has `entry_bytes` per fragment.
-fn fragments_fitting(room: usize, entry_bytes: usize, sizes: impl Iterator<Item = usize>) -> usize {
-    let mut bytes = RECORD_MIN_BYTES;
-    let mut take = 0;
-    for size in sizes {
-        if bytes + entry_bytes + size > room {
-            break;
-        }
-        bytes += entry_bytes + size;
-        take += 1;
-    }
-    take
 }
 
 impl Log {

@@ -4,7 +4,7 @@
 //! the map).
 
 use crate::crypto::cipher::Domain;
-use crate::format::{FragmentEntry, BATCH_ENTRY_BYTES, RECORD_MIN_BYTES, WRITE_ENTRY_BYTES};
+use crate::format::{FragmentEntry, BATCH_ENTRY_BYTES, FLAG_FIRST, FLAG_LAST, RECORD_MIN_BYTES, WRITE_ENTRY_BYTES};
 use crate::map::page::PageId;
 use crate::map::{Entry, PackedEntry};
 use crate::types::Lba;
@@ -179,4 +179,38 @@ pub(crate) fn metadata_only(ops: &[Op]) -> bool {
 /// Log bytes a group of ops takes, conservatively (`record_extra_bytes`: see `log_bytes`).
 pub(crate) fn group_bytes(ops: &[Op], segment_capacity_bytes: u64, record_extra_bytes: u64) -> u64 {
     ops.iter().map(|op| op.log_bytes(segment_capacity_bytes, record_extra_bytes)).sum()
+}
+
+/// Hands out FIRST and LAST for the records of one group.
+pub(super) struct GroupFlags {
+    pub first: bool,
+}
+
+impl GroupFlags {
+    pub fn next(&mut self, last: bool) -> u8 {
+        let flags = if self.first { FLAG_FIRST } else { 0 } | if last { FLAG_LAST } else { 0 };
+        self.first = false;
+        flags
+    }
+
+    /// A record that is a group of its own; the next record starts a new group.
+    pub fn alone(&mut self) -> u8 {
+        self.first = true;
+        FLAG_FIRST | FLAG_LAST
+    }
+}
+
+/// How many fragments (given their sizes) fit in `room` bytes as one record whose header
+/// has `entry_bytes` per fragment.
+pub(super) fn fragments_fitting(room: usize, entry_bytes: usize, sizes: impl Iterator<Item = usize>) -> usize {
+    let mut bytes = RECORD_MIN_BYTES;
+    let mut take = 0;
+    for size in sizes {
+        if bytes + entry_bytes + size > room {
+            break;
+        }
+        bytes += entry_bytes + size;
+        take += 1;
+    }
+    take
 }

@@ -325,32 +325,7 @@ fn inner_from_checkpoint(
     let codec_counters = Arc::new(CodecCounters::default());
     let health = Arc::new(Health::new(options.read_only, options.accept_data_loss));
     let wakeups = Arc::new(Wakeups::new());
-    let log_state = LogState {
-        appender: Appender {
-            next_seq: sb.checkpoint_seq + 1,
-            prev_crc: sb.replay_prev_crc,
-            session: create::session_nonce(),
-            nonce_epoch: cipher.as_deref().filter(|c| c.short_nonces()).map_or(0, StoreCipher::current_epoch),
-            open: None,
-            batch: None,
-            sealed_unwritten: VecDeque::new(),
-            buffer_pool: Vec::new(),
-            next_segment: None,
-            stream: Stream::Host,
-            parked: Vec::new(),
-        },
-        segments,
-        epochs: CheckpointEpochs {
-            snapshot_generation: sb.generation,
-            reuse_horizon_seq: 0,
-            bytes_since_checkpoint: 0,
-            checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-            image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
-            release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
-            superseded_carry: Default::default(),
-        },
-        pending: pending::PendingRecompress::new(geometry.codec, sb.checkpoint_seq),
-    };
+    let log_state = log_state_at(chosen, segments, cipher.as_deref(), geometry.codec);
     let log = Log::new(
         log_state,
         LogParts {
@@ -394,4 +369,36 @@ fn inner_from_checkpoint(
         },
         counters,
     })
+}
+
+/// The log's state as the checkpoint `chosen` left it, before replay: the appender at the
+/// record after the checkpoint, the recovered segment table, the checkpoint's epochs.
+fn log_state_at(chosen: &Chosen, segments: SegmentTable, cipher: Option<&StoreCipher>, codec: Codec) -> LogState {
+    let sb = &chosen.superblock;
+    LogState {
+        appender: Appender {
+            next_seq: sb.checkpoint_seq + 1,
+            prev_crc: sb.replay_prev_crc,
+            session: create::session_nonce(),
+            nonce_epoch: cipher.filter(|c| c.short_nonces()).map_or(0, StoreCipher::current_epoch),
+            open: None,
+            batch: None,
+            sealed_unwritten: VecDeque::new(),
+            buffer_pool: Vec::new(),
+            next_segment: None,
+            stream: Stream::Host,
+            parked: Vec::new(),
+        },
+        segments,
+        epochs: CheckpointEpochs {
+            snapshot_generation: sb.generation,
+            reuse_horizon_seq: 0,
+            bytes_since_checkpoint: 0,
+            checkpoint_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+            image_bytes: sb.checkpoint_chunks.iter().map(|c| c.length_bytes as u64).sum(),
+            release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
+            superseded_carry: Default::default(),
+        },
+        pending: pending::PendingRecompress::new(codec, sb.checkpoint_seq),
+    }
 }
