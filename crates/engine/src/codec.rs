@@ -18,15 +18,20 @@
 //! `MIN_SAVING_BYTES`; what it cannot see is a random string repeated inside the block
 //! (measured in docs/space.md, "Incompressible data").
 //!
-//! Adaptive fallback (`write_codec`): a host block is compressed with the store's codec
+//! Adaptive fallback (`write_choice`): a host block is compressed with the store's codec
 //! while one of the cores set aside for it is free, and with LZ4 when they are all busy
 //! compressing (the write would otherwise queue behind the slow codec and the host would
 //! see it). The load signal is the number of threads inside block compression at the moment
 //! the block arrives, against `codec_cores` — half the cores the process may run on, the
 //! other half being what the rest of the write path and the client need: cheap (one atomic
 //! add and subtract a block), needs no clock or history, and it is high exactly when more
-//! blocks want the codec than it may have cores. GC recompresses LZ4 fragments with the store's codec when
-//! it moves them, under the same rule (`Store::recompress` does it on request). Every
+//! blocks want the codec than it may have cores. The disk is the other resource: when a
+//! segment's worth of log bytes waits for it, it binds and the store's codec is used however
+//! busy the cores are (fewer bytes is then what is faster); when every core is busy and the
+//! writer has caught up with the log, the block is stored uncompressed for now (an LZ4
+//! block of literals, `lz4_literals`): the CPU binds, and the disk has bandwidth to spare.
+//! GC recompresses LZ4 fragments with the store's codec when it moves them, under the same
+//! rule, idle work when the CPU is free (`Store::recompress` does it on request). Every
 //! fragment carries its codec tag, so reads never need to know which codec was chosen.
 //!
 //! Trained dictionaries (`Dictionary`, docs/format.md "Dictionaries"): a zstd dictionary
@@ -74,7 +79,9 @@ impl Default for Codec {
 /// When the write path may use LZ4 instead of the store's codec (see the module comment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CodecFallback {
-    /// LZ4 when every core is already compressing; the store's codec otherwise.
+    /// The store's codec while a codec core is free or the disk binds; LZ4 when the codec
+    /// binds; uncompressed for now when every core is busy and the disk is starved
+    /// (`write_choice`).
     #[default]
     Auto,
     /// LZ4 always on the write path: capacity comes from GC's recompression only (tests,
@@ -82,6 +89,10 @@ pub enum CodecFallback {
     Always,
     /// The store's codec always, however loaded the cores are.
     Never,
+    /// Every host block stored uncompressed for now (`WriteChoice::Uncompressed`; LZ4 in an
+    /// LZ4 store): capacity comes from recompression only (tests, and hosts whose CPU is
+    /// entirely spoken for).
+    Uncompressed,
 }
 
 impl FromStr for CodecFallback {
@@ -92,25 +103,114 @@ impl FromStr for CodecFallback {
             "auto" => Ok(CodecFallback::Auto),
             "always" => Ok(CodecFallback::Always),
             "never" => Ok(CodecFallback::Never),
-            _ => Err(format!("unknown codec fallback {s:?} (expected auto, always or never)")),
+            "uncompressed" => Ok(CodecFallback::Uncompressed),
+            _ => Err(format!("unknown codec fallback {s:?} (expected auto, always, never or uncompressed)")),
         }
     }
 }
 
-/// The codec for one host block (the policy of the module comment). `busy_compressors` is
-/// how many other threads are inside block compression as this block arrives; `codec_cores`
-/// how many the slow codec may keep busy (`codec_cores`). Pure, so the policy is tested
-/// without threads.
-pub fn write_codec(configured: Codec, fallback: CodecFallback, busy_compressors: usize, codec_cores: usize) -> Codec {
+/// How one host block is stored (the policy of the module comment, `write_choice`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteChoice {
+    /// Compressed with this codec (the store's, or LZ4 as the fallback).
+    Compress(Codec),
+    /// Stored uncompressed for now, as an LZ4 block of literals only (`lz4_literals`): the
+    /// cheapest tier, which recompression takes like any LZ4 fragment.
+    Uncompressed,
+}
+
+/// What the write path knows of its two resources as a block arrives: the codec's cores and
+/// the disk. Read from atomics, no lock, no clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteLoad {
+    /// Other threads inside block compression, or host writers waiting for a write permit,
+    /// whichever says more.
+    pub busy_compressors: usize,
+    /// Other threads inside block compression now (not counting waiting writers): with
+    /// this block, every core compressing is what says the codec binds the whole process.
+    pub compressing_now: usize,
+    /// The cores the store's codec may keep busy (`OpenOptions::codec_cores`).
+    pub codec_cores: usize,
+    /// The cores the process may run on.
+    pub available_cores: usize,
+    /// Log bytes appended but not yet written to the disk.
+    pub backlog_bytes: u64,
+    /// The backlog from which the disk binds: a whole segment waits for it.
+    pub disk_bound_bytes: u64,
+    /// The backlog under which the disk is starved: the writer has caught up.
+    pub disk_starved_bytes: u64,
+    /// Free space is ample (`UNCOMPRESSED_TIER_FREE_SHARE`): storing a block uncompressed
+    /// for now costs capacity GC would have to win back if space ran short.
+    pub room_for_uncompressed: bool,
+}
+
+/// The share of the store's segments that must be free for the write path to store blocks
+/// uncompressed: a quarter. The tier doubles what 2:1 data takes until it is recompressed;
+/// with a quarter free it can never bring the store near GC's cushion (GC and pacing work
+/// within the last few percent), and a store that is fuller gets the LZ4 fallback instead.
+pub const UNCOMPRESSED_TIER_FREE_SHARE: f64 = 0.25;
+
+/// How one host block is stored. With `CodecFallback::Auto` the cheaper tiers are taken only
+/// when the codec binds — every core set aside for it is already busy — and the disk does
+/// not:
+/// - a codec core free: the store's codec;
+/// - the disk binds (a segment's worth of log bytes waits for it): the store's codec too,
+///   since writing fewer bytes is what speeds the host up then (and the backlog drains
+///   only if the codec keeps up, which moves the choice back down);
+/// - the codec binds: LZ4;
+/// - every core of the process is busy and the disk is starved: stored uncompressed, to be
+///   recompressed when the CPU is free. Not in an LZ4 store, which has no stronger codec
+///   to recompress into (its fragments would stay uncompressed).
+///
+/// Pure, so the policy is tested without threads.
+pub fn write_choice(configured: Codec, fallback: CodecFallback, load: WriteLoad) -> WriteChoice {
+    let lz4_store = configured == Codec::Lz4;
     match fallback {
-        CodecFallback::Never => configured,
-        CodecFallback::Always => Codec::Lz4,
-        // Every core the codec may use is taken by a compression already: this block would
-        // wait for one, and LZ4 makes the wait (its own and the next block's) about half as
-        // long.
-        CodecFallback::Auto if busy_compressors >= codec_cores.max(1) => Codec::Lz4,
-        CodecFallback::Auto => configured,
+        CodecFallback::Never => WriteChoice::Compress(configured),
+        CodecFallback::Always => WriteChoice::Compress(Codec::Lz4),
+        CodecFallback::Uncompressed if lz4_store => WriteChoice::Compress(Codec::Lz4),
+        CodecFallback::Uncompressed => WriteChoice::Uncompressed,
+        CodecFallback::Auto => {
+            if load.busy_compressors < load.codec_cores.max(1) || load.backlog_bytes >= load.disk_bound_bytes {
+                WriteChoice::Compress(configured)
+            } else if !lz4_store
+                && load.room_for_uncompressed
+                && load.compressing_now + 1 >= load.available_cores.max(2)
+                && load.backlog_bytes < load.disk_starved_bytes
+            {
+                WriteChoice::Uncompressed
+            } else {
+                WriteChoice::Compress(Codec::Lz4)
+            }
+        }
     }
+}
+
+/// A block as an LZ4 block of literals only: what LZ4's format calls a sequence with no
+/// match — a token whose high nibble says 15+, the rest of the literal length in bytes of
+/// 255 and a last one under 255, then the block. 4,114 bytes for 4 KiB (18 more than raw);
+/// written at memory speed, decoded by any LZ4 decoder. This is the write path's
+/// "uncompressed for now" tier: its fragments carry the LZ4 tag, so GC, idle recompression
+/// and `pending_recompress_bytes` take them as they take the LZ4 fallback's, without a new
+/// tag in the format. (lz4_flex has no store-only mode; its fastest compression still
+/// searches for matches.)
+pub fn lz4_literals(block: &[u8], out: &mut Vec<u8>) -> CodecTag {
+    out.clear();
+    out.reserve(block.len() + block.len() / 255 + 2);
+    let len = block.len();
+    if len < 15 {
+        out.push((len as u8) << 4);
+    } else {
+        out.push(0xF0);
+        let mut rest = len - 15;
+        while rest >= 255 {
+            out.push(255);
+            rest -= 255;
+        }
+        out.push(rest as u8);
+    }
+    out.extend_from_slice(block);
+    CodecTag::Lz4
 }
 
 /// How many cores the store's codec may keep busy before the write path falls back, unless
@@ -903,6 +1003,27 @@ mod tests {
         assert_eq!(write_codec(Codec::DEFAULT, CodecFallback::Auto, 1, 1), Codec::Lz4);
     }
 
+    /// The choice for `busy` other compressors and `codec_cores`, on a 2-core process whose
+    /// disk neither binds nor starves (2 MiB waiting, between 1 MiB and a 4 MiB segment).
+    fn write_codec(configured: Codec, fallback: CodecFallback, busy: usize, codec_cores: usize) -> Codec {
+        let load = WriteLoad { busy_compressors: busy, codec_cores, ..LOAD };
+        match write_choice(configured, fallback, load) {
+            WriteChoice::Compress(codec) => codec,
+            WriteChoice::Uncompressed => panic!("uncompressed with the disk neither starved nor binding"),
+        }
+    }
+
+    const LOAD: WriteLoad = WriteLoad {
+        busy_compressors: 0,
+        compressing_now: 0,
+        codec_cores: 1,
+        available_cores: 2,
+        backlog_bytes: 2 << 20,
+        disk_bound_bytes: 4 << 20,
+        disk_starved_bytes: 1 << 20,
+        room_for_uncompressed: true,
+    };
+
     #[test]
     fn the_write_path_falls_back_to_lz4_only_when_every_core_is_compressing() {
         let zstd = Codec::Zstd { level: 1 };
@@ -922,6 +1043,62 @@ mod tests {
         assert_eq!(write_codec(Codec::Lz4, CodecFallback::Auto, 100, 2), Codec::Lz4);
         let deflate = Codec::Deflate { level: 6 };
         assert_eq!(write_codec(deflate, CodecFallback::Auto, 2, 2), Codec::Lz4);
+    }
+
+    #[test]
+    fn the_disk_binding_keeps_the_stores_codec_and_a_starved_disk_takes_blocks_uncompressed() {
+        let zstd = Codec::Zstd { level: 1 };
+        // `busy` others want the codec, `now` of them are compressing.
+        let choice = |busy, now, backlog_bytes| {
+            let load = WriteLoad { busy_compressors: busy, compressing_now: now, backlog_bytes, ..LOAD };
+            write_choice(zstd, CodecFallback::Auto, load)
+        };
+        // A segment waits for the disk: the store's codec however busy the cores are.
+        assert_eq!(choice(30, 1, 4 << 20), WriteChoice::Compress(zstd));
+        assert_eq!(choice(30, 1, 64 << 20), WriteChoice::Compress(zstd));
+        // Both cores compressing, the writer caught up: uncompressed for now.
+        assert_eq!(choice(2, 1, 0), WriteChoice::Uncompressed);
+        assert_eq!(choice(30, 1, (1 << 20) - 1), WriteChoice::Uncompressed);
+        // Writers waiting but the other core not compressing: LZ4 (the codec is not what
+        // keeps them waiting).
+        assert_eq!(choice(30, 0, 0), WriteChoice::Compress(Codec::Lz4));
+        // Less than a quarter of the store free: LZ4, the cheap tier that keeps the saving.
+        let full = WriteLoad {
+            busy_compressors: 30,
+            compressing_now: 1,
+            backlog_bytes: 0,
+            room_for_uncompressed: false,
+            ..LOAD
+        };
+        assert_eq!(write_choice(zstd, CodecFallback::Auto, full), WriteChoice::Compress(Codec::Lz4));
+        // Between starved and bound (the band that keeps the choice from flapping): LZ4.
+        assert_eq!(choice(30, 1, 1 << 20), WriteChoice::Compress(Codec::Lz4));
+        // A free codec core: the store's codec, starved disk or not.
+        assert_eq!(choice(0, 0, 0), WriteChoice::Compress(zstd));
+        // An LZ4 store never stores uncompressed: nothing would recompress it.
+        let lz4_load = WriteLoad { busy_compressors: 30, compressing_now: 1, backlog_bytes: 0, ..LOAD };
+        assert_eq!(write_choice(Codec::Lz4, CodecFallback::Auto, lz4_load), WriteChoice::Compress(Codec::Lz4));
+        assert_eq!(write_choice(Codec::Lz4, CodecFallback::Uncompressed, LOAD), WriteChoice::Compress(Codec::Lz4));
+        assert_eq!(write_choice(zstd, CodecFallback::Uncompressed, LOAD), WriteChoice::Uncompressed);
+    }
+
+    #[test]
+    fn literal_only_lz4_blocks_decode_to_the_block_and_cost_18_bytes() {
+        let mut out = Vec::new();
+        for block in [text(5), noise(5, BLOCK_SIZE), vec![0; BLOCK_SIZE], fio_block(5, 50, 4096)] {
+            assert_eq!(lz4_literals(&block, &mut out), CodecTag::Lz4);
+            assert_eq!(out.len(), BLOCK_SIZE + 18);
+            let mut back = vec![0u8; BLOCK_SIZE];
+            decompress_block(CodecTag::Lz4, &out, &mut back, &NO_DICTIONARIES).unwrap();
+            assert!(back == block);
+            assert!(lz4_flex::block::decompress(&out, BLOCK_SIZE).unwrap() == block);
+        }
+        // Short inputs and the length encoding's edges (14, 15, 15 + 255).
+        for len in [0usize, 1, 14, 15, 16, 269, 270, 271, 1000] {
+            let input: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            lz4_literals(&input, &mut out);
+            assert_eq!(lz4_flex::block::decompress(&out, len).unwrap(), input, "length {len}");
+        }
     }
 
     #[test]

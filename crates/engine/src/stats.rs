@@ -57,6 +57,7 @@ const MORE_COUNTER_STATS: &[&str] = &[
     "blocks_written_deflate",
     "codec_fallback_blocks",
     "incompressible_skipped_blocks",
+    "uncompressed_tier_blocks",
     "recompressed_fragments",
     "recompress_saved_bytes",
     "recompress_cpu_ns",
@@ -238,6 +239,11 @@ pub struct CodecStats {
     /// "Incompressible data").
     #[serde(default)]
     pub incompressible_skipped_blocks: u64,
+    /// Host blocks stored uncompressed for now (an LZ4 block of literals, counted in
+    /// `blocks_written_lz4` and `codec_fallback_blocks` too) because every core was busy
+    /// and the disk was waiting for data (`codec::write_choice`); recompression takes them.
+    #[serde(default)]
+    pub uncompressed_tier_blocks: u64,
     /// Stored bytes of the live LZ4 fragments written since open in a store of a slower
     /// codec: what the fallback left for idle work, GC or `zdisk recompress` to recompress
     /// (`store/pending.rs`; fragments from before the open are not counted). Between
@@ -289,6 +295,7 @@ pub struct CodecCounters {
     pub blocks_written: [AtomicU64; 4],
     pub fallback_blocks: AtomicU64,
     pub incompressible_skipped_blocks: AtomicU64,
+    pub uncompressed_tier_blocks: AtomicU64,
     /// LZ4 fragments' bytes recompression tried since open, and what they became (a fragment
     /// not made smaller counts whole): the measured share `pending_recompress_saving_bytes`
     /// is estimated at.
@@ -338,6 +345,7 @@ impl CodecCounters {
             blocks_written_deflate: get(&self.blocks_written[3]),
             codec_fallback_blocks: get(&self.fallback_blocks),
             incompressible_skipped_blocks: get(&self.incompressible_skipped_blocks),
+            uncompressed_tier_blocks: get(&self.uncompressed_tier_blocks),
             // (Filled in by the store, which holds the log's count.)
             pending_recompress_bytes: 0,
             pending_recompress_saving_bytes: 0,

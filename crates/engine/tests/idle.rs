@@ -123,6 +123,49 @@ fn without_a_dictionary_idle_work_recompresses_the_fallback_into_the_store_codec
 }
 
 #[test]
+fn idle_work_recompresses_the_uncompressed_tier_and_leaves_random_blocks_raw() {
+    let disk = new_store(3);
+    let options =
+        OpenOptions { codec_fallback: CodecFallback::Uncompressed, ..idle_options(Duration::from_millis(30), None) };
+    let store = Store::open_backing(disk.clone(), &options).unwrap();
+    // Text, with every eighth block random: those look incompressible and are stored raw,
+    // not in the tier recompression would try again.
+    let mut image = text_of_vocabulary(&mut rng(3), LOGICAL_BYTES as usize, 99);
+    let mut random = rng(33);
+    for block in image.chunks_mut(4096).step_by(8) {
+        random.fill(block);
+    }
+    for (i, chunk) in image.chunks(64 << 10).enumerate() {
+        store.write((i as u64) << 16, chunk, Durability::Buffered).unwrap();
+    }
+    store.flush().unwrap();
+    let written = store.stats();
+    assert_eq!(
+        (written.codec.uncompressed_tier_blocks, written.codec.incompressible_skipped_blocks),
+        (224, 32),
+        "{:?}",
+        written.codec
+    );
+    assert_eq!((written.codec.blocks_written_lz4, written.codec.blocks_written_raw), (224, 32), "{:?}", written.codec);
+    // Stored uncompressed (18 bytes more than raw, plus protection information): no saving yet.
+    assert!(written.comp_ratio < 1.0, "{written:?}");
+    assert!(written.codec.pending_recompress_bytes >= 224 * 4096, "{:?}", written.codec);
+    assert!(read_all(&store) == image, "uncompressed-tier blocks read back different");
+    let after = wait_for(&store, "idle recompression of the uncompressed tier", |s| {
+        s.codec.recompressed_fragments >= 224 && s.comp_ratio > 1.5 * written.comp_ratio
+    });
+    wait_for(&store, "nothing pending recompression", |s| s.codec.pending_recompress_bytes == 0);
+    assert!(after.codec.recompress_saved_bytes > 224 * 1024, "{:?}", after.codec);
+    assert!(read_all(&store) == image);
+    assert_clean(&store);
+    store.close().unwrap();
+    let store = Store::open_backing(disk, &test_options()).unwrap();
+    assert!(read_all(&store) == image, "differs after reopen");
+    assert!(store.stats().comp_ratio > 1.5 * written.comp_ratio, "{:?}", store.stats());
+    assert_clean(&store);
+}
+
+#[test]
 fn idle_work_waits_while_the_host_keeps_the_store_busy() {
     let disk = new_store(3);
     // The host comes back every 50 ms; idle work would start after 400 ms of quiet.

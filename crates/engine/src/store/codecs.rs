@@ -21,6 +21,9 @@ pub(crate) struct Codecs {
     /// Cores the store's codec may keep busy before host writes fall back to LZ4
     /// (`OpenOptions::codec_cores`, checked at open, else `codec::default_codec_cores`).
     pub cores: usize,
+    /// The cores the process may run on (`codec::available_cores`, at open): when every one
+    /// is busy and the disk is starved, host blocks are stored uncompressed for now.
+    pub available_cores: usize,
 }
 
 #[derive(Debug, Default)]

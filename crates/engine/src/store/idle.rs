@@ -96,6 +96,13 @@ pub(crate) struct IdleWork {
     /// dictionary's id then. Looking through every segment's hint again waits for a change
     /// (a store of a million segments would otherwise scan them ten times a second).
     nothing_hinted: Option<(u64, u32)>,
+    /// The last scan of the hints found a hinted segment only checkpoints keep from GC
+    /// (pinned by a retained checkpoint's pages, or waiting to be settled).
+    hinted_held: bool,
+    /// The hint generation at which idle work last took checkpoints to release such a
+    /// segment: once per generation, so a segment that stays held never makes idle work
+    /// checkpoint in a loop.
+    released_at_generation: Option<u64>,
     /// Whether other processes leave a core for idle work.
     spare_cpu: SpareCpu,
 }
@@ -118,6 +125,8 @@ impl Default for IdleWork {
             window_blocks: 0,
             window_bytes: 0,
             nothing_hinted: None,
+            hinted_held: false,
+            released_at_generation: None,
             spare_cpu: SpareCpu::default(),
         }
     }
@@ -214,6 +223,16 @@ impl Inner {
                 watch.nothing_hinted = None;
                 Ok(true)
             }
+            None if watch.hinted_held && watch.released_at_generation != Some(self.hint_generation()) => {
+                // What is left sits in a segment a retained checkpoint pins (often the one
+                // the sealing above closed: it holds the last checkpoint's map pages). The
+                // host is away, so no checkpoint would come to release it: take the two
+                // that do, once for this state of the hints.
+                watch.released_at_generation = Some(self.hint_generation());
+                self.make_cleaned_free()?;
+                watch.nothing_hinted = None;
+                Ok(true)
+            }
             None => Ok(false),
         }
     }
@@ -252,6 +271,10 @@ impl Inner {
             Counters::add(&self.codecs.counters.idle_room_steps, 1);
         }
         Ok(cleaned_one)
+    }
+
+    fn hint_generation(&self) -> u64 {
+        self.log.lock().segments.hint_generation()
     }
 
     /// Whether an open segment holds fragments `target` would take.
@@ -427,8 +450,14 @@ impl Inner {
             .filter(|&(count, _)| count > 0)
             .max();
         // (Segments not GC's to take yet — open, unwritten, pinned — are looked at again
-        // when a hint next moves: the host's next write does that.)
+        // when a hint next moves: the host's next write does that, or the checkpoints idle
+        // work takes to release the pinned ones, `hinted_held`.)
         watch.nothing_hinted = best.is_none().then_some(now);
+        watch.hinted_held = best.is_none()
+            && log.segments.iter().any(|(id, _)| {
+                log.segments.hint(id).taken(into_dictionary != 0) > 0
+                    && log.segments.held_by_checkpoints(id, &unwritten)
+            });
         best.map(|(_, id)| id)
     }
 }

@@ -134,8 +134,8 @@ pub struct OpenOptions {
     /// older contents. Without it such a store opens read-only and reads every block not
     /// provably newer than the loss as EIO.
     pub accept_data_loss: bool,
-    /// When host writes may be compressed with LZ4 instead of the store's codec
-    /// (`codec.rs`, "Adaptive fallback"). Defaults to `ZDISK_CODEC_FALLBACK`, else `Auto`.
+    /// When host writes may be compressed with LZ4 instead of the store's codec, or stored
+    /// uncompressed for now (`codec.rs`, "Adaptive fallback"). Defaults to `ZDISK_CODEC_FALLBACK`, else `Auto`.
     pub codec_fallback: CodecFallback,
     /// How many cores the store's codec may keep busy before host writes fall back to LZ4
     /// (`CodecFallback::Auto`; GC's recompression waits on the same signal): 1 up to the
@@ -228,7 +228,8 @@ impl Default for OpenOptions {
 /// The variable that sets `OpenOptions::codec_fallback` by default (tests and measurements).
 pub const CODEC_FALLBACK_ENV: &str = "ZDISK_CODEC_FALLBACK";
 
-/// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`) if set and valid, else `Auto`.
+/// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`, `uncompressed`) if set and valid, else
+/// `Auto`.
 fn codec_fallback_from_env() -> CodecFallback {
     match std::env::var(CODEC_FALLBACK_ENV) {
         Ok(value) => value.parse().unwrap_or_else(|e| {

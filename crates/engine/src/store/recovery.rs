@@ -28,7 +28,7 @@ use super::streams::Stream;
 use super::{create, encryption, pending};
 use crate::backing::Backing;
 use crate::cache::{FragmentCache, Reads};
-use crate::codec::Codec;
+use crate::codec::{available_cores, Codec};
 use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{Checkpoint, SegmentUsage, Superblock, FEATURE_LOG_JUMPS, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES};
@@ -366,6 +366,7 @@ fn inner_from_checkpoint(
             dictionaries: parking_lot::RwLock::new(dictionaries),
             counters: codec_counters,
             cores: codec_cores,
+            available_cores: available_cores(),
         },
         counters,
     })

@@ -16,12 +16,15 @@ use super::admit::Admitted;
 use super::capacity::SpaceClass;
 use super::geometry::round_up;
 use super::lock::MutexGuard;
-use super::log::Appended;
+use super::log::{Appended, WRITE_OUT_THRESHOLD_BYTES};
 use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::state::Inner;
-use crate::codec::{skips_codec, store_raw, write_codec, Codec, CodecTag};
+use crate::codec::{
+    looks_incompressible, lz4_literals, skips_codec, store_raw, write_choice, Codec, CodecTag, WriteChoice, WriteLoad,
+    UNCOMPRESSED_TIER_FREE_SHARE,
+};
 use crate::crypto::cipher::Domain;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{FragmentEntry, FragmentFormat, Protection, PI_BYTES};
@@ -35,6 +38,18 @@ use super::space::BLOCK_LOCK_STRIPES;
 /// A partial-block request is redone at most this many times when concurrent writes keep
 /// changing its blocks between its read and its append.
 const CONFLICT_RETRIES_MAX: usize = 1000;
+
+/// How `Inner::compress` stored a host block, for its counters.
+#[derive(Clone, Copy)]
+enum Stored {
+    Configured,
+    /// LZ4 instead of the store's codec.
+    Fallback,
+    /// The uncompressed tier.
+    Uncompressed,
+    /// Raw without running a codec: it looked incompressible.
+    Skipped,
+}
 
 /// When a write, trim or write-zeroes must be durable: the NBD FUA flag, named.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,32 +119,60 @@ impl Inner {
         map.get_range(first_lba, block_count as u64, self)?.into_iter().map(|e| e.unpack()).collect()
     }
 
-    /// Compresses host block `lba` with the store's codec, or LZ4 when every core is
-    /// already compressing or busy with other writers' CPU work (`codec::write_codec`,
-    /// `permits.rs`); counts the choice. A block that looks incompressible does not go
-    /// through the store's (slow) codec: it is stored raw (`codec::skips_codec`). LZ4, when
-    /// the fallback picks it, runs on every block: it gives up on random data as fast as
-    /// the estimate would run, and compressible blocks under load then pay no estimate.
+    /// Compresses host block `lba` as the write path's load calls for
+    /// (`codec::write_choice`): with the store's codec; with LZ4 when every codec core is
+    /// already compressing or busy with other writers' CPU work (`permits.rs`) and the disk
+    /// does not bind; stored uncompressed for now when every core is busy and the disk is
+    /// starved. Counts the choice. A block that looks incompressible does not go through the
+    /// store's (slow) codec, nor into the uncompressed tier (recompression would try it for
+    /// nothing): it is stored raw (`codec::skips_codec`). LZ4, when the fallback picks it,
+    /// runs on every block: it gives up on random data as fast as the estimate would run,
+    /// and compressible blocks under load then pay no estimate.
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codecs.counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
-        // Other compressions, or — with write admission — the other writers holding or
-        // waiting for a permit, whichever says more (a permit holder compressing counts once).
-        let busy = compressing_before.max(self.space.write_permits.load_besides_holder());
+        let segment_bytes = self.geometry.segment_size_bytes;
+        let load = WriteLoad {
+            // Other compressions, or — with write admission — the other writers holding or
+            // waiting for a permit, whichever says more (a permit holder compressing counts once).
+            busy_compressors: compressing_before.max(self.space.write_permits.load_besides_holder()),
+            compressing_now: compressing_before,
+            codec_cores: self.codecs.cores,
+            available_cores: self.codecs.available_cores,
+            backlog_bytes: self.log.backlog_bytes.load(Ordering::Relaxed),
+            disk_bound_bytes: segment_bytes,
+            disk_starved_bytes: (WRITE_OUT_THRESHOLD_BYTES as u64).min(segment_bytes / 2),
+            room_for_uncompressed: self.log.free_segments.load(Ordering::Relaxed) as f64
+                >= self.geometry.segment_count as f64 * UNCOMPRESSED_TIER_FREE_SHARE,
+        };
         let configured = self.geometry.codec;
-        let codec = write_codec(configured, self.options.codec_fallback, busy, self.codecs.cores);
-        let skipped = skips_codec(codec, block);
-        let block = match skipped {
-            true => self.compress_fragment(block, lba, scratch, store_raw)?,
-            false => self.compress_with(codec, block, lba, scratch)?,
+        let choice = write_choice(configured, self.options.codec_fallback, load);
+        let (block, stored_as) = match choice {
+            WriteChoice::Uncompressed if looks_incompressible(block) => {
+                (self.compress_fragment(block, lba, scratch, store_raw)?, Stored::Skipped)
+            }
+            WriteChoice::Uncompressed => {
+                (self.compress_fragment(block, lba, scratch, lz4_literals)?, Stored::Uncompressed)
+            }
+            WriteChoice::Compress(codec) if skips_codec(codec, block) => {
+                (self.compress_fragment(block, lba, scratch, store_raw)?, Stored::Skipped)
+            }
+            WriteChoice::Compress(codec) if codec != configured => {
+                (self.compress_with(codec, block, lba, scratch)?, Stored::Fallback)
+            }
+            WriteChoice::Compress(codec) => (self.compress_with(codec, block, lba, scratch)?, Stored::Configured),
         };
         drop(compressing);
         if !block.entry.is_zero_block(FragmentFormat::V3) {
             Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
-            if skipped {
-                Counters::add(&counters.incompressible_skipped_blocks, 1);
-            } else if codec != configured {
-                Counters::add(&counters.fallback_blocks, 1);
+            match stored_as {
+                Stored::Skipped => Counters::add(&counters.incompressible_skipped_blocks, 1),
+                Stored::Fallback => Counters::add(&counters.fallback_blocks, 1),
+                Stored::Uncompressed => {
+                    Counters::add(&counters.fallback_blocks, 1);
+                    Counters::add(&counters.uncompressed_tier_blocks, 1);
+                }
+                Stored::Configured => {}
             }
         }
         Ok(block)

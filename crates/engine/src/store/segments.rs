@@ -432,6 +432,15 @@ impl SegmentTable {
             && !self.unparseable.contains(&id)
     }
 
+    /// Whether only checkpoints keep GC from segment `id`: sealed, on disk and parseable,
+    /// but pinned by a retained checkpoint or waiting for the checkpoints that settle it.
+    pub fn held_by_checkpoints(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
+        self.usage[id.index()].state == SegmentState::Sealed
+            && !unwritten.contains(&id)
+            && !self.unparseable.contains(&id)
+            && (self.is_pinned(id) || self.awaiting_checkpoint.contains(&id))
+    }
+
     /// Whether GC should take segment `id` as a victim: collectable, and not already
     /// waiting for checkpoints.
     pub fn is_victim_candidate(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
