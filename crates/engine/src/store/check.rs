@@ -64,7 +64,7 @@ struct ScanTotals {
 
 impl Inner {
     pub(crate) fn check(&self, progress: &mut dyn FnMut(u64, u64)) -> Result<CheckReport> {
-        if self.check_writable().is_ok() {
+        if self.health.check_writable().is_ok() {
             self.flush()?;
         }
         let _checkpoint = self.checkpoint.lock();

@@ -22,12 +22,12 @@
 
 use std::sync::atomic::Ordering;
 
-use super::capacity::SpaceClass;
 use super::geometry::{round_up, Geometry};
 use super::lock::MutexGuard;
 use super::log::Attempt;
 use super::op::Op;
 use super::pages::PageCheckpoint;
+use super::space::SpaceClass;
 use super::state::Inner;
 use super::writeout::WriteOut;
 use crate::backing::Backing;
@@ -64,7 +64,7 @@ impl Inner {
     /// that waited for one just written need not write another).
     pub(crate) fn checkpoint_when(&self, due: impl Fn() -> bool) -> Result<()> {
         let mut durable_sb = self.checkpoint.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         if !due() {
             return Ok(());
         }

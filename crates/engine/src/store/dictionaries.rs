@@ -28,10 +28,10 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
-use super::capacity::SpaceClass;
 use super::gc::{RecompressReport, RecompressTarget};
 use super::geometry::{new_buffer, round_up};
 use super::op::{Block, LiveFragment};
+use super::space::SpaceClass;
 use super::state::Inner;
 use crate::codec::CodecTag;
 use crate::codec::{Dictionary, DictionarySet, DICTIONARIES_MAX, DICTIONARY_BYTES_DEFAULT};
@@ -170,7 +170,7 @@ impl Inner {
     /// Trains a dictionary on a sample of the store's blocks and installs it (module
     /// comment: durable in both retained checkpoints before it is `newest`).
     pub(crate) fn train_and_install(&self, options: &DictionaryOptions) -> Result<(Arc<Dictionary>, DictionaryReport)> {
-        self.check_writable()?;
+        self.health.check_writable()?;
         self.check_room_for_dictionary(options.size_bytes.min(crate::codec::DICTIONARY_BYTES_MAX))?;
         let samples = self.sample_blocks(options.sample_blocks_max, 0)?;
         // zstd's builder wants enough material; a nearly empty store has nothing to learn.
@@ -201,6 +201,8 @@ impl Inner {
             let mut state = self.codecs.dictionaries.write();
             state.next_id = id + 1;
             state.table.push(Arc::clone(&dictionary));
+            // Every checkpoint carries the table: the reserves grow with it.
+            self.space.set_dictionary_table_bytes(state.table_bytes_max());
             let mut known: Vec<_> = state.known.iter().cloned().collect();
             known.push(Arc::clone(&dictionary));
             state.known = Arc::new(DictionarySet::new(known));
@@ -238,7 +240,7 @@ impl Inner {
         options: &DictionaryOptions,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<RecompressReport> {
-        self.check_writable()?;
+        self.health.check_writable()?;
         let before = self.stats();
         let (dictionary, mut trained) = self.train_and_install(options)?;
         let mut report = self.recompress(RecompressTarget::dictionary(Arc::clone(&dictionary), false), progress)?;
@@ -345,6 +347,7 @@ impl Inner {
         let mut state = self.codecs.dictionaries.write();
         let freed: Vec<u32> = state.table.iter().map(|d| d.id).filter(|&id| id != newest.id).collect();
         state.table.retain(|d| d.id == newest.id);
+        self.space.set_dictionary_table_bytes(state.table_bytes_max());
         Ok(freed)
     }
 }

@@ -40,12 +40,12 @@
 //!   older dictionary is replaced even when the new one is not smaller; one that fails its
 //!   check is moved as it is and counted (`older_dictionary_fragments_kept`).
 
-use super::capacity::SpaceClass;
 use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
 use super::op::{gc_copy_bytes, group_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, RecordContext};
+use super::space::SpaceClass;
 use super::state::Inner;
 use std::sync::Arc;
 

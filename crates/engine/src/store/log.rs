@@ -21,8 +21,6 @@ use std::sync::Arc;
 
 use super::apply::{apply_record, Live};
 use super::background::Wakeups;
-use super::capacity::Reserves;
-use super::capacity::SpaceClass;
 use super::geometry::{AlignedBuf, Geometry, SegmentBuffer, FRAGMENT_END_WASTE_BYTES};
 use super::health::Health;
 use super::lock::{Mutex, MutexGuard, Rank, RwLock};
@@ -31,6 +29,7 @@ use super::op::{
 };
 use super::proof::ProofState;
 use super::segments::{SegmentTable, UseCell};
+use super::space::{Reserves, SpaceClass};
 use super::streams::{ParkedStream, Stream};
 use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};

@@ -13,10 +13,8 @@
 //! | `request` | read / write / trim / zero / block status |
 //! | `read` | fetching and verifying blocks |
 //! | `op` | the operations a record group carries |
-//! | `admit` | one append attempt; a host request's wait for space and foreground GC |
-//! | `space` | when host writers wait: stripes, permits, pacing, reserves as of now |
-//! | `capacity` | space classes, reserve arithmetic, native capacity |
-//! | `pacing` | host writes slowed to GC's pace as free space runs low |
+//! | `space` | when host writers wait: pacing, permits, map memory, reserves, foreground GC |
+//! | `capacity` | the arithmetic of space: checkpoint room, host reserve, native capacity |
 //! | `log` | the log component: its state, lock and append (`LogGuard::append`) |
 //! | `streams` | the log's streams and room |
 //! | `apply` | the one rule for what a record does to the map |
@@ -40,7 +38,6 @@
 //! reused only under the reuse rule; a failed backing write or sync makes the store
 //! read-only until reopened.
 
-mod admit;
 mod apply;
 mod background;
 pub(crate) mod capacity;
@@ -58,10 +55,8 @@ pub(crate) mod lock;
 mod log;
 mod op;
 pub(crate) mod options;
-mod pacing;
 mod pages;
 mod pending;
-mod permits;
 mod proof;
 pub(crate) mod read;
 pub(crate) mod read_queue;
@@ -197,7 +192,7 @@ impl Store {
     /// Changes the logical size: grow any time; shrink only if nothing is mapped past the
     /// new end. Persisted by a checkpoint before it returns.
     pub fn resize(&self, logical_size_bytes: u64) -> Result<()> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         create::validate_logical_size(logical_size_bytes)?;
         {
             let _log = self.inner.log.lock();
@@ -212,7 +207,7 @@ impl Store {
                 ));
             }
             self.inner.map.write().resize(new_blocks);
-            self.inner.space.logical_size_bytes.store(logical_size_bytes, Ordering::Release);
+            self.inner.space.set_logical_size(logical_size_bytes);
         }
         self.inner.checkpoint_now()
     }
@@ -221,7 +216,7 @@ impl Store {
     /// stored now would not fit the new native capacity: the spare area it promises would
     /// not exist. The new setting is durable when this returns (a checkpoint writes it).
     pub fn set_over_provision(&self, over_provision_ppm: u32) -> Result<()> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         create::validate_over_provision(over_provision_ppm)?;
         let geometry = &self.inner.geometry;
         let native = capacity::native_capacity_for(
@@ -271,7 +266,7 @@ impl Store {
     /// the band where GC runs beside them): a front end serving writes on an event loop
     /// should then run them on threads of their own (no lock taken; a hint).
     pub fn host_writes_may_wait(&self) -> bool {
-        self.inner.host_writes_may_wait()
+        self.inner.space.host_writes_may_wait()
     }
 
     /// Reads a plan's device reads here, synchronously (where no ring is available).
@@ -321,7 +316,7 @@ impl Store {
     /// Runs garbage collection until no segment is worth cleaning or `segments_max` are
     /// cleaned; returns how many were cleaned. (The background thread does this on its own.)
     pub fn collect_garbage(&self, segments_max: usize) -> Result<usize> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         let mut cleaned = 0;
         while cleaned < segments_max && self.inner.gc_once(gc::GcMode::Background)?.is_some() {
             cleaned += 1;
@@ -371,7 +366,7 @@ impl Store {
     /// thread, so every backing I/O happens at a point they choose.
     #[doc(hidden)]
     pub fn maintain(&self) -> Result<()> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         self.inner.background_step().map(|_| ())
     }
 
@@ -386,13 +381,13 @@ impl Store {
     /// without the background threads (the crash model). Returns whether it did any.
     #[doc(hidden)]
     pub fn idle_work_once(&self) -> Result<bool> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         self.inner.idle_work(&mut self.idle.lock())
     }
 
     /// Writes a checkpoint now (and frees segments it makes reusable).
     pub fn checkpoint(&self) -> Result<()> {
-        self.inner.check_writable()?;
+        self.inner.health.check_writable()?;
         self.inner.checkpoint_now()
     }
 

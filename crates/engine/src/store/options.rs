@@ -143,18 +143,18 @@ pub struct OpenOptions {
     /// one (`codec::default_codec_cores`). Defaults to `ZDISK_CODEC_CORES` (measurements),
     /// else None; `zdisk serve --codec-cores N` sets it.
     pub codec_cores: Option<usize>,
-    /// Pace host writes against GC as free space runs low (`pacing.rs`). On unless
+    /// Pace host writes against GC as free space runs low (`space/pacing.rs`). On unless
     /// `ZDISK_PACING=off`: at native capacity it cut p99.9 write latency about sevenfold and
     /// raised throughput by a third (docs/space.md, "Pacing").
     pub pacing: bool,
     /// Host writes (and trims, write-zeroes) that compress and append at once; the others
-    /// sleep until a permit is free or they are overdue (`permits.rs`). 0: no limit.
+    /// sleep until a permit is free or they are overdue (`space/permits.rs`). 0: no limit.
     /// Defaults to `ZDISK_WRITE_PERMITS`, else the number of cores: more writers than cores
     /// only preempt each other while holding the store's locks (docs/space.md, "Write
     /// admission").
     pub write_concurrency: usize,
     /// How long a host write waiting for a permit may be passed over by writers arriving
-    /// after it (`permits.rs`): longer trades the tail for throughput. Defaults to
+    /// after it (`space/permits.rs`): longer trades the tail for throughput. Defaults to
     /// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else 1 ms (docs/space.md, "Write
     /// admission").
     pub write_permit_fair_after: Duration,
@@ -240,9 +240,9 @@ fn codec_fallback_from_env() -> CodecFallback {
     }
 }
 
-/// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else `permits::FAIR_AFTER`.
+/// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else `space::permits::FAIR_AFTER`.
 fn write_permit_fair_after_from_env() -> Duration {
-    let default = super::permits::FAIR_AFTER;
+    let default = super::space::permits::FAIR_AFTER;
     match std::env::var("ZDISK_WRITE_PERMIT_FAIR_US") {
         Ok(v) => v.parse().map(Duration::from_micros).unwrap_or_else(|_| {
             tracing::warn!("ZDISK_WRITE_PERMIT_FAIR_US={v:?} is not a number of microseconds; using the default");

@@ -10,11 +10,11 @@
 use std::collections::BTreeMap;
 
 use super::apply::SnapshotAccount;
-use super::capacity::SpaceClass;
 use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
 use super::op::{Block, Op};
 use super::segments::BlockCounts;
+use super::space::SpaceClass;
 use super::state::Inner;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::SegmentUsage;

@@ -348,6 +348,7 @@ fn inner_from_checkpoint(
         pacing: options.pacing,
         logical_size_bytes,
         over_provision_ppm: sb.over_provision_ppm,
+        dictionary_table_bytes: dictionaries.table_bytes_max(),
         segment_count: geometry.segment_count,
         segment_capacity_bytes: geometry.segment_capacity(),
     });

@@ -12,14 +12,14 @@
 
 use std::sync::atomic::Ordering;
 
-use super::admit::Admitted;
-use super::capacity::SpaceClass;
 use super::geometry::round_up;
 use super::lock::MutexGuard;
 use super::log::{Appended, WRITE_OUT_THRESHOLD_BYTES};
 use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
+use super::space::admit::Admitted;
+use super::space::SpaceClass;
 use super::state::Inner;
 use crate::codec::{
     looks_incompressible, lz4_literals, skips_codec, store_raw, write_choice, Codec, CodecTag, WriteChoice, WriteLoad,
@@ -229,12 +229,12 @@ impl Inner {
 
     pub(crate) fn write(&self, offset: u64, data: &[u8], durability: Durability) -> Result<()> {
         Counters::add(&self.counters.write_ops, 1);
-        self.check_writable()?;
+        self.health.check_writable()?;
         self.validate_range(offset, data.len() as u64)?;
         if data.is_empty() {
             return self.make_durable(None, durability);
         }
-        self.pace_host_write(data.len() as u64);
+        self.space.pace_host_write(data.len() as u64);
         let permit = self.space.write_permits.acquire();
         let first_lba = Lba::of_byte(offset);
         let last_lba = Lba::of_byte(offset + data.len() as u64 - 1);

@@ -39,7 +39,8 @@ pub(crate) struct Inner {
     pub log: Log,
     /// Rank 2: serialises checkpoints and holds the superblock of the newest durable one.
     pub checkpoint: Mutex<Superblock>,
-    /// Host writers' waits: block stripes (rank 0), permits, pacing, reserves (`space.rs`).
+    /// When host writers wait: pacing, permits, block stripes (rank 1), the reserves as of
+    /// now (`space/`).
     pub space: Space,
     /// GC's locks (ranks 1 and 3) and the background threads' wake-ups (`background.rs`).
     pub background: Background,
@@ -52,6 +53,8 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// `self.health.check_writable()`, which the rest of the store calls directly; kept for
+    /// `gc.rs` and `request.rs`'s trim and zero until they do too.
     pub fn check_writable(&self) -> Result<()> {
         self.health.check_writable()
     }
@@ -62,14 +65,6 @@ impl Inner {
 
     pub fn fail(&self, e: Error) -> Error {
         self.health.fail(e)
-    }
-
-    pub fn kick_worker(&self) {
-        self.background.wakeups.kick_worker();
-    }
-
-    pub fn kick_writer(&self) {
-        self.background.wakeups.kick_writer();
     }
 
     /// Segments whose bytes may still be only in memory: GC and freeing leave them be.

@@ -3,7 +3,8 @@
 
 use std::sync::atomic::Ordering;
 
-use super::capacity::{native_capacity_for, SpaceClass};
+use super::capacity::native_capacity_for;
+use super::space::SpaceClass;
 use super::state::Inner;
 use crate::format::{SegmentState, SUPERBLOCK_SLOT_BYTES};
 use crate::stats::{Counters, Stats};

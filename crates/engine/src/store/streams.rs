@@ -18,11 +18,11 @@
 
 use std::sync::Arc;
 
-use super::capacity::{Reserves, SpaceClass};
 use super::geometry::{new_buffer, SegmentBuffer};
 use super::lock::{Rank, RwLock};
 use super::log::{Appender, LogGuard, OpenSegment, SealedSegment};
 use super::op::{group_bytes, metadata_only, Op};
+use super::space::{Reserves, SpaceClass};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{RecordBody, FLAG_FIRST, FLAG_LAST, RECORD_MAC_BYTES, RECORD_MIN_BYTES};
 use crate::map::Entry;

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use super::capacity::SpaceClass;
 use super::gc::GcMode;
+use super::space::SpaceClass;
 use super::state::Inner;
 use super::{Durability, FormatOptions, OpenOptions, Store};
 use crate::codec::Codec;

@@ -24,8 +24,6 @@ enum Thread {
 
 /// Segments background GC cleans in one round before it frees what it can.
 const GC_ROUND_SEGMENTS: u64 = 4;
-/// The widest pacing band (256 MiB of 4 MiB segments; docs/space.md, "Pacing's band").
-const PACING_BAND_SEGMENTS_MAX: u64 = 64;
 
 impl Inner {
     /// Waits until kicked (or the timeout passes) and clears the kick; false when the
@@ -52,7 +50,7 @@ impl Inner {
 
     pub(crate) fn writer_loop(&self) {
         while self.wait_for_work(Thread::Writer) {
-            if self.check_writable().is_err() {
+            if self.health.check_writable().is_err() {
                 continue;
             }
             let pending = {
@@ -74,11 +72,11 @@ impl Inner {
     pub(crate) fn worker_loop(&self) {
         let mut idle = IdleWork::default();
         while self.wait_for_work(Thread::Worker) {
-            if self.check_writable().is_err() {
+            if self.health.check_writable().is_err() {
                 continue;
             }
             match self.background_step().and_then(|busy| Ok(busy || self.idle_step(&mut idle)?)) {
-                Ok(true) => self.kick_worker(),
+                Ok(true) => self.background.wakeups.kick_worker(),
                 Ok(false) => {}
                 // GC's relocations ran into its reserve: on a store at native capacity that
                 // is the usual state between checkpoints, not news (it flooded the log).
@@ -106,7 +104,7 @@ impl Inner {
             let log = self.log.lock();
             (log.segments.free_count() as u64, self.reserves().host_segments())
         };
-        let target = reserve + self.cushion_segments();
+        let target = reserve + self.space.cushion_segments();
         let mut busy = false;
         let started = std::time::Instant::now();
         let mut gained_bytes = 0;
@@ -158,26 +156,16 @@ impl Inner {
         Ok(busy)
     }
 
-    /// Free segments the background GC keeps above the host reserve; host writes are
-    /// paced once the free space falls below it (`pacing.rs`).
+    /// Free segments the background GC keeps above the host reserve: `Space`'s number (with
+    /// pacing on, pacing's band), for idle work's targets.
     pub(crate) fn cushion_segments(&self) -> u64 {
-        match self.options.pacing {
-            true => pacing_band_segments(self.geometry.segment_count),
-            false => (self.geometry.segment_count / 256).max(2),
-        }
+        self.space.cushion_segments()
     }
-}
-
-/// The pacing band of a store of `segment_count` segments. It absorbs what host writes take
-/// while GC gives space back (a step of up to `GC_ROUND_SEGMENTS` victims, then the
-/// checkpoint that frees them), which does not grow with the store; every segment in it is
-/// held free and raises the utilisation GC works at (docs/space.md, "Pacing's band").
-fn pacing_band_segments(segment_count: u64) -> u64 {
-    (segment_count / 64).clamp(4, PACING_BAND_SEGMENTS_MAX)
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::space::pacing::{pacing_band_segments, PACING_BAND_SEGMENTS_MAX};
     use super::*;
 
     #[test]

@@ -71,7 +71,7 @@ impl Inner {
     /// `write_out`, or nothing if `done` holds once this thread has the `io` lock.
     fn write_out_unless(&self, mode: WriteOut, done: Done) -> Result<()> {
         let mut io = self.log.io.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         let already_done = match done {
             Done::Never => false,
             Done::Durable(seq) => self.log.durable_seq.load(Ordering::Acquire) >= seq,
@@ -173,7 +173,7 @@ impl Inner {
     /// append, so this covers every write acknowledged before the call; an open batch
     /// already holds its sequence number, and any flush that covers it closes it first.)
     pub(crate) fn flush(&self) -> Result<()> {
-        self.check_writable()?;
+        self.health.check_writable()?;
         let appended = self.log.lock().appender.next_seq - 1;
         self.flush_upto(appended)
     }

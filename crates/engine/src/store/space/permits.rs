@@ -105,7 +105,7 @@ impl WritePermits {
 
     /// Takes a permit, sleeping while all are held (or while an overdue waiter is owed one).
     pub fn acquire(&self) -> Option<WritePermit<'_>> {
-        debug_assert!(super::lock::holds_none(), "a write permit is taken before any lock of the order");
+        debug_assert!(crate::store::lock::holds_none(), "a write permit is taken before any lock of the order");
         if self.count == 0 {
             return None;
         }
@@ -148,7 +148,7 @@ impl WritePermits {
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, PermitState> {
-        super::lock::lock_unranked(&self.state)
+        crate::store::lock::lock_unranked(&self.state)
     }
 
     /// How many writers wait for a permit now (0 while they are not limited).

@@ -1,6 +1,7 @@
 //! Admission of host requests: append when there is room, otherwise make room with
 //! foreground GC, in bounded rounds, and refuse with ENOSPC only when GC cannot give back
-//! what the request lacks.
+//! what the request lacks — the waits of Space that need the whole store (`impl Inner`):
+//! the map's memory and the reserves (`mod.rs` lists every wait in order).
 //!
 //! Only host requests come through here. GC and checkpoints call the single append attempt
 //! (`Inner::try_append`) and fail at once when short, so GC never waits on GC.
@@ -10,14 +11,14 @@
 
 use std::sync::atomic::Ordering;
 
-use super::capacity::{Reserves, SpaceClass};
-use super::gc::GcMode;
-use super::log::{Appended, Attempt, LogGuard, MapTarget, WRITE_OUT_THRESHOLD_BYTES};
-use super::op::{metadata_only, Op};
-use super::state::Inner;
-use super::writeout::WriteOut;
+use super::{Reserves, SpaceClass};
 use crate::error::{Error, ErrorKind, Result};
 use crate::stats::Counters;
+use crate::store::gc::GcMode;
+use crate::store::log::{Appended, Attempt, LogGuard, MapTarget, WRITE_OUT_THRESHOLD_BYTES};
+use crate::store::op::{metadata_only, Op};
+use crate::store::state::Inner;
+use crate::store::writeout::WriteOut;
 
 /// A backstop only: a write that finds no space runs GC rounds for as long as they make
 /// progress (ENOSPC after two that do not). At native capacity with little
@@ -86,11 +87,11 @@ impl Inner {
     /// requests go through `admit`, which makes room.
     pub(crate) fn try_append(&self, ops: &[Op], class: SpaceClass) -> Result<Attempt> {
         let mut log = self.log.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         if !expectations_hold(MapTarget { map: &self.map.read(), pages: self }, ops)? {
             return Ok(Attempt::Conflict);
         }
-        let reserves = self.reserves();
+        let reserves = self.space.reserves();
         let appended = match log.append(ops, class, &reserves, &self.map, self)? {
             Attempt::Appended(appended) => appended,
             other => return Ok(other),
@@ -110,15 +111,24 @@ impl Inner {
         } else if behind_max > 0 && backlog_bytes > behind_max {
             self.write_out_behind(behind_max)?;
         } else if sealed > 0 || unwritten >= WRITE_OUT_THRESHOLD_BYTES {
-            self.kick_writer();
+            self.background.wakeups.kick_writer();
         }
         Ok(Attempt::Appended(appended))
     }
 
     /// Every class's reserve as of now (they grow with the logical size and the
-    /// dictionary table).
+    /// dictionary table): `Space`'s, checked in debug builds against a fresh computation.
+    /// Everything but an append asks here (the worker's step, GC, checkpoints, idle work,
+    /// statistics); `try_append` reads `Space::reserves` unchecked, so that a host write
+    /// takes neither the dictionary table's lock nor its arithmetic.
     pub(crate) fn reserves(&self) -> Reserves {
-        self.space.reserves(self.codecs.dictionaries.read().table_bytes_max())
+        if cfg!(debug_assertions) {
+            // Under the table's read lock: a change to it updates the reserves before it
+            // lets go of the write lock.
+            let dictionaries = self.codecs.dictionaries.read();
+            self.space.assert_reserves_fresh(dictionaries.table_bytes_max());
+        }
+        self.space.reserves()
     }
 
     /// Appends a host request's group, making room with foreground GC when it lacks it.
@@ -153,34 +163,6 @@ impl Inner {
                 return Err(Error::new(ErrorKind::NoSpace, message));
             }
         }
-    }
-
-    /// Waits for a host write's slot when the free space above the host reserve is in the
-    /// pacing band, the background worker's cushion (`pacing.rs`). Takes no lock: the free
-    /// space is the last one published (`publish_host_slack`). Every writer passes here
-    /// before it has a write permit, so a lock taken here was taken by all of them at
-    /// once, and one preempted while holding it stalled the rest (docs/space.md,
-    /// "Yielding locks").
-    pub(crate) fn pace_host_write(&self, bytes: u64) {
-        if !self.options.pacing || self.space.pacer.gc_ps_per_byte() == 0 {
-            return;
-        }
-        let slack_bytes = self.space.host_slack_bytes.load(Ordering::Relaxed);
-        let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
-        let wait = self.space.pacer.wait_for(bytes, slack_bytes, band_bytes);
-        if !wait.is_zero() {
-            std::thread::sleep(wait);
-        }
-    }
-
-    /// Whether host writes may wait now (free space in the pacing band, where GC cleans
-    /// beside them): a front end then runs them where a waiting one holds up nothing else.
-    pub(crate) fn host_writes_may_wait(&self) -> bool {
-        if !self.options.pacing || self.space.pacer.gc_ps_per_byte() == 0 {
-            return false;
-        }
-        let band_bytes = self.cushion_segments() * self.geometry.segment_capacity();
-        self.space.host_slack_bytes.load(Ordering::Relaxed) < band_bytes
     }
 
     /// When the map's changes reached their memory limit (the background checkpoint fell

@@ -37,6 +37,27 @@ const WAIT_MAX: Duration = Duration::from_millis(100);
 const SCALE_MAX: f64 = 64.0;
 /// Weight of a new GC measurement in the running estimate (1/8: a few rounds' memory).
 const GC_COST_NEW_WEIGHT: f64 = 0.125;
+/// The widest pacing band (256 MiB of 4 MiB segments; docs/space.md, "Pacing's band").
+pub(crate) const PACING_BAND_SEGMENTS_MAX: u64 = 64;
+
+/// Free segments the background worker keeps above the host reserve; host writes are
+/// paced once the free space falls below it (`Space::pace_host_write`). Without pacing, a
+/// smaller cushion of its own.
+pub(crate) fn cushion_segments(pacing: bool, segment_count: u64) -> u64 {
+    match pacing {
+        true => pacing_band_segments(segment_count),
+        false => (segment_count / 256).max(2),
+    }
+}
+
+/// The pacing band of a store of `segment_count` segments. It absorbs what host writes take
+/// while GC gives space back (a step of up to the worker's `GC_ROUND_SEGMENTS` victims,
+/// then the checkpoint that frees them), which does not grow with the store; every segment
+/// in it is held free and raises the utilisation GC works at (docs/space.md, "Pacing's
+/// band").
+pub(crate) fn pacing_band_segments(segment_count: u64) -> u64 {
+    (segment_count / 64).clamp(4, PACING_BAND_SEGMENTS_MAX)
+}
 
 pub(crate) struct Pacer {
     epoch: Instant,
