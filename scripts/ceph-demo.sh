@@ -9,6 +9,10 @@
 #   scripts/ceph-demo.sh guard  --conf C --osd-store ID=STORE ...  (see docs/ceph.md)
 #   scripts/ceph-demo.sh report --out DIR   re-render a bench report from its runs.jsonl
 #
+# The shell stands clusters up, measures and tears down; the zdisk binary reads the sizes
+# (`zdisk size`) and writes the report (`zdisk ceph report`: report.json, summary.md,
+# report.html from runs.jsonl and meta.json).
+#
 # Every daemon, device, mount and temporary file it starts is torn down on exit, on Ctrl-C /
 # SIGTERM and after a failure. Needs root, Debian's ceph-mon, ceph-mgr, ceph-osd, ceph-common,
 # fio (with the rbd engine), jq, nbdfuse (libnbd-bin), fuse3, qemu-nbd (qemu-utils) and a
@@ -21,7 +25,7 @@ MODE=${1:-}
 [[ $# -gt 0 ]] && shift
 
 usage() {
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
   cat <<'EOF'
 
 Options (defaults in brackets):
@@ -106,14 +110,14 @@ is_uint "$PCT" && ((PCT <= 100)) || bad "--compress-pct must be 0..100"
 [[ $NATIVE =~ ^0?\.[0-9]+$|^1(\.0*)?$ ]] || bad "--native-fraction must be in (0, 1]"
 [[ -z $SEED ]] || is_uint "$SEED" || bad "--seed must be a whole number"
 
-# Sizes: NUMBER[K|M|G|T] (binary) -> bytes.
-to_bytes() {
-  local s=$1 n u
-  [[ $s =~ ^([0-9]+(\.[0-9]+)?)([KMGT]?)(i?B)?$ ]] || return 1
-  n=${BASH_REMATCH[1]} u=${BASH_REMATCH[3]}
-  case $u in K) m=1024 ;; M) m=$((1024**2)) ;; G) m=$((1024**3)) ;; T) m=$((1024**4)) ;; *) m=1 ;; esac
-  awk -v n="$n" -v m="$m" 'BEGIN { printf "%d\n", n * m / 4096 * 4096 / 1 }' | awk '{ print int($1 / 4096) * 4096 }'
-}
+# The zdisk binary: it also reads the sizes below and writes the bench report.
+[[ -n $ZDISK ]] || ZDISK=$ROOT/target/release/zdisk
+[[ -x $ZDISK ]] || { echo "ceph-demo: $ZDISK not found: run 'cargo build --release' first (or --zdisk PATH)" >&2; exit 1; }
+ZDISK=$(readlink -f "$ZDISK")
+
+# Sizes as every zdisk command reads them (`zdisk size`: 64M, 1.5G, binary units), in whole
+# 4 KiB blocks.
+to_bytes() { local b; b=$("$ZDISK" size "$1") && echo $((b / 4096 * 4096)); }
 if [[ $MODE == smoke ]]; then
   OSD_SIZE=${OSD_SIZE:-1G} IMAGE_SIZE=${IMAGE_SIZE:-128M} RUNTIME=${RUNTIME:-3}
 fi
@@ -144,9 +148,6 @@ check_tools() {
   fio --enghelp=rbd >/dev/null 2>&1 || { echo "ceph-demo: this fio has no rbd engine: apt-get install fio librbd1" >&2; exit 1; }
   [[ -e /dev/fuse ]] || { modprobe fuse 2>/dev/null || true; }
   [[ -e /dev/fuse ]] || { echo "ceph-demo: /dev/fuse missing (modprobe fuse)" >&2; exit 1; }
-  if [[ -z $ZDISK ]]; then ZDISK=$ROOT/target/release/zdisk; fi
-  [[ -x $ZDISK ]] || { echo "ceph-demo: $ZDISK not found: run 'cargo build --release' first (or --zdisk PATH)" >&2; exit 1; }
-  ZDISK=$(readlink -f "$ZDISK")
 }
 
 # ---------------------------------------------------------------- state, logging, teardown
@@ -298,7 +299,9 @@ device_pids() {
     if [[ $kind == zdisk ]]; then
       local st=$WORK/run/attach/$(basename "$dev").json uuid
       uuid=$(jq -r .uuid "$st")
-      echo "$(jq -r .nbdkit_pid "$WORK/run/$uuid.serve.json") $(jq -r '.nbdfuse_pid // empty' "$st")"
+      # server_pid: the process serving NBD (`zdisk serve` itself, or its nbdkit); older
+      # builds wrote nbdkit_pid
+      echo "$(jq -r '.server_pid // .nbdkit_pid' "$WORK/run/$uuid.serve.json") $(jq -r '.nbdfuse_pid // empty' "$st")"
     else
       local f p q; IFS=, read -r f p q <<<"$rest"; echo "$q $p"
     fi
@@ -666,20 +669,20 @@ bench() {
       run_case "$r" "$i" "$c" >>"$runs"
     done
   done
-  jq -nc --argjson host "$host" --arg load0 "$load0" --arg load1 "$(cut -d' ' -f1-3 /proc/loadavg)" \
-    --argjson cfg "$(config_json)" --arg cmd "$COMMAND" --argjson wall "$SECONDS" \
-    '{host: $host, load0: $load0, load1: $load1, cfg: $cfg, cmd: $cmd, wall: $wall}' >"$OUT/meta.json"
+  write_meta "$host" "$load0"
   make_report "$OUT"
   log "report: $OUT/summary.md, $OUT/report.html, $OUT/report.json"
   cat "$OUT/summary.md"
 }
 
+write_meta() { # write_meta HOST-JSON LOAD0: OUT/meta.json, what the report reads besides runs.jsonl
+  jq -nc --argjson host "$1" --arg load0 "$2" --arg load1 "$(cut -d' ' -f1-3 /proc/loadavg)" \
+    --argjson cfg "$(config_json)" --arg cmd "$COMMAND" --argjson wall "$SECONDS" \
+    '{host: $host, load0: $load0, load1: $load1, cfg: $cfg, cmd: $cmd, wall: $wall}' >"$OUT/meta.json"
+}
+
 make_report() { # make_report OUTDIR: report.json, summary.md, report.html from runs.jsonl + meta.json
-  local o=$1 meta=$1/meta.json
-  jq -s --argjson host "$(jq .host "$meta")" --arg load0 "$(jq -r .load0 "$meta")" --arg load1 "$(jq -r .load1 "$meta")" \
-    --argjson cfg "$(jq .cfg "$meta")" --arg cmd "$(jq -r .cmd "$meta")" --argjson wall "$(jq .wall "$meta")" \
-    -f "$ROOT/scripts/ceph-report.jq" "$o/runs.jsonl" >"$o/report.json"
-  OUT=$o render_reports
+  "$ZDISK" ceph report "$1"
 }
 
 config_json() {
@@ -692,35 +695,11 @@ config_json() {
       osd_memory_target: 1073741824, bdev_enable_discard: true}'
 }
 
-render_reports() {
-  jq -r -f "$ROOT/scripts/ceph-summary.jq" "$OUT/report.json" >"$OUT/summary.md"
-  jq -r --arg md "$(cat "$OUT/summary.md")" -n '
-    def esc: gsub("&"; "&amp;") | gsub("<"; "&lt;") | gsub(">"; "&gt;");
-    def cells($tag): split("|") | .[1:-1] | map("<\($tag)>" + (gsub("^ +| +$"; "") | esc | gsub("\\*\\*(?<b>[^*]+)\\*\\*"; "<b>\(.b)</b>")) + "</\($tag)>") | join("");
-    ($md | split("\n")) as $lines
-    | "<!doctype html><html><head><meta charset=\"utf-8\"><title>zdisk under Ceph</title><style>body{font-family:sans-serif;max-width:75em;margin:2em auto}table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;padding:.25em .6em;text-align:right}th{background:#eee}td:first-child{text-align:left}pre{background:#f6f6f6;padding:.5em}</style></head><body>",
-      (reduce range(0; $lines | length) as $i ({out: [], intable: false, head: false};
-        $lines[$i] as $l
-        | if ($l | test("^\\|")) then
-            if ($l | test("^\\|[- |:]+\\|$")) then .
-            elif .intable then .out += ["<tr>" + ($l | cells("td")) + "</tr>"]
-            else .out += ["<table><tr>" + ($l | cells("th")) + "</tr>"] | .intable = true end
-          else
-            (if .intable then .out += ["</table>"] | .intable = false else . end)
-            | if ($l | test("^# ")) then .out += ["<h1>" + ($l[2:] | esc) + "</h1>"]
-              elif ($l | test("^## ")) then .out += ["<h2>" + ($l[3:] | esc) + "</h2>"]
-              elif ($l | test("^### ")) then .out += ["<h3>" + ($l[4:] | esc) + "</h3>"]
-              elif ($l | length) == 0 then .
-              else .out += ["<p>" + ($l | esc | gsub("`(?<c>[^`]+)`"; "<code>\(.c)</code>") | gsub("\\*\\*(?<b>[^*]+)\\*\\*"; "<b>\(.b)</b>")) + "</p>"] end
-          end)
-        | if .intable then .out + ["</table>"] else .out end | .[]),
-      "</body></html>"' >"$OUT/report.html"
-}
-
 # ---------------------------------------------------------------- smoke (CI)
 smoke() {
   setup_work
-  local t0=$SECONDS w r
+  local t0=$SECONDS w r host load0
+  host=$(host_info) load0=$(cut -d' ' -f1-3 /proc/loadavg)
   log "smoke: $OSDS OSDs on zdisk ($OSD_SIZE each), pool size 2, $IMAGES image(s) of $IMAGE_SIZE"
   CURRENT_CASE=zdisk CASE_ZFMT=$ZFMT
   cluster_up zdisk
@@ -731,9 +710,18 @@ smoke() {
   local space; space=$(space_snapshot)
   r=$(run_workload smoke 128k-seqread read 128k "$RUNTIME")
   local health; health=$(ceph_ health)
+  local transport; transport=$(transport_info)
   teardown_cluster
   jq -nc --argjson w "$w" --argjson r "$r" --argjson s "$space" --arg h "$health" --argjson up "$up" --argjson wall "$SECONDS" \
     '{schema: "zdisk-ceph-smoke/1", cluster_up_s: $up, wall_s: $wall, health: $h, workloads: [$w, $r], space: $s}' >"$OUT/smoke.json"
+  # The smoke as a one-round bench of the zdisk case, through the bench's report: its write
+  # phase is a 128K sequential write (verified on top), the report's 128k-seqwrite; it has no
+  # 4K random-write phase (those columns stay empty).
+  jq -nc --argjson w "$w" --argjson r "$r" --argjson s "$space" --argjson tr "$transport" --argjson up "$up" --arg zfmt "$ZFMT" \
+    '{round: 0, position: 0, case: "zdisk", zdisk_format: $zfmt, setup_s: $up, devices: $tr,
+      workloads: [($w | .workload = "128k-seqwrite"), $r], space_after_write: $s}' >"$OUT/runs.jsonl"
+  CASES=zdisk ROUNDS=1 write_meta "$host" "$load0"
+  make_report "$OUT" || die "zdisk ceph report failed on the smoke's run"
   local ratio errs
   ratio=$(jq '.space.zdisk.comp_ratio' "$OUT/smoke.json")
   errs=$(jq '[.workloads[].errors] | add' "$OUT/smoke.json")

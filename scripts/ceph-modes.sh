@@ -85,7 +85,7 @@ osd_scrub_during_recovery = true"
   # 3. kill the server
   local server; server=$(device_pids "${OSD_DEV[$victim]}" | cut -d' ' -f1)
   local opid; opid=$(osd_pid "$victim")
-  log "  kill -9 zdisk's nbdkit (pid $server) under osd.$victim (pid $opid, ${OSD_DEV[$victim]})"
+  log "  kill -9 zdisk's server (pid $server) under osd.$victim (pid $opid, ${OSD_DEV[$victim]})"
   local t_kill=$SECONDS
   kill -KILL "$server"
   # 4. the OSD must stop (BlueStore treats an I/O error from its device as fatal) and Ceph

@@ -8,9 +8,13 @@
 //! - `zdisk db powercut mysql|postgres` — SIGKILL of zdisk's server and the database together
 //!   during a write-heavy load, recovery, and a check of every page.
 //!
+//! And `zdisk ceph report`: the report of the Ceph case study (`scripts/ceph-demo.sh`,
+//! docs/ceph.md) from what the script recorded.
+//!
 //! See docs/apps.md.
 
 mod bench;
+pub mod ceph;
 mod corpus;
 mod db;
 mod plan;
@@ -25,6 +29,7 @@ use anyhow::Result;
 use zdisk_bench::sys;
 pub use zdisk_bench::Preset;
 
+pub use ceph::CephArgs;
 pub use db::Db;
 pub use plan::{ConfigKey, Workload};
 

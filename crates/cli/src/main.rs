@@ -90,10 +90,32 @@ enum Cmd {
     Tco(zdisk_tco::TcoArgs),
     /// Real databases on zdisk: MariaDB/PostgreSQL benchmarks and power-cut tests (docs/apps.md).
     Db(zdisk_apps::DbArgs),
+    /// The Ceph case study on zdisk devices (scripts/ceph-demo.sh, docs/ceph.md): its report.
+    Ceph(zdisk_apps::CephArgs),
+    /// Print a size in bytes, read as every zdisk command reads sizes (for scripts).
+    ///
+    /// `zdisk size 1.5G` prints 1610612736: K, M, G, T, P are binary (1K = 1024), with an
+    /// optional B, iB or i; a fraction must come to a whole number of bytes.
+    Size(SizeArgs),
     /// Write the man pages and shell completions generated from this command line
     /// (scripts/install.sh installs them).
     #[command(hide = true)]
     GenerateAssets(GenerateAssetsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct SizeArgs {
+    /// The size: NUMBER[K|M|G|T|P][B|iB|i], e.g. 4096, 64K, 1.5G.
+    #[arg(allow_hyphen_values = true)]
+    size: String,
+}
+
+/// `zdisk size`: the workspace's size parser for scripts (scripts/ceph-demo.sh reads its
+/// --osd-size and --image-size through it).
+fn print_size(args: &SizeArgs) -> anyhow::Result<()> {
+    let bytes = zdisk_bench::size::parse_bytes(&args.size).map_err(Usage)?;
+    println!("{bytes}");
+    Ok(())
 }
 
 #[derive(Debug, clap::Args)]
@@ -153,6 +175,8 @@ fn main() {
         Cmd::Bench(args) => zdisk_bench::run(args).map(|()| 0),
         Cmd::Tco(args) => zdisk_tco::run(args).map(|()| 0),
         Cmd::Db(args) => zdisk_apps::run(args).map(|()| 0),
+        Cmd::Ceph(args) => zdisk_apps::ceph::run(args).map(|()| 0),
+        Cmd::Size(args) => print_size(args).map(|()| 0),
         Cmd::GenerateAssets(args) => generate_assets(args).map(|()| 0),
     };
     match result {

@@ -4,7 +4,8 @@
 //! fio's rbd engine writes 60%-compressible data with a crc32c in every block, verifies it
 //! through Ceph and reads it back; the script requires HEALTH_OK and a zdisk comp_ratio
 //! above 1.5, then tears everything down. This test checks the script's own verdict, the smoke
-//! report, and that nothing is left behind — also when the script is interrupted (SIGINT)
+//! report (smoke.json, and the bench report `zdisk ceph report` writes from the smoke's run),
+//! and that nothing is left behind — also when the script is interrupted (SIGINT)
 //! while its cluster runs.
 //!
 //! Run: `cargo test -p zdisk --test ceph_smoke -- --nocapture` as root. Needs Debian's
@@ -178,4 +179,55 @@ fn ceph_cluster_on_zdisk_devices_serves_rbd_and_tears_down() {
     assert!(ratio > 1.5, "comp_ratio {ratio}");
     let logical = zdisk["logical_size"].as_f64().unwrap();
     assert!(logical >= 2.0 * written, "zdisk holds {logical} logical bytes for 2 x {written}");
+
+    // The smoke's run through the bench's report (`zdisk ceph report`, from the runs.jsonl and
+    // meta.json the script wrote): report.json with a bench's fields, summary.md, report.html.
+    let bench: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(bench["schema"], "zdisk-ceph/1");
+    for key in ["command", "wall_s", "config", "host", "loadavg_start", "loadavg_end", "ratios", "goals", "runs"] {
+        assert!(bench.get(key).is_some(), "report.json has no {key}: {bench}");
+    }
+    let case = &bench["cases"][0];
+    let keys: std::collections::BTreeSet<&str> = case.as_object().unwrap().keys().map(String::as_str).collect();
+    let expected: std::collections::BTreeSet<&str> = [
+        "case",
+        "rounds",
+        "write_mb_s",
+        "read_mb_s",
+        "randwrite_iops",
+        "write_p99_us",
+        "randwrite_p99_us",
+        "cpu_s_per_gb",
+        "cpu_busy_pct",
+        "randwrite_cpu_s_per_kio",
+        "backing_bytes_per_client_byte",
+        "zdisk_backing_bytes_per_client_byte",
+        "host_disk_bytes",
+        "space_saving",
+        "zdisk_comp_ratio",
+        "zdisk_physical_size",
+        "bluestore_comp_ratio",
+        "bluestore_compressor_ratio",
+        "fio_errors",
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(keys, expected, "{case}");
+    assert_eq!((case["case"].as_str(), case["rounds"].as_u64()), (Some("zdisk"), Some(1)), "{case}");
+    assert!(case["write_mb_s"].as_f64().unwrap() > 0.0 && case["read_mb_s"].as_f64().unwrap() > 0.0, "{case}");
+    assert!(case["cpu_s_per_gb"]["named"].as_f64().unwrap() > 0.0, "{case}");
+    // the zdisk servers were found and measured (their CPU and what they wrote to the disk)
+    assert!(case["cpu_s_per_gb"]["server"].as_f64().unwrap() > 0.0, "{case}");
+    assert!(case["backing_bytes_per_client_byte"].as_f64().unwrap() > 0.0, "{case}");
+    assert!(case["host_disk_bytes"].as_f64().unwrap() > 0.0, "{case}");
+    assert!((case["zdisk_comp_ratio"].as_f64().unwrap() - ratio).abs() < 1e-9, "{case}");
+    assert_eq!(case["fio_errors"], 0, "{case}");
+    assert_eq!(bench["per_round"].as_array().unwrap().len(), 1);
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(
+        summary.starts_with("# zdisk under Ceph") && summary.contains("| zdisk (Ceph compression off) |"),
+        "{summary}"
+    );
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    assert!(html.contains("<table>") && html.contains("zdisk (Ceph compression off)"), "{html}");
 }

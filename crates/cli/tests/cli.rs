@@ -442,3 +442,24 @@ fn attach_passes_the_options_after_the_double_dash_to_its_server() {
     assert_eq!(code, 1);
     assert!(stderr.contains("before serving") && stderr.contains("--write-behind"), "{stderr}");
 }
+
+/// `zdisk size` is the workspace's size parser for scripts (scripts/ceph-demo.sh): the bytes on
+/// stdout, or wrong use (exit 2) naming the input.
+#[test]
+fn size_prints_bytes_as_every_command_reads_them() {
+    let s = Scratch::new("size");
+    for (text, bytes) in [("4096", "4096"), ("1G", "1073741824"), ("128M", "134217728"), ("1.5GiB", "1610612736")] {
+        assert_eq!(s.zdisk_ok(&["size", text]), format!("{bytes}\n"), "{text}");
+    }
+    refused(&s, &["size", "12Q"], 2, "\"12Q\"");
+    refused(&s, &["size", "-1G"], 2, "not negative");
+}
+
+/// `zdisk ceph report` names what is missing in a directory that is not a Ceph run's.
+#[test]
+fn ceph_report_names_a_missing_run() {
+    let s = Scratch::new("ceph-report");
+    let dir = s.path("no-run");
+    std::fs::create_dir_all(&dir).unwrap();
+    refused(&s, &["ceph", "report", dir.to_str().unwrap()], 1, "meta.json");
+}
