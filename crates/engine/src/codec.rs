@@ -25,11 +25,13 @@
 //! the block arrives, against `codec_cores` — half the cores the process may run on, the
 //! other half being what the rest of the write path and the client need: cheap (one atomic
 //! add and subtract a block), needs no clock or history, and it is high exactly when more
-//! blocks want the codec than it may have cores. The disk is the other resource: when a
-//! segment's worth of log bytes waits for it, it binds and the store's codec is used however
-//! busy the cores are (fewer bytes is then what is faster); when every core is busy and the
-//! writer has caught up with the log, the block is stored uncompressed for now (an LZ4
-//! block of literals, `lz4_literals`): the CPU binds, and the disk has bandwidth to spare.
+//! blocks want the codec than it may have cores. The disk is the other resource: when a host
+//! writer waits behind a write-out, it binds and the store's codec is used however busy the
+//! cores are (fewer bytes is then what is faster); when every core is compressing and no
+//! write-out is in progress, the block is stored uncompressed for now (an LZ4 block of
+//! literals, `lz4_literals`; only with `CodecFallback::AutoUncompressed`, see there): the CPU
+//! binds, and the disk has bandwidth to spare. Sampled per block, the share of blocks stored
+//! uncompressed follows the share of time the disk idles.
 //! GC recompresses LZ4 fragments with the store's codec when it moves them, under the same
 //! rule, idle work when the CPU is free (`Store::recompress` does it on request). Every
 //! fragment carries its codec tag, so reads never need to know which codec was chosen.
@@ -80,10 +82,14 @@ impl Default for Codec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CodecFallback {
     /// The store's codec while a codec core is free or the disk binds; LZ4 when the codec
-    /// binds; uncompressed for now when every core is busy and the disk is starved
-    /// (`write_choice`).
+    /// binds (`write_choice`).
     #[default]
     Auto,
+    /// `Auto`, and blocks stored uncompressed for now while every core is compressing and
+    /// the disk idles (`write_choice`). Not the default: on fio's 2:1 data, which LZ4
+    /// compresses at close to memory speed, it measured 0.86–0.92x `Auto`'s 128K writes
+    /// (docs/space.md, "Which resource binds").
+    AutoUncompressed,
     /// LZ4 always on the write path: capacity comes from GC's recompression only (tests,
     /// and hosts that want the write path at its cheapest).
     Always,
@@ -104,7 +110,10 @@ impl FromStr for CodecFallback {
             "always" => Ok(CodecFallback::Always),
             "never" => Ok(CodecFallback::Never),
             "uncompressed" => Ok(CodecFallback::Uncompressed),
-            _ => Err(format!("unknown codec fallback {s:?} (expected auto, always, never or uncompressed)")),
+            "auto-uncompressed" => Ok(CodecFallback::AutoUncompressed),
+            _ => Err(format!(
+                "unknown codec fallback {s:?} (expected auto, auto-uncompressed, always, never or uncompressed)"
+            )),
         }
     }
 }
@@ -133,16 +142,17 @@ pub struct WriteLoad {
     pub codec_cores: usize,
     /// The cores the process may run on.
     pub available_cores: usize,
-    /// Log bytes appended but not yet written to the disk.
-    pub backlog_bytes: u64,
-    /// The backlog from which the disk binds: a whole segment waits for it.
-    pub disk_bound_bytes: u64,
-    /// The backlog under which the disk is starved: the writer has caught up.
-    pub disk_starved_bytes: u64,
+    /// Threads writing log bytes out to the disk or queued to (`Log::disk_writers`): 0 the
+    /// disk idle (starved), 1 busy, 2 or more host writers waiting for it (it binds).
+    pub disk_writers: usize,
     /// Free space is ample (`UNCOMPRESSED_TIER_FREE_SHARE`): storing a block uncompressed
     /// for now costs capacity GC would have to win back if space ran short.
     pub room_for_uncompressed: bool,
 }
+
+/// Write-outs in flight (one writing, the rest queued for the `io` lock) from which the disk
+/// binds: a host writer waits behind the background writer's write-out.
+pub const DISK_BINDS_WRITERS: usize = 2;
 
 /// The share of the store's segments that must be free for the write path to store blocks
 /// uncompressed: a quarter. The tier doubles what 2:1 data takes until it is recompressed;
@@ -152,11 +162,11 @@ pub const UNCOMPRESSED_TIER_FREE_SHARE: f64 = 0.25;
 
 /// How one host block is stored. With `CodecFallback::Auto` the cheaper tiers are taken only
 /// when the codec binds — every core set aside for it is already busy — and the disk does
-/// not:
+/// not (the last row only with `AutoUncompressed`):
 /// - a codec core free: the store's codec;
-/// - the disk binds (a segment's worth of log bytes waits for it): the store's codec too,
-///   since writing fewer bytes is what speeds the host up then (and the backlog drains
-///   only if the codec keeps up, which moves the choice back down);
+/// - the disk binds (a write-out in progress and another queued behind it): the store's
+///   codec too, since writing fewer bytes is what speeds the host up then (and the queue
+///   drains only if the codec keeps up, which moves the choice back down);
 /// - the codec binds: LZ4;
 /// - every core of the process is busy and the disk is starved: stored uncompressed, to be
 ///   recompressed when the CPU is free. Not in an LZ4 store, which has no stronger codec
@@ -170,13 +180,14 @@ pub fn write_choice(configured: Codec, fallback: CodecFallback, load: WriteLoad)
         CodecFallback::Always => WriteChoice::Compress(Codec::Lz4),
         CodecFallback::Uncompressed if lz4_store => WriteChoice::Compress(Codec::Lz4),
         CodecFallback::Uncompressed => WriteChoice::Uncompressed,
-        CodecFallback::Auto => {
-            if load.busy_compressors < load.codec_cores.max(1) || load.backlog_bytes >= load.disk_bound_bytes {
+        CodecFallback::Auto | CodecFallback::AutoUncompressed => {
+            if load.busy_compressors < load.codec_cores.max(1) || load.disk_writers >= DISK_BINDS_WRITERS {
                 WriteChoice::Compress(configured)
-            } else if !lz4_store
+            } else if fallback == CodecFallback::AutoUncompressed
+                && !lz4_store
                 && load.room_for_uncompressed
                 && load.compressing_now + 1 >= load.available_cores.max(2)
-                && load.backlog_bytes < load.disk_starved_bytes
+                && load.disk_writers == 0
             {
                 WriteChoice::Uncompressed
             } else {
@@ -1004,7 +1015,7 @@ mod tests {
     }
 
     /// The choice for `busy` other compressors and `codec_cores`, on a 2-core process whose
-    /// disk neither binds nor starves (2 MiB waiting, between 1 MiB and a 4 MiB segment).
+    /// disk neither binds nor starves (one write-out in progress, none queued).
     fn write_codec(configured: Codec, fallback: CodecFallback, busy: usize, codec_cores: usize) -> Codec {
         let load = WriteLoad { busy_compressors: busy, codec_cores, ..LOAD };
         match write_choice(configured, fallback, load) {
@@ -1018,9 +1029,7 @@ mod tests {
         compressing_now: 0,
         codec_cores: 1,
         available_cores: 2,
-        backlog_bytes: 2 << 20,
-        disk_bound_bytes: 4 << 20,
-        disk_starved_bytes: 1 << 20,
+        disk_writers: 1,
         room_for_uncompressed: true,
     };
 
@@ -1048,17 +1057,17 @@ mod tests {
     #[test]
     fn the_disk_binding_keeps_the_stores_codec_and_a_starved_disk_takes_blocks_uncompressed() {
         let zstd = Codec::Zstd { level: 1 };
-        // `busy` others want the codec, `now` of them are compressing.
-        let choice = |busy, now, backlog_bytes| {
-            let load = WriteLoad { busy_compressors: busy, compressing_now: now, backlog_bytes, ..LOAD };
-            write_choice(zstd, CodecFallback::Auto, load)
+        // `busy` others want the codec, `now` of them are compressing, `disk` write-outs.
+        let choice = |busy, now, disk_writers| {
+            let load = WriteLoad { busy_compressors: busy, compressing_now: now, disk_writers, ..LOAD };
+            write_choice(zstd, CodecFallback::AutoUncompressed, load)
         };
-        // A segment waits for the disk: the store's codec however busy the cores are.
-        assert_eq!(choice(30, 1, 4 << 20), WriteChoice::Compress(zstd));
-        assert_eq!(choice(30, 1, 64 << 20), WriteChoice::Compress(zstd));
-        // Both cores compressing, the writer caught up: uncompressed for now.
+        // A writer queued behind a write-out: the store's codec however busy the cores are.
+        assert_eq!(choice(30, 1, 2), WriteChoice::Compress(zstd));
+        assert_eq!(choice(30, 1, 9), WriteChoice::Compress(zstd));
+        // Both cores compressing, the disk idle: uncompressed for now.
         assert_eq!(choice(2, 1, 0), WriteChoice::Uncompressed);
-        assert_eq!(choice(30, 1, (1 << 20) - 1), WriteChoice::Uncompressed);
+        assert_eq!(choice(30, 1, 0), WriteChoice::Uncompressed);
         // Writers waiting but the other core not compressing: LZ4 (the codec is not what
         // keeps them waiting).
         assert_eq!(choice(30, 0, 0), WriteChoice::Compress(Codec::Lz4));
@@ -1066,18 +1075,28 @@ mod tests {
         let full = WriteLoad {
             busy_compressors: 30,
             compressing_now: 1,
-            backlog_bytes: 0,
+            disk_writers: 0,
             room_for_uncompressed: false,
             ..LOAD
         };
-        assert_eq!(write_choice(zstd, CodecFallback::Auto, full), WriteChoice::Compress(Codec::Lz4));
-        // Between starved and bound (the band that keeps the choice from flapping): LZ4.
-        assert_eq!(choice(30, 1, 1 << 20), WriteChoice::Compress(Codec::Lz4));
+        assert_eq!(write_choice(zstd, CodecFallback::AutoUncompressed, full), WriteChoice::Compress(Codec::Lz4));
+        // `Auto` (the default) never stores uncompressed.
+        let starved = WriteLoad { busy_compressors: 30, compressing_now: 1, disk_writers: 0, ..LOAD };
+        assert_eq!(write_choice(zstd, CodecFallback::Auto, starved), WriteChoice::Compress(Codec::Lz4));
+        assert_eq!(
+            write_choice(zstd, CodecFallback::Auto, WriteLoad { disk_writers: 2, ..starved }),
+            WriteChoice::Compress(zstd)
+        );
+        // The disk busy but nobody waiting for it: LZ4.
+        assert_eq!(choice(30, 1, 1), WriteChoice::Compress(Codec::Lz4));
         // A free codec core: the store's codec, starved disk or not.
         assert_eq!(choice(0, 0, 0), WriteChoice::Compress(zstd));
         // An LZ4 store never stores uncompressed: nothing would recompress it.
-        let lz4_load = WriteLoad { busy_compressors: 30, compressing_now: 1, backlog_bytes: 0, ..LOAD };
-        assert_eq!(write_choice(Codec::Lz4, CodecFallback::Auto, lz4_load), WriteChoice::Compress(Codec::Lz4));
+        let lz4_load = WriteLoad { busy_compressors: 30, compressing_now: 1, disk_writers: 0, ..LOAD };
+        assert_eq!(
+            write_choice(Codec::Lz4, CodecFallback::AutoUncompressed, lz4_load),
+            WriteChoice::Compress(Codec::Lz4)
+        );
         assert_eq!(write_choice(Codec::Lz4, CodecFallback::Uncompressed, LOAD), WriteChoice::Compress(Codec::Lz4));
         assert_eq!(write_choice(zstd, CodecFallback::Uncompressed, LOAD), WriteChoice::Uncompressed);
     }
@@ -1134,6 +1153,8 @@ mod tests {
         assert_eq!("always".parse::<CodecFallback>().unwrap(), CodecFallback::Always);
         assert_eq!("never".parse::<CodecFallback>().unwrap(), CodecFallback::Never);
         assert_eq!("auto".parse::<CodecFallback>().unwrap(), CodecFallback::Auto);
+        assert_eq!("auto-uncompressed".parse::<CodecFallback>().unwrap(), CodecFallback::AutoUncompressed);
+        assert_eq!("uncompressed".parse::<CodecFallback>().unwrap(), CodecFallback::Uncompressed);
         assert!("sometimes".parse::<CodecFallback>().is_err());
         assert_eq!(CodecFallback::default(), CodecFallback::Auto);
     }

@@ -241,7 +241,8 @@ pub struct CodecStats {
     pub incompressible_skipped_blocks: u64,
     /// Host blocks stored uncompressed for now (an LZ4 block of literals, counted in
     /// `blocks_written_lz4` and `codec_fallback_blocks` too) because every core was busy
-    /// and the disk was waiting for data (`codec::write_choice`); recompression takes them.
+    /// and the disk idled (`codec::write_choice`, `CodecFallback::AutoUncompressed` or
+    /// `Uncompressed` only); recompression takes them.
     #[serde(default)]
     pub uncompressed_tier_blocks: u64,
     /// Stored bytes of the live LZ4 fragments written since open in a store of a slower

@@ -172,7 +172,8 @@ impl Inner {
     /// compressing now, nothing — or only older dictionaries' fragments (module comment).
     fn gc_recompress_target(&self) -> Option<RecompressTarget> {
         let busy = self.codecs.counters.compressing.load(std::sync::atomic::Ordering::Relaxed);
-        let saturated = self.options.codec_fallback == CodecFallback::Auto && busy >= self.codecs.cores.max(1);
+        let saturated = matches!(self.options.codec_fallback, CodecFallback::Auto | CodecFallback::AutoUncompressed)
+            && busy >= self.codecs.cores.max(1);
         match (self.newest_dictionary(), saturated) {
             (Some(dictionary), saturated) => Some(RecompressTarget::dictionary(dictionary, saturated)),
             (None, false) => Some(RecompressTarget::codec(self.geometry.codec, false)),

@@ -81,10 +81,11 @@ pub(crate) struct Log {
     /// Bytes of map pages appended since open (the map's share of write amplification;
     /// not persisted, unlike `counters`).
     pub map_write_bytes: AtomicU64,
-    /// Bytes appended but not yet written to the disk (`Appender::backlog_bytes`), as of the
-    /// last release of the log lock: how far the disk is behind, read by the write path's
-    /// codec choice without the lock (`codec::write_choice`).
-    pub backlog_bytes: AtomicU64,
+    /// Threads writing log bytes out to the disk or waiting to (`writeout.rs`): how busy the
+    /// disk is, read by the write path's codec choice without a lock (`codec::WriteLoad`).
+    /// The backlog would not say it: the write-behind bound keeps it at ~2 MiB however slow
+    /// the disk is, by making writers write out themselves.
+    pub disk_writers: std::sync::atomic::AtomicUsize,
     /// Free segments, as of the last release of the log lock: whether the write path may
     /// spend space on storing blocks uncompressed for now (`codec::WriteLoad`).
     pub free_segments: AtomicU64,
@@ -243,7 +244,7 @@ impl Log {
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             durable_seq: AtomicU64::new(0),
             map_write_bytes: AtomicU64::new(0),
-            backlog_bytes: AtomicU64::new(0),
+            disk_writers: std::sync::atomic::AtomicUsize::new(0),
             free_segments: AtomicU64::new(0),
             gc_cold_bytes_moved: AtomicU64::new(0),
             gc_colder_bytes_moved: AtomicU64::new(0),
@@ -305,11 +306,9 @@ impl Log {
 }
 
 impl Drop for LogGuard<'_> {
-    /// Every change to the backlog (appends, write-outs taking and retiring jobs) and to
-    /// the free segments is made under the log lock: publishing them as the lock is
-    /// released keeps the atomics current.
+    /// Every change to the free segments is made under the log lock: publishing them as
+    /// the lock is released keeps the atomic current.
     fn drop(&mut self) {
-        self.log.backlog_bytes.store(self.state.appender.backlog_bytes() as u64, Ordering::Relaxed);
         self.log.free_segments.store(self.state.segments.free_count() as u64, Ordering::Relaxed);
     }
 }

@@ -228,8 +228,8 @@ impl Default for OpenOptions {
 /// The variable that sets `OpenOptions::codec_fallback` by default (tests and measurements).
 pub const CODEC_FALLBACK_ENV: &str = "ZDISK_CODEC_FALLBACK";
 
-/// `ZDISK_CODEC_FALLBACK` (`auto`, `always`, `never`, `uncompressed`) if set and valid, else
-/// `Auto`.
+/// `ZDISK_CODEC_FALLBACK` (`auto`, `auto-uncompressed`, `always`, `never`, `uncompressed`) if
+/// set and valid, else `Auto`.
 fn codec_fallback_from_env() -> CodecFallback {
     match std::env::var(CODEC_FALLBACK_ENV) {
         Ok(value) => value.parse().unwrap_or_else(|e| {

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 
 use super::geometry::round_up;
 use super::lock::MutexGuard;
-use super::log::{Appended, WRITE_OUT_THRESHOLD_BYTES};
+use super::log::Appended;
 use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
@@ -131,7 +131,6 @@ impl Inner {
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codecs.counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
-        let segment_bytes = self.geometry.segment_size_bytes;
         let load = WriteLoad {
             // Other compressions, or — with write admission — the other writers holding or
             // waiting for a permit, whichever says more (a permit holder compressing counts once).
@@ -139,9 +138,7 @@ impl Inner {
             compressing_now: compressing_before,
             codec_cores: self.codecs.cores,
             available_cores: self.codecs.available_cores,
-            backlog_bytes: self.log.backlog_bytes.load(Ordering::Relaxed),
-            disk_bound_bytes: segment_bytes,
-            disk_starved_bytes: (WRITE_OUT_THRESHOLD_BYTES as u64).min(segment_bytes / 2),
+            disk_writers: self.log.disk_writers.load(Ordering::Relaxed),
             room_for_uncompressed: self.log.free_segments.load(Ordering::Relaxed) as f64
                 >= self.geometry.segment_count as f64 * UNCOMPRESSED_TIER_FREE_SHARE,
         };

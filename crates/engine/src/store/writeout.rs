@@ -20,7 +20,7 @@ use super::proof::{ProofState, Proven};
 use super::state::Inner;
 use crate::error::{Error, Result};
 use crate::format::{FlushProof, ProofSector, FLUSH_PROOF_BYTES, FLUSH_PROOF_OFFSET_BYTES};
-use crate::stats::Counters;
+use crate::stats::{Compressing, Counters};
 use crate::SECTOR_SIZE;
 
 /// How far a write-out goes.
@@ -70,6 +70,9 @@ impl Inner {
 
     /// `write_out`, or nothing if `done` holds once this thread has the `io` lock.
     fn write_out_unless(&self, mode: WriteOut, done: Done) -> Result<()> {
+        // Counted from before the wait for the `io` lock: a writer queued behind a write-out
+        // is the disk binding (the counting guard compression uses).
+        let (_writing, _) = Compressing::enter(&self.log.disk_writers);
         let mut io = self.log.io.lock();
         self.health.check_writable()?;
         let already_done = match done {
