@@ -25,13 +25,13 @@
 //! the block arrives, against `codec_cores` — half the cores the process may run on, the
 //! other half being what the rest of the write path and the client need: cheap (one atomic
 //! add and subtract a block), needs no clock or history, and it is high exactly when more
-//! blocks want the codec than it may have cores. The disk is the other resource: when a host
-//! writer waits behind a write-out, it binds and the store's codec is used however busy the
-//! cores are (fewer bytes is then what is faster); when every core is compressing and no
-//! write-out is in progress, the block is stored uncompressed for now (an LZ4 block of
-//! literals, `lz4_literals`; only with `CodecFallback::AutoUncompressed`, see there): the CPU
-//! binds, and the disk has bandwidth to spare. Sampled per block, the share of blocks stored
-//! uncompressed follows the share of time the disk idles.
+//! blocks want the codec than it may have cores. With `CodecFallback::AutoUncompressed` (not
+//! the default, see there) the disk counts as well: when a host writer waits behind a
+//! write-out, it binds and the store's codec is used however busy the cores are; when every
+//! core is compressing and no write-out is in progress, the block is stored uncompressed for
+//! now (an LZ4 block of literals, `lz4_literals`): the CPU binds, and the disk has bandwidth
+//! to spare. Sampled per block, the share of blocks stored uncompressed follows the share of
+//! time the disk idles.
 //! GC recompresses LZ4 fragments with the store's codec when it moves them, under the same
 //! rule, idle work when the CPU is free (`Store::recompress` does it on request). Every
 //! fragment carries its codec tag, so reads never need to know which codec was chosen.
@@ -81,14 +81,14 @@ impl Default for Codec {
 /// When the write path may use LZ4 instead of the store's codec (see the module comment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum CodecFallback {
-    /// The store's codec while a codec core is free or the disk binds; LZ4 when the codec
-    /// binds (`write_choice`).
+    /// The store's codec while a codec core is free; LZ4 when every one is busy.
     #[default]
     Auto,
-    /// `Auto`, and blocks stored uncompressed for now while every core is compressing and
-    /// the disk idles (`write_choice`). Not the default: on fio's 2:1 data, which LZ4
-    /// compresses at close to memory speed, it measured 0.86–0.92x `Auto`'s 128K writes
-    /// (docs/space.md, "Which resource binds").
+    /// Which resource binds decides (`write_choice`): the store's codec also while a writer
+    /// waits for the disk, LZ4 when the codec binds, and blocks stored uncompressed for now
+    /// while every core is compressing and the disk idles. Not the default: on fio's 2:1
+    /// data it measured 0.86–0.92x the build before on 128K writes with a fast disk, 0.90x
+    /// with the disk throttled to 200 MB/s (docs/space.md, "Which resource binds").
     AutoUncompressed,
     /// LZ4 always on the write path: capacity comes from GC's recompression only (tests,
     /// and hosts that want the write path at its cheapest).
@@ -160,9 +160,10 @@ pub const DISK_BINDS_WRITERS: usize = 2;
 /// within the last few percent), and a store that is fuller gets the LZ4 fallback instead.
 pub const UNCOMPRESSED_TIER_FREE_SHARE: f64 = 0.25;
 
-/// How one host block is stored. With `CodecFallback::Auto` the cheaper tiers are taken only
-/// when the codec binds — every core set aside for it is already busy — and the disk does
-/// not (the last row only with `AutoUncompressed`):
+/// How one host block is stored. With `CodecFallback::Auto` (the default): the store's codec
+/// while a codec core is free, LZ4 when every one is busy. With `AutoUncompressed` the disk
+/// counts too, and the cheaper tiers are taken only when the codec binds and the disk does
+/// not:
 /// - a codec core free: the store's codec;
 /// - the disk binds (a write-out in progress and another queued behind it): the store's
 ///   codec too, since writing fewer bytes is what speeds the host up then (and the queue
@@ -180,11 +181,12 @@ pub fn write_choice(configured: Codec, fallback: CodecFallback, load: WriteLoad)
         CodecFallback::Always => WriteChoice::Compress(Codec::Lz4),
         CodecFallback::Uncompressed if lz4_store => WriteChoice::Compress(Codec::Lz4),
         CodecFallback::Uncompressed => WriteChoice::Uncompressed,
-        CodecFallback::Auto | CodecFallback::AutoUncompressed => {
+        CodecFallback::Auto if load.busy_compressors < load.codec_cores.max(1) => WriteChoice::Compress(configured),
+        CodecFallback::Auto => WriteChoice::Compress(Codec::Lz4),
+        CodecFallback::AutoUncompressed => {
             if load.busy_compressors < load.codec_cores.max(1) || load.disk_writers >= DISK_BINDS_WRITERS {
                 WriteChoice::Compress(configured)
-            } else if fallback == CodecFallback::AutoUncompressed
-                && !lz4_store
+            } else if !lz4_store
                 && load.room_for_uncompressed
                 && load.compressing_now + 1 >= load.available_cores.max(2)
                 && load.disk_writers == 0
@@ -1080,13 +1082,12 @@ mod tests {
             ..LOAD
         };
         assert_eq!(write_choice(zstd, CodecFallback::AutoUncompressed, full), WriteChoice::Compress(Codec::Lz4));
-        // `Auto` (the default) never stores uncompressed.
+        // `Auto` (the default) looks at the codec's cores alone: never uncompressed, and LZ4
+        // while the codec binds however busy the disk is.
         let starved = WriteLoad { busy_compressors: 30, compressing_now: 1, disk_writers: 0, ..LOAD };
         assert_eq!(write_choice(zstd, CodecFallback::Auto, starved), WriteChoice::Compress(Codec::Lz4));
-        assert_eq!(
-            write_choice(zstd, CodecFallback::Auto, WriteLoad { disk_writers: 2, ..starved }),
-            WriteChoice::Compress(zstd)
-        );
+        let disk_bound = WriteLoad { disk_writers: 2, ..starved };
+        assert_eq!(write_choice(zstd, CodecFallback::Auto, disk_bound), WriteChoice::Compress(Codec::Lz4));
         // The disk busy but nobody waiting for it: LZ4.
         assert_eq!(choice(30, 1, 1), WriteChoice::Compress(Codec::Lz4));
         // A free codec core: the store's codec, starved disk or not.

@@ -121,9 +121,9 @@ impl Inner {
 
     /// Compresses host block `lba` as the write path's load calls for
     /// (`codec::write_choice`): with the store's codec; with LZ4 when every codec core is
-    /// already compressing or busy with other writers' CPU work (`permits.rs`) and the disk
-    /// does not bind; stored uncompressed for now when every core is busy and the disk is
-    /// starved. Counts the choice. A block that looks incompressible does not go through the
+    /// already compressing or busy with other writers' CPU work (`permits.rs`) — with
+    /// `auto-uncompressed`, unless the disk binds; and there, stored uncompressed for now
+    /// when every core is compressing and the disk idles. Counts the choice. A block that looks incompressible does not go through the
     /// store's (slow) codec, nor into the uncompressed tier (recompression would try it for
     /// nothing): it is stored raw (`codec::skips_codec`). LZ4, when the fallback picks it,
     /// runs on every block: it gives up on random data as fast as the estimate would run,
