@@ -223,6 +223,30 @@ struct Busy {
     host: Option<f64>,
 }
 
+/// The fields of each case in report.json's `cases` (schema `zdisk-ceph/1`): what the unit
+/// tests and the Ceph smoke check the report against.
+pub const CASE_MEAN_KEYS: [&str; 19] = [
+    "case",
+    "rounds",
+    "write_mb_s",
+    "read_mb_s",
+    "randwrite_iops",
+    "write_p99_us",
+    "randwrite_p99_us",
+    "cpu_s_per_gb",
+    "cpu_busy_pct",
+    "randwrite_cpu_s_per_kio",
+    "backing_bytes_per_client_byte",
+    "zdisk_backing_bytes_per_client_byte",
+    "host_disk_bytes",
+    "space_saving",
+    "zdisk_comp_ratio",
+    "zdisk_physical_size",
+    "bluestore_comp_ratio",
+    "bluestore_compressor_ratio",
+    "fio_errors",
+];
+
 #[derive(Debug, Serialize)]
 struct CaseMeans {
     case: String,

@@ -189,29 +189,7 @@ fn ceph_cluster_on_zdisk_devices_serves_rbd_and_tears_down() {
     }
     let case = &bench["cases"][0];
     let keys: std::collections::BTreeSet<&str> = case.as_object().unwrap().keys().map(String::as_str).collect();
-    let expected: std::collections::BTreeSet<&str> = [
-        "case",
-        "rounds",
-        "write_mb_s",
-        "read_mb_s",
-        "randwrite_iops",
-        "write_p99_us",
-        "randwrite_p99_us",
-        "cpu_s_per_gb",
-        "cpu_busy_pct",
-        "randwrite_cpu_s_per_kio",
-        "backing_bytes_per_client_byte",
-        "zdisk_backing_bytes_per_client_byte",
-        "host_disk_bytes",
-        "space_saving",
-        "zdisk_comp_ratio",
-        "zdisk_physical_size",
-        "bluestore_comp_ratio",
-        "bluestore_compressor_ratio",
-        "fio_errors",
-    ]
-    .into_iter()
-    .collect();
+    let expected: std::collections::BTreeSet<&str> = zdisk_apps::ceph::CASE_MEAN_KEYS.into_iter().collect();
     assert_eq!(keys, expected, "{case}");
     assert_eq!((case["case"].as_str(), case["rounds"].as_u64()), (Some("zdisk"), Some(1)), "{case}");
     assert!(case["write_mb_s"].as_f64().unwrap() > 0.0 && case["read_mb_s"].as_f64().unwrap() > 0.0, "{case}");

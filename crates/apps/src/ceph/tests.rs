@@ -183,28 +183,7 @@ fn the_report_keeps_the_field_names_of_schema_1() {
     let top = ["schema", "command", "wall_s", "config", "host", "loadavg_start", "loadavg_end", "cases"];
     assert_eq!(keys(&r), sorted(&[&top[..], &["ratios", "goals", "per_round", "runs"]].concat()));
     let cpu = ["named", "host", "osd", "server", "transport", "client", "monmgr", "other"];
-    let means = [
-        "case",
-        "rounds",
-        "write_mb_s",
-        "read_mb_s",
-        "randwrite_iops",
-        "write_p99_us",
-        "randwrite_p99_us",
-        "cpu_s_per_gb",
-        "cpu_busy_pct",
-        "randwrite_cpu_s_per_kio",
-        "backing_bytes_per_client_byte",
-        "zdisk_backing_bytes_per_client_byte",
-        "host_disk_bytes",
-        "space_saving",
-        "zdisk_comp_ratio",
-        "zdisk_physical_size",
-        "bluestore_comp_ratio",
-        "bluestore_compressor_ratio",
-        "fio_errors",
-    ];
-    assert_eq!(keys(&r["cases"][0]), sorted(&means));
+    assert_eq!(keys(&r["cases"][0]), sorted(&CASE_MEAN_KEYS));
     assert_eq!(keys(&r["cases"][0]["cpu_s_per_gb"]), sorted(&cpu));
     assert_eq!(keys(&r["cases"][0]["cpu_busy_pct"]), ["host", "named"]);
     let per_run = [
