@@ -67,10 +67,21 @@ fn strings(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
+/// The report's pages, section by section.
 fn blocks(r: &Report) -> Vec<Block> {
-    use Block::{Heading, Table, Text};
+    let mut b = intro(r);
+    b.extend(per_case(r));
+    b.extend(cpu_split(r));
+    b.extend(comparisons(r));
+    b.extend(every_round(r));
+    b
+}
+
+/// What ran, and on which host.
+fn intro(r: &Report) -> Vec<Block> {
+    use Block::{Heading, Text};
     let (c, h) = (&r.config, &r.host);
-    let mut b = vec![
+    vec![
         Heading(1, "zdisk under Ceph: the SNIA case study side by side".into()),
         Text(format!(
             "{} BlueStore OSDs on one host, pool size 2, {} RBD images of {}, fio rbd engine, QD{} per image, \
@@ -102,6 +113,13 @@ fn blocks(r: &Report) -> Vec<Block> {
             r.loadavg_end,
             r.wall_s,
         )),
+    ]
+}
+
+/// Each case's means over rounds, with what the columns measure.
+fn per_case(r: &Report) -> Vec<Block> {
+    use Block::{Heading, Table, Text};
+    vec![
         Heading(2, "Per case (mean over rounds)".into()),
         Table(
             strings(&[
@@ -157,6 +175,13 @@ fn blocks(r: &Report) -> Vec<Block> {
              allocated bytes of compressed blobs (what the disk holds) and, in brackets, original / compressor output."
                 .into(),
         ),
+    ]
+}
+
+/// Where the 128K write phase's CPU went, per case.
+fn cpu_split(r: &Report) -> Vec<Block> {
+    use Block::{Heading, Table};
+    vec![
         Heading(2, "CPU split of the 128K write phase (seconds per GB written)".into()),
         Table(
             strings(&[
@@ -186,6 +211,13 @@ fn blocks(r: &Report) -> Vec<Block> {
                 })
                 .collect(),
         ),
+    ]
+}
+
+/// zdisk's same-round ratios, the issue's goals, and the seed's published result.
+fn comparisons(r: &Report) -> Vec<Block> {
+    use Block::{Heading, Table};
+    vec![
         Heading(2, "zdisk against the others (same-round ratios, geometric mean over rounds)".into()),
         Table(
             strings(&[
@@ -247,39 +279,45 @@ fn blocks(r: &Report) -> Vec<Block> {
                 strings(&["drive compression, Ceph off", "8.3 (1.32x)", "22.5", "66.5% (write)", "~2"]),
             ],
         ),
+    ]
+}
+
+/// Every round's numbers, and the command.
+fn every_round(r: &Report) -> Vec<Block> {
+    use Block::{Heading, Table, Text};
+    vec![
         Heading(2, "Every round".into()),
-    ];
-    b.push(Table(
-        strings(&[
-            "round",
-            "case",
-            "write MB/s",
-            "read MB/s",
-            "randwrite IOPS",
-            "CPU s/GB named",
-            "CPU s/GB host",
-            "space saved",
-            "load average (before write, after randwrite)",
-        ]),
-        r.per_round
-            .iter()
-            .map(|m| {
-                vec![
-                    m.round.to_string(),
-                    case_name(&m.case),
-                    f(m.write_mb_s, 1),
-                    f(m.read_mb_s, 1),
-                    f(m.randwrite_iops, 0),
-                    f(m.cpu_s_per_gb.named, 2),
-                    f(m.cpu_s_per_gb.host, 2),
-                    pct(m.space_saving),
-                    m.loadavg.iter().map(|l| l.as_deref().unwrap_or("—")).collect::<Vec<_>>().join(" / "),
-                ]
-            })
-            .collect(),
-    ));
-    b.push(Text(format!("Command: `{}`", r.command)));
-    b
+        Table(
+            strings(&[
+                "round",
+                "case",
+                "write MB/s",
+                "read MB/s",
+                "randwrite IOPS",
+                "CPU s/GB named",
+                "CPU s/GB host",
+                "space saved",
+                "load average (before write, after randwrite)",
+            ]),
+            r.per_round
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.round.to_string(),
+                        case_name(&m.case),
+                        f(m.write_mb_s, 1),
+                        f(m.read_mb_s, 1),
+                        f(m.randwrite_iops, 0),
+                        f(m.cpu_s_per_gb.named, 2),
+                        f(m.cpu_s_per_gb.host, 2),
+                        pct(m.space_saving),
+                        m.loadavg.iter().map(|l| l.as_deref().unwrap_or("—")).collect::<Vec<_>>().join(" / "),
+                    ]
+                })
+                .collect(),
+        ),
+        Text(format!("Command: `{}`", r.command)),
+    ]
 }
 
 /// Markdown inline text as HTML: escaped, `code` and **bold** marked up.
