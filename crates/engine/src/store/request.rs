@@ -41,7 +41,7 @@ const CONFLICT_RETRIES_MAX: usize = 1000;
 
 /// How `Inner::compress` stored a host block, for its counters.
 #[derive(Clone, Copy)]
-enum Stored {
+enum StoredAs {
     Configured,
     /// LZ4 instead of the store's codec.
     Fallback,
@@ -146,30 +146,30 @@ impl Inner {
         let choice = write_choice(configured, self.options.codec_fallback, load);
         let (block, stored_as) = match choice {
             WriteChoice::Uncompressed if looks_incompressible(block) => {
-                (self.compress_fragment(block, lba, scratch, store_raw)?, Stored::Skipped)
+                (self.compress_fragment(block, lba, scratch, store_raw)?, StoredAs::Skipped)
             }
             WriteChoice::Uncompressed => {
-                (self.compress_fragment(block, lba, scratch, lz4_literals)?, Stored::Uncompressed)
+                (self.compress_fragment(block, lba, scratch, lz4_literals)?, StoredAs::Uncompressed)
             }
             WriteChoice::Compress(codec) if skips_codec(codec, block) => {
-                (self.compress_fragment(block, lba, scratch, store_raw)?, Stored::Skipped)
+                (self.compress_fragment(block, lba, scratch, store_raw)?, StoredAs::Skipped)
             }
             WriteChoice::Compress(codec) if codec != configured => {
-                (self.compress_with(codec, block, lba, scratch)?, Stored::Fallback)
+                (self.compress_with(codec, block, lba, scratch)?, StoredAs::Fallback)
             }
-            WriteChoice::Compress(codec) => (self.compress_with(codec, block, lba, scratch)?, Stored::Configured),
+            WriteChoice::Compress(codec) => (self.compress_with(codec, block, lba, scratch)?, StoredAs::Configured),
         };
         drop(compressing);
         if !block.entry.is_zero_block(FragmentFormat::V3) {
             Counters::add(&counters.blocks_written[block.entry.codec as usize], 1);
             match stored_as {
-                Stored::Skipped => Counters::add(&counters.incompressible_skipped_blocks, 1),
-                Stored::Fallback => Counters::add(&counters.fallback_blocks, 1),
-                Stored::Uncompressed => {
+                StoredAs::Skipped => Counters::add(&counters.incompressible_skipped_blocks, 1),
+                StoredAs::Fallback => Counters::add(&counters.fallback_blocks, 1),
+                StoredAs::Uncompressed => {
                     Counters::add(&counters.fallback_blocks, 1);
                     Counters::add(&counters.uncompressed_tier_blocks, 1);
                 }
-                Stored::Configured => {}
+                StoredAs::Configured => {}
             }
         }
         Ok(block)

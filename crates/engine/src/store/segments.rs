@@ -426,18 +426,19 @@ impl SegmentTable {
     /// the segments still buffered), not holding a retained checkpoint's chunks, and fully
     /// parseable.
     pub fn collectable(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
+        self.sealed_on_disk_and_parseable(id, unwritten) && !self.is_pinned(id)
+    }
+
+    fn sealed_on_disk_and_parseable(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
         self.usage[id.index()].state == SegmentState::Sealed
             && !unwritten.contains(&id)
-            && !self.is_pinned(id)
             && !self.unparseable.contains(&id)
     }
 
     /// Whether only checkpoints keep GC from segment `id`: sealed, on disk and parseable,
     /// but pinned by a retained checkpoint or waiting for the checkpoints that settle it.
     pub fn held_by_checkpoints(&self, id: SegmentId, unwritten: &[SegmentId]) -> bool {
-        self.usage[id.index()].state == SegmentState::Sealed
-            && !unwritten.contains(&id)
-            && !self.unparseable.contains(&id)
+        self.sealed_on_disk_and_parseable(id, unwritten)
             && (self.is_pinned(id) || self.awaiting_checkpoint.contains(&id))
     }
 
