@@ -238,7 +238,9 @@ fn rewrite_with_vocabulary(seed: u64, vocabulary_seed: u64, retrains: bool) -> (
         s.codec.recompressed_fragments_dictionary >= recompressed + 1900
     });
     let stats = match retrains {
-        true => wait_for(&store, "the second dictionary", |s| s.codec.dictionary_newest_id == 2),
+        // Waits on the counter, which idle work adds after the install that makes the
+        // dictionary the newest: waiting on the id alone raced it (trained_idle read 1).
+        true => wait_for(&store, "the second dictionary", |s| s.codec.dictionaries_trained_idle == 2),
         false => {
             std::thread::sleep(Duration::from_millis(1500));
             store.stats()
