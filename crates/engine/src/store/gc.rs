@@ -152,7 +152,7 @@ impl Inner {
     /// explicit recompression; the cost is their unused room).
     pub(crate) fn seal_open_segments(&self) -> Result<()> {
         let mut log = self.log.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         log.seal_open_segments()
     }
 
@@ -161,7 +161,7 @@ impl Inner {
     pub(crate) fn gc_once(&self, mode: GcMode) -> Result<Option<u64>> {
         let _checkpoint = self.checkpoint.lock();
         let _gc = self.background.gc_lock.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         let Some(victim) = self.pick_victim(mode) else { return Ok(None) };
         let target = self.gc_recompress_target();
         self.clean_victim(victim, target.as_ref(), CleanFor::Space)
@@ -291,7 +291,7 @@ impl Inner {
         target: RecompressTarget,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<RecompressReport> {
-        self.check_writable()?;
+        self.health.check_writable()?;
         // Open segments and sealed ones still only in memory are not GC's to take: seal the
         // open ones and write them out first.
         self.seal_open_segments()?;
@@ -344,7 +344,7 @@ impl Inner {
     pub(crate) fn recompress_segment(&self, segment: SegmentId, target: &RecompressTarget) -> Result<bool> {
         let _checkpoint = self.checkpoint.lock();
         let _gc = self.background.gc_lock.lock();
-        self.check_writable()?;
+        self.health.check_writable()?;
         let victim = {
             let log = self.log.lock();
             let unwritten = self.unwritten_segments();

@@ -258,7 +258,7 @@ impl Inner {
     fn idle_make_room(&self) -> Result<bool> {
         let (free, cleaned, needed) = {
             let log = self.log.lock();
-            let needed = self.reserves().host_segments() + self.cushion_segments() + 2;
+            let needed = self.reserves().host_segments() + self.space.cushion_segments() + 2;
             (log.segments.free_count() as u64, log.segments.cleaned_count() as u64, needed)
         };
         if cleaned > 0 && free + cleaned >= needed {
@@ -306,7 +306,7 @@ impl Inner {
     /// Whether free space leaves idle work room to move into beyond what GC keeps.
     fn idle_has_room(&self) -> bool {
         let log = self.log.lock();
-        let needed = self.reserves().host_segments() + self.cushion_segments() + 2;
+        let needed = self.reserves().host_segments() + self.space.cushion_segments() + 2;
         log.segments.free_count() as u64 >= needed
     }
 

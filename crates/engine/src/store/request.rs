@@ -324,7 +324,7 @@ impl Inner {
             RangeKind::Zero => &self.counters.zero_ops,
         };
         Counters::add(counter, 1);
-        self.check_writable()?;
+        self.health.check_writable()?;
         self.validate_range(offset, length)?;
         if length == 0 {
             return self.make_durable(None, durability);

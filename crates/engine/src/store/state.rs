@@ -17,7 +17,7 @@ use super::options::OpenOptions;
 use super::space::Space;
 use crate::backing::Backing;
 use crate::cache::Reads;
-use crate::error::{Error, Result};
+use crate::error::Error;
 use crate::format::Superblock;
 use crate::map::PagedMap;
 use crate::stats::Counters;
@@ -53,12 +53,6 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
-    /// `self.health.check_writable()`, which the rest of the store calls directly; kept for
-    /// `gc.rs` and `request.rs`'s trim and zero until they do too.
-    pub fn check_writable(&self) -> Result<()> {
-        self.health.check_writable()
-    }
-
     pub fn degraded(&self) -> Option<&Degraded> {
         self.health.degraded()
     }

@@ -155,12 +155,6 @@ impl Inner {
         }
         Ok(busy)
     }
-
-    /// Free segments the background GC keeps above the host reserve: `Space`'s number (with
-    /// pacing on, pacing's band), for idle work's targets.
-    pub(crate) fn cushion_segments(&self) -> u64 {
-        self.space.cushion_segments()
-    }
 }
 
 #[cfg(test)]
