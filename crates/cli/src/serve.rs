@@ -65,6 +65,16 @@ pub struct ServeArgs {
     /// recompression (docs/space.md, "Adaptive fallback and recompression").
     #[arg(long, value_name = "N", value_parser = crate::commands::parse_codec_cores)]
     pub codec_cores: Option<u32>,
+    /// When host writes use a cheaper form than the store's codec (idle work and GC
+    /// recompress it into the store's codec later; `zdisk stat` shows what waits):
+    /// `auto` (default) LZ4 while --codec-cores cores are busy compressing; `never` the
+    /// store's codec always (the most capacity at once, the slowest writes); `always` LZ4
+    /// always (the least CPU on the write path); `auto-uncompressed` as auto, but the store's codec while writers wait
+    /// for the disk and blocks stored uncompressed for now while every core compresses and
+    /// the disk idles; `uncompressed` every block stored uncompressed for now. Environment
+    /// ZDISK_CODEC_FALLBACK (docs/cpu.md).
+    #[arg(long, value_name = "MODE", value_parser = crate::commands::parse_codec_fallback)]
+    pub codec_fallback: Option<zdisk_engine::CodecFallback>,
     /// Do not use O_DIRECT on the backing store.
     #[arg(long)]
     pub no_direct: bool,
@@ -362,6 +372,9 @@ fn nbdkit_command(args: &ServeArgs, plugin: &Path, pid_file: &Path) -> Result<Co
     }
     if let Some(cores) = args.codec_cores {
         command.arg(format!("codec_cores={cores}"));
+    }
+    if let Some(mode) = args.codec_fallback {
+        command.arg(format!("codec_fallback={mode}"));
     }
     command.arg(format!("rundir={}", runtime::run_dir().display()));
     command.stdin(Stdio::null());

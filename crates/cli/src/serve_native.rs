@@ -50,6 +50,7 @@ fn open_options(args: &ServeArgs) -> Result<OpenOptions> {
         auto_dictionary_blocks: if args.no_auto_dictionary { None } else { defaults.auto_dictionary_blocks },
         discard_freed: args.discard_freed,
         codec_cores: args.codec_cores.map(|cores| cores as usize).or(defaults.codec_cores),
+        codec_fallback: args.codec_fallback.unwrap_or(defaults.codec_fallback),
         key: args.key.secret_for(&args.store)?,
         ..defaults
     })

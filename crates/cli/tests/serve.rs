@@ -291,3 +291,40 @@ fn a_client_stuck_in_its_handshake_does_not_hold_the_stop() {
     let check = s.zdisk_ok(&["check", store.to_str().unwrap()]);
     assert!(check.contains("clean"), "{check}");
 }
+
+/// `--codec-fallback MODE` reaches the store through either front end (the native server
+/// sets the option, nbdkit gets `codec_fallback=MODE`): in a zstd:1 store, `always` writes
+/// every host block LZ4, `never` none, `uncompressed` every one uncompressed for now — read
+/// from the live counters of the serving process. A mode the engine does not know is wrong
+/// usage, refused before anything serves.
+#[test]
+fn the_codec_fallback_mode_reaches_the_store_through_both_front_ends() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("codec-fallback");
+    let store = s.format("s.zdisk", "64M", "2x", &["--codec", "zstd:1"]);
+    const BLOCKS: u64 = 256;
+    for frontend in ["native", "nbdkit"] {
+        for (mode, fallback, uncompressed) in [("always", BLOCKS, 0), ("never", 0, 0), ("uncompressed", BLOCKS, BLOCKS)]
+        {
+            // No idle work: it would recompress what the mode wrote before the stat reads it.
+            let args = ["--frontend", frontend, "--codec-fallback", mode, "--idle-after", "0"];
+            let server = Server::start(&s, &store, &args);
+            let mut c = NbdClient::connect(&server.socket).unwrap();
+            c.write_ok(0, &pattern(9, 1, 0, (BLOCKS * 4096) as usize));
+            assert_eq!(c.flush().unwrap(), 0, "flush");
+            let stat = s.stat_json(&store);
+            let what = format!("{frontend}, --codec-fallback {mode}: {stat}");
+            assert_eq!(stat["codec_fallback_blocks"], fallback, "{what}");
+            assert_eq!(stat["uncompressed_tier_blocks"], uncompressed, "{what}");
+            assert!(c.read_ok(0, (BLOCKS * 4096) as usize) == pattern(9, 1, 0, (BLOCKS * 4096) as usize), "{what}");
+            c.disconnect();
+            server.stop();
+        }
+    }
+    let socket = s.path("x.sock");
+    let serve = ["serve", store.to_str().unwrap(), "--unix", socket.to_str().unwrap(), "--codec-fallback", "sometimes"];
+    common::refused(&s, &serve, 2, "unknown codec fallback \"sometimes\"");
+    assert!(!socket.exists(), "a refused serve must not listen");
+}

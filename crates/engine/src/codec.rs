@@ -118,6 +118,19 @@ impl FromStr for CodecFallback {
     }
 }
 
+/// The name `FromStr` takes (`zdisk serve` passes it on to the nbdkit plugin).
+impl std::fmt::Display for CodecFallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CodecFallback::Auto => "auto",
+            CodecFallback::AutoUncompressed => "auto-uncompressed",
+            CodecFallback::Always => "always",
+            CodecFallback::Never => "never",
+            CodecFallback::Uncompressed => "uncompressed",
+        })
+    }
+}
+
 /// How one host block is stored (the policy of the module comment, `write_choice`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteChoice {
@@ -1158,6 +1171,16 @@ mod tests {
         assert_eq!("uncompressed".parse::<CodecFallback>().unwrap(), CodecFallback::Uncompressed);
         assert!("sometimes".parse::<CodecFallback>().is_err());
         assert_eq!(CodecFallback::default(), CodecFallback::Auto);
+        // The name it prints is the one it parses (`zdisk serve` hands it to the plugin).
+        for mode in [
+            CodecFallback::Auto,
+            CodecFallback::AutoUncompressed,
+            CodecFallback::Always,
+            CodecFallback::Never,
+            CodecFallback::Uncompressed,
+        ] {
+            assert_eq!(mode.to_string().parse::<CodecFallback>(), Ok(mode));
+        }
     }
 
     #[test]

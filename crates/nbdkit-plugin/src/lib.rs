@@ -3,7 +3,8 @@
 //! ```text
 //! nbdkit --foreground -U /tmp/sock libnbdkit_zdisk_plugin.so store=/srv/disk.zdisk \
 //!        [readonly=true] [metrics=127.0.0.1:9100] [direct=true|false] [cache=256M] [read_cache=0] \
-//!        [low_space=0.10] [discard_freed=false] [codec_cores=N] [rundir=/run/zdisk]
+//!        [low_space=0.10] [discard_freed=false] [codec_cores=N] [codec_fallback=MODE]
+//!        [rundir=/run/zdisk]
 //! ```
 //!
 //! Invariants:
@@ -28,7 +29,7 @@ use std::time::Instant;
 
 use nbdkit::{ExtentHandle, ExtentType, Flags, FuaFlags, Server, ThreadModel};
 use parking_lot::Mutex;
-use zdisk_engine::{Durability, ErrorKind, ExtentKind, OpenOptions, Secret, Store};
+use zdisk_engine::{CodecFallback, Durability, ErrorKind, ExtentKind, OpenOptions, Secret, Store};
 
 pub use metrics::{render_prometheus, Metrics, Op};
 pub use service::{control_socket_path, failed_file_path, live_file_path, DEFAULT_RUN_DIR};
@@ -54,6 +55,9 @@ struct Config {
     /// Cores the store's codec may keep busy before host writes fall back to LZ4 (None: the
     /// engine's default, or `ZDISK_CODEC_CORES`).
     codec_cores: Option<usize>,
+    /// When host writes use LZ4 (or store blocks uncompressed for now) instead of the
+    /// store's codec (the engine's default, or `ZDISK_CODEC_FALLBACK`).
+    codec_fallback: CodecFallback,
     run_dir: PathBuf,
     /// An encrypted store's passphrase or key file, read when configured.
     key: Option<Arc<Secret>>,
@@ -77,6 +81,7 @@ impl Default for Config {
             auto_dictionary_blocks: defaults.auto_dictionary_blocks,
             discard_freed: defaults.discard_freed,
             codec_cores: defaults.codec_cores,
+            codec_fallback: defaults.codec_fallback,
             run_dir: std::env::var_os("ZDISK_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| DEFAULT_RUN_DIR.into()),
             key: None,
         }
@@ -178,6 +183,8 @@ impl Server for Handle {
              discard_freed=BOOL    discard freed segments: thin backing, slower flushes (default false)\n\
              codec_cores=N         cores the store's codec may keep busy before writes fall back to LZ4\n\
                                    (1 up to the cores nbdkit may run on; default half of them)\n\
+             codec_fallback=MODE   auto (default), never, always, auto-uncompressed or uncompressed:\n\
+                                   when writes use LZ4 instead of the store's codec (zdisk serve --help)\n\
              rundir=DIR            live stats/control files (default /run/zdisk)\n\
              key-file=PATH         an encrypted store's key file\n\
              passphrase-file=PATH  an encrypted store's passphrase: the first line of PATH\n\
@@ -248,6 +255,9 @@ impl Server for Handle {
                 let checked = zdisk_engine::check_codec_cores(cores, zdisk_engine::available_cores());
                 config.codec_cores = Some(checked.map_err(|e| einval(format!("codec_cores={value}: {e}")))?);
             }
+            "codec_fallback" => {
+                config.codec_fallback = value.parse().map_err(|e| einval(format!("codec_fallback={value}: {e}")))?;
+            }
             "rundir" => config.run_dir = PathBuf::from(value),
             // Read now: a pipe's contents are there once, and before nbdkit forks.
             "key-file" => {
@@ -308,6 +318,7 @@ impl Server for Handle {
             auto_dictionary_blocks: config.auto_dictionary_blocks,
             discard_freed: config.discard_freed,
             codec_cores: config.codec_cores,
+            codec_fallback: config.codec_fallback,
             key: config.key.clone(),
             ..OpenOptions::default()
         };
