@@ -58,6 +58,7 @@ const MORE_COUNTER_STATS: &[&str] = &[
     "codec_fallback_blocks",
     "incompressible_skipped_blocks",
     "uncompressed_tier_blocks",
+    "helper_compressed_blocks",
     "recompressed_fragments",
     "recompress_saved_bytes",
     "recompress_cpu_ns",
@@ -245,6 +246,10 @@ pub struct CodecStats {
     /// `Uncompressed` only); recompression takes them.
     #[serde(default)]
     pub uncompressed_tier_blocks: u64,
+    /// Host blocks compressed by a helper thread beside their writer: runs of a large
+    /// request shared out while `--codec-cores` had cores to spare (`Inner::compress_blocks`).
+    #[serde(default)]
+    pub helper_compressed_blocks: u64,
     /// Stored bytes of the live LZ4 fragments written since open in a store of a slower
     /// codec: what the fallback left for idle work, GC or `zdisk recompress` to recompress
     /// (`store/pending.rs`; fragments from before the open are not counted). Between
@@ -297,6 +302,7 @@ pub struct CodecCounters {
     pub fallback_blocks: AtomicU64,
     pub incompressible_skipped_blocks: AtomicU64,
     pub uncompressed_tier_blocks: AtomicU64,
+    pub helper_compressed_blocks: AtomicU64,
     /// LZ4 fragments' bytes recompression tried since open, and what they became (a fragment
     /// not made smaller counts whole): the measured share `pending_recompress_saving_bytes`
     /// is estimated at.
@@ -347,6 +353,7 @@ impl CodecCounters {
             codec_fallback_blocks: get(&self.fallback_blocks),
             incompressible_skipped_blocks: get(&self.incompressible_skipped_blocks),
             uncompressed_tier_blocks: get(&self.uncompressed_tier_blocks),
+            helper_compressed_blocks: get(&self.helper_compressed_blocks),
             // (Filled in by the store, which holds the log's count.)
             pending_recompress_bytes: 0,
             pending_recompress_saving_bytes: 0,

@@ -503,3 +503,23 @@ fn encrypted_stores_of_earlier_layouts_still_work() {
         assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty(), "{fixture}");
     }
 }
+
+/// A lone large write shared out to a helper thread (`--codec-cores 2`) seals its blocks on
+/// that thread: they read back across a reopen and `check` is clean.
+#[test]
+fn a_write_compressed_by_helper_threads_round_trips_encrypted() {
+    if zdisk_engine::available_cores() < 2 {
+        eprintln!("skipped: a helper needs a second core");
+        return;
+    }
+    let data = word_text(&mut rng(3), 1 << 20);
+    let disk = encrypted_disk(Codec::Zstd { level: 1 });
+    let store =
+        Store::open_backing(disk.clone(), &OpenOptions { codec_cores: Some(2), ..options("correct horse") }).unwrap();
+    store.write(0, &data, Durability::Fua).unwrap();
+    assert!(store.stats().codec.helper_compressed_blocks > 0, "no helper ran: {:?}", store.stats().codec);
+    store.close().unwrap();
+    let store = reopen(&disk);
+    assert_eq!(read_all(&store)[..data.len()], data[..]);
+    assert!(store.check(&mut |_, _| {}).unwrap().problems.is_empty());
+}

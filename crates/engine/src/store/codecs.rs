@@ -24,6 +24,9 @@ pub(crate) struct Codecs {
     /// The cores the process may run on (`codec::available_cores`, at open): when every one
     /// is busy and the disk is starved, host blocks are stored uncompressed for now.
     pub available_cores: usize,
+    /// Threads that compress runs of a large request beside its writer (`cores - 1` of
+    /// them; none with one codec core): persistent, so each keeps its codec contexts.
+    pub helpers: Option<rayon::ThreadPool>,
 }
 
 #[derive(Debug, Default)]

@@ -368,6 +368,7 @@ fn inner_from_checkpoint(
             counters: codec_counters,
             cores: codec_cores,
             available_cores: available_cores(),
+            helpers: compression_helpers(codec_cores)?,
         },
         counters,
     })
@@ -403,4 +404,18 @@ fn log_state_at(chosen: &Chosen, segments: SegmentTable, cipher: Option<&StoreCi
         },
         pending: pending::PendingRecompress::new(codec, sb.checkpoint_seq),
     }
+}
+
+/// The threads that share a large request's compression with its writer: one per codec core
+/// beyond the writer's own (`Codecs::helpers`).
+fn compression_helpers(codec_cores: usize) -> Result<Option<rayon::ThreadPool>> {
+    if codec_cores < 2 {
+        return Ok(None);
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(codec_cores - 1)
+        .thread_name(|i| format!("zdisk-codec-{i}"))
+        .build()
+        .map(Some)
+        .map_err(|e| Error::io("starting compression helpers", std::io::Error::other(e.to_string())))
 }

@@ -35,6 +35,11 @@ use crate::BLOCK_SIZE;
 
 use super::space::BLOCK_LOCK_STRIPES;
 
+/// A request's blocks are shared with helper threads only in runs of at least this many
+/// (32 KiB): a run costs a helper's wake-up and the writer's wait for it (tens of µs on a
+/// busy VM), a run of 8 blocks ~50 µs of zstd:1 (docs/cpu.md, "Compression on every core").
+const FAN_OUT_RUN_BLOCKS_MIN: usize = 8;
+
 /// A partial-block request is redone at most this many times when concurrent writes keep
 /// changing its blocks between its read and its append.
 const CONFLICT_RETRIES_MAX: usize = 1000;
@@ -175,6 +180,65 @@ impl Inner {
         Ok(block)
     }
 
+    /// Compresses a request's blocks (`sources[i]` is block `first_lba + i`), in order. A
+    /// large request whose writer is alone (no other holds or waits for a write permit)
+    /// shares them out: while the codec has cores to
+    /// spare (`--codec-cores` beyond those compressing now) and write permits are free, up to
+    /// one helper thread per spare core compresses a run of at least `FAN_OUT_RUN_BLOCKS_MIN`
+    /// blocks, holding a permit of its own (so no more threads do CPU work than write
+    /// admission allows) and counted as compressing (so the codec choice sees it). Nothing
+    /// else changes: the blocks come back in order and are appended as one group, after all
+    /// of them are compressed, so request order and the crash contract are the same.
+    pub(crate) fn compress_blocks(
+        &self,
+        first_lba: Lba,
+        sources: &[&[u8]],
+        scratch: &mut Vec<u8>,
+    ) -> Result<Vec<Block>> {
+        let compress_run = |first: usize, run: &[&[u8]], scratch: &mut Vec<u8>| -> Result<Vec<Block>> {
+            let lba_of = |i: usize| Lba(first_lba.0 + (first + i) as u64);
+            run.iter().enumerate().map(|(i, block)| self.compress(block, lba_of(i), scratch)).collect()
+        };
+        let Some(pool) = &self.codecs.helpers else {
+            return compress_run(0, sources, scratch);
+        };
+        // Only a lone writer: beside others (holding or waiting for a permit, or one that
+        // waited within the last few milliseconds) the cores are taken already, and a helper
+        // only delays them (128K writes at QD32 ran at 0.82x without this check).
+        if self.space.write_permits.load_besides_holder() > 0 {
+            return compress_run(0, sources, scratch);
+        }
+        let spare_cores =
+            self.codecs.cores.saturating_sub(1 + self.codecs.counters.compressing.load(Ordering::Relaxed));
+        let most_helpers = spare_cores.min((sources.len() / FAN_OUT_RUN_BLOCKS_MIN).saturating_sub(1));
+        let helpers: Vec<_> = (0..most_helpers).map_while(|_| self.space.write_permits.try_acquire()).collect();
+        if helpers.is_empty() {
+            return compress_run(0, sources, scratch);
+        }
+        let run_blocks = sources.len().div_ceil(helpers.len() + 1);
+        let mut runs: Vec<Option<Result<Vec<Block>>>> = (0..helpers.len()).map(|_| None).collect();
+        let mut first = Ok(Vec::new());
+        pool.in_place_scope(|scope| {
+            let compress_run = &compress_run;
+            for ((permit, (run, blocks)), out) in
+                helpers.into_iter().zip(sources.chunks(run_blocks).enumerate().skip(1)).zip(runs.iter_mut())
+            {
+                scope.spawn(move |_| {
+                    let _permit = permit;
+                    *out = Some(compress_run(run * run_blocks, blocks, &mut Vec::with_capacity(BLOCK_SIZE * 2)));
+                    Counters::add(&self.codecs.counters.helper_compressed_blocks, blocks.len() as u64);
+                });
+            }
+            first = compress_run(0, &sources[..run_blocks], scratch);
+        });
+        let mut blocks = first?;
+        for run in runs {
+            blocks.extend(run.expect("the scope ran every helper")?);
+        }
+        debug_assert_eq!(blocks.len(), sources.len());
+        Ok(blocks)
+    }
+
     /// Compresses block `lba` with `codec`: its protection information (guard, LBA, length
     /// and codec), then the codec's output (or the block raw when compression does not
     /// pay). An all-zero block stores its protection information alone.
@@ -247,23 +311,33 @@ impl Inner {
         let mut scratch = Vec::with_capacity(BLOCK_SIZE * 2);
         let appended = self.redo_on_conflict(|| {
             let guards = self.lock_edges(&edge_lbas);
-            let mut blocks = Vec::with_capacity((last_lba.0 - first_lba.0 + 1) as usize);
+            // The partial edge blocks, read and merged first; then every block in order.
+            let mut merged = Vec::with_capacity(edge_lbas.len());
             let mut expected = Vec::new();
+            for &lba in &edge_lbas {
+                let (mut block, entry) = self.read_block(lba)?;
+                let in_block = if lba == first_lba { head } else { 0 };
+                let data_at = ((lba.0 - first_lba.0) as usize * BLOCK_SIZE + in_block).saturating_sub(head);
+                let take = (BLOCK_SIZE - in_block).min(data.len() - data_at);
+                block[in_block..in_block + take].copy_from_slice(&data[data_at..data_at + take]);
+                merged.push((lba, block));
+                expected.push((lba, entry));
+            }
+            let mut sources: Vec<&[u8]> = Vec::with_capacity((last_lba.0 - first_lba.0 + 1) as usize);
             let mut data_at = 0usize;
             for lba in (first_lba.0..=last_lba.0).map(Lba) {
                 let in_block = if lba == first_lba { head } else { 0 };
                 let take = (BLOCK_SIZE - in_block).min(data.len() - data_at);
-                if take == BLOCK_SIZE {
-                    blocks.push(self.compress(&data[data_at..data_at + BLOCK_SIZE], lba, &mut scratch)?);
-                } else {
-                    let (mut block, entry) = self.read_block(lba)?;
-                    block[in_block..in_block + take].copy_from_slice(&data[data_at..data_at + take]);
-                    blocks.push(self.compress(&block, lba, &mut scratch)?);
-                    expected.push((lba, entry));
+                let edge = merged.iter().find(|(edge, _)| *edge == lba);
+                debug_assert_eq!(edge.is_some(), take < BLOCK_SIZE, "the partial blocks are the edges");
+                match edge {
+                    Some((_, block)) => sources.push(block),
+                    None => sources.push(&data[data_at..data_at + BLOCK_SIZE]),
                 }
                 data_at += take;
             }
             assert_eq!(data_at, data.len());
+            let blocks = self.compress_blocks(first_lba, &sources, &mut scratch)?;
             let class = self.write_class(first_lba, last_lba, &blocks);
             let op = Op::Write { start_lba: first_lba, blocks, expected };
             let admitted = self.admit(&[op], class).inspect_err(|e| self.space.note_no_space(e));

@@ -1,5 +1,6 @@
 //! White-box tests of states no sequence of requests reaches on purpose.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::gc::GcMode;
@@ -9,6 +10,8 @@ use super::{Durability, FormatOptions, OpenOptions, Store};
 use crate::codec::Codec;
 use crate::error::ErrorKind;
 use crate::sim::SimDisk;
+use crate::types::Lba;
+use crate::BLOCK_SIZE;
 
 fn small_store(seed: u64) -> Store {
     small_store_on_disk(seed).1
@@ -483,4 +486,60 @@ fn the_codec_cores_option_reaches_the_store_and_bad_values_are_refused() {
         assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{refused}: {err}");
         assert!(err.to_string().contains(&format!("1..={available}")), "{err}");
     }
+}
+
+/// With two codec cores a large write's blocks are shared with a helper thread
+/// (`Inner::compress_blocks`), and what it stores is what one thread stores: the same
+/// fragments in the same order, and the write reads back intact after a reopen. With one
+/// codec core there is no helper.
+#[test]
+fn a_large_write_is_compressed_beside_its_writer_with_the_same_fragments() {
+    let available = crate::codec::available_cores();
+    if available < 2 {
+        eprintln!("skipped: a helper needs a second core, this process has {available}");
+        return;
+    }
+    let segment_bytes = 64u64 << 10;
+    let disk = Arc::new(SimDisk::new((4 << 20) + 64 * segment_bytes, 77));
+    let format = FormatOptions {
+        physical_size_bytes: 0,
+        logical_size_bytes: 8 << 20,
+        codec: Codec::Zstd { level: 1 },
+        segment_size_bytes: Some(segment_bytes),
+        force: true,
+        over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
+        encryption: None,
+        allocation: crate::Allocation::Sparse,
+    };
+    Store::format_backing(disk.as_ref(), &format).unwrap();
+    let options =
+        |codec_cores| OpenOptions { background: false, codec_cores: Some(codec_cores), ..OpenOptions::default() };
+    // 64 blocks of text-like data, each different.
+    let data: Vec<u8> = (0..64 * BLOCK_SIZE).map(|i| b"the quick brown fox jumps "[(i * 7 + i / 4096) % 26]).collect();
+    let blocks: Vec<&[u8]> = data.chunks(BLOCK_SIZE).collect();
+
+    let store = Store::open_backing(disk.clone(), &options(2)).unwrap();
+    let helped = |store: &Store| store.inner.codecs.counters.helper_compressed_blocks.load(Ordering::Relaxed);
+    let shared = store.inner.compress_blocks(Lba(0), &blocks, &mut Vec::new()).unwrap();
+    assert!(helped(&store) >= 8, "a helper compressed a run: {}", helped(&store));
+    let mut scratch = Vec::new();
+    for (i, (block, source)) in shared.iter().zip(&blocks).enumerate() {
+        let alone = store.inner.compress(source, Lba(i as u64), &mut scratch).unwrap();
+        assert_eq!((block.entry, &block.bytes), (alone.entry, &alone.bytes), "block {i}");
+    }
+    let before = helped(&store);
+    store.write(BLOCK_SIZE as u64, &data, Durability::Fua).unwrap();
+    assert!(helped(&store) > before, "the write shared its blocks");
+    store.close().unwrap();
+
+    let store = Store::open_backing(disk.clone(), &options(1)).unwrap();
+    assert!(store.inner.codecs.helpers.is_none(), "one codec core: no helper threads");
+    store.write(0, &data[..16 * BLOCK_SIZE], Durability::Fua).unwrap();
+    assert_eq!(helped(&store), 0);
+    let mut back = vec![0u8; data.len()];
+    store.read(BLOCK_SIZE as u64 * 16, &mut back[..48 * BLOCK_SIZE]).unwrap();
+    assert!(back[..48 * BLOCK_SIZE] == data[15 * BLOCK_SIZE..63 * BLOCK_SIZE], "the shared write reads back");
+    let report = store.check(&mut |_, _| {}).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    store.close().unwrap();
 }

@@ -52,8 +52,9 @@ const FULL_MEMORY: Duration = Duration::from_millis(10);
 /// Permits for host writes' CPU work: taken at once while one is free and no waiter is
 /// overdue; an overdue waiter (`front_overdue`) gets the next one handed to it.
 pub(crate) struct WritePermits {
-    /// Outside the lock order: held only to take or hand over a permit, never while
-    /// another lock is taken. (A standard library mutex: `store/lock.rs` says why.)
+    /// Outside the lock order: held only to take or hand over a permit, and no other lock
+    /// is taken while it is held — a leaf, so `try_acquire` may take it under a writer's
+    /// stripe locks. (A standard library mutex: `store/lock.rs` says why.)
     state: std::sync::Mutex<PermitState>,
     /// 0: unlimited (no queue).
     count: usize,
@@ -145,6 +146,22 @@ impl WritePermits {
                 return Some(WritePermit { permits: self, since: Instant::now() });
             }
         }
+    }
+
+    /// Takes a free permit without waiting, for a writer's compression helper
+    /// (`Inner::compress_blocks`): None while every permit is held, a writer waits for one
+    /// (it comes first), or writers are not limited.
+    pub fn try_acquire(&self) -> Option<WritePermit<'_>> {
+        if self.count == 0 {
+            return None;
+        }
+        let mut state = self.lock_state();
+        if state.free == 0 || !state.waiting.is_empty() {
+            return None;
+        }
+        state.free -= 1;
+        self.held.fetch_add(1, Ordering::Relaxed);
+        Some(WritePermit { permits: self, since: Instant::now() })
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, PermitState> {
