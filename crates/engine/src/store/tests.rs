@@ -23,12 +23,20 @@ fn small_store_on_disk(seed: u64) -> (Arc<SimDisk>, Store) {
 
 /// `small_store_on_disk`, opened with `options`.
 fn small_store_with(seed: u64, options: OpenOptions) -> (Arc<SimDisk>, Store) {
+    let disk = sim_disk_formatted(1 << 20, 32, 4 << 20, Codec::Lz4, seed);
+    let store = Store::open_backing(disk.clone(), &options);
+    (disk, store.unwrap())
+}
+
+/// A simulated disk of `head_bytes` and `segments` segments of 64 KiB, formatted with
+/// `codec` and `logical_bytes` of logical space.
+fn sim_disk_formatted(head_bytes: u64, segments: u64, logical_bytes: u64, codec: Codec, seed: u64) -> Arc<SimDisk> {
     let segment_bytes = 64u64 << 10;
-    let disk = Arc::new(SimDisk::new((1 << 20) + 32 * segment_bytes, seed));
+    let disk = Arc::new(SimDisk::new(head_bytes + segments * segment_bytes, seed));
     let format = FormatOptions {
         physical_size_bytes: 0,
-        logical_size_bytes: 4 << 20,
-        codec: Codec::Lz4,
+        logical_size_bytes: logical_bytes,
+        codec,
         segment_size_bytes: Some(segment_bytes),
         force: true,
         over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
@@ -36,8 +44,7 @@ fn small_store_with(seed: u64, options: OpenOptions) -> (Arc<SimDisk>, Store) {
         allocation: crate::Allocation::Sparse,
     };
     Store::format_backing(disk.as_ref(), &format).unwrap();
-    let store = Store::open_backing(disk.clone(), &options);
-    (disk, store.unwrap())
+    disk
 }
 
 fn incompressible(rng: &mut crate::sim::SimRng, len: usize) -> Vec<u8> {
@@ -499,19 +506,7 @@ fn a_large_write_is_compressed_beside_its_writer_with_the_same_fragments() {
         eprintln!("skipped: a helper needs a second core, this process has {available}");
         return;
     }
-    let segment_bytes = 64u64 << 10;
-    let disk = Arc::new(SimDisk::new((4 << 20) + 64 * segment_bytes, 77));
-    let format = FormatOptions {
-        physical_size_bytes: 0,
-        logical_size_bytes: 8 << 20,
-        codec: Codec::Zstd { level: 1 },
-        segment_size_bytes: Some(segment_bytes),
-        force: true,
-        over_provision_ppm: crate::OVER_PROVISION_DEFAULT_PPM,
-        encryption: None,
-        allocation: crate::Allocation::Sparse,
-    };
-    Store::format_backing(disk.as_ref(), &format).unwrap();
+    let disk = sim_disk_formatted(4 << 20, 64, 8 << 20, Codec::Zstd { level: 1 }, 77);
     let options =
         |codec_cores| OpenOptions { background: false, codec_cores: Some(codec_cores), ..OpenOptions::default() };
     // 64 blocks of text-like data, each different.
