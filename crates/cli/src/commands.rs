@@ -125,11 +125,6 @@ pub fn parse_codec_cores(text: &str) -> Result<u32, String> {
     zdisk_engine::check_codec_cores(cores, zdisk_engine::available_cores()).map(|cores| cores as u32)
 }
 
-/// `--codec-fallback MODE` of `serve`: one of the engine's modes, named in the error.
-pub fn parse_codec_fallback(text: &str) -> Result<zdisk_engine::CodecFallback, String> {
-    text.trim().parse()
-}
-
 fn is_block_device(path: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
     std::fs::metadata(path).map(|m| m.file_type().is_block_device()).unwrap_or(false)

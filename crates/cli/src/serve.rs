@@ -73,7 +73,7 @@ pub struct ServeArgs {
     /// for the disk and blocks stored uncompressed for now while every core compresses and
     /// the disk idles; `uncompressed` every block stored uncompressed for now. Environment
     /// ZDISK_CODEC_FALLBACK (docs/cpu.md).
-    #[arg(long, value_name = "MODE", value_parser = crate::commands::parse_codec_fallback)]
+    #[arg(long, value_name = "MODE")]
     pub codec_fallback: Option<zdisk_engine::CodecFallback>,
     /// Do not use O_DIRECT on the backing store.
     #[arg(long)]

@@ -19,6 +19,7 @@ use super::op::{Block, Op, RangeKind};
 use super::options::{Extent, ExtentKind};
 use super::read::ReadCache;
 use super::space::admit::Admitted;
+use super::space::permits::WritePermit;
 use super::space::SpaceClass;
 use super::state::Inner;
 use crate::codec::{
@@ -199,22 +200,9 @@ impl Inner {
             let lba_of = |i: usize| Lba(first_lba.0 + (first + i) as u64);
             run.iter().enumerate().map(|(i, block)| self.compress(block, lba_of(i), scratch)).collect()
         };
-        let Some(pool) = &self.codecs.helpers else {
+        let Some((pool, helpers)) = self.compression_helpers(sources.len()) else {
             return compress_run(0, sources, scratch);
         };
-        // Only a lone writer: beside others (holding or waiting for a permit, or one that
-        // waited within the last few milliseconds) the cores are taken already, and a helper
-        // only delays them (128K writes at QD32 ran at 0.82x without this check).
-        if self.space.write_permits.load_besides_holder() > 0 {
-            return compress_run(0, sources, scratch);
-        }
-        let spare_cores =
-            self.codecs.cores.saturating_sub(1 + self.codecs.counters.compressing.load(Ordering::Relaxed));
-        let most_helpers = spare_cores.min((sources.len() / FAN_OUT_RUN_BLOCKS_MIN).saturating_sub(1));
-        let helpers: Vec<_> = (0..most_helpers).map_while(|_| self.space.write_permits.try_acquire()).collect();
-        if helpers.is_empty() {
-            return compress_run(0, sources, scratch);
-        }
         let run_blocks = sources.len().div_ceil(helpers.len() + 1);
         let mut runs: Vec<Option<Result<Vec<Block>>>> = (0..helpers.len()).map(|_| None).collect();
         let mut first = Ok(Vec::new());
@@ -237,6 +225,23 @@ impl Inner {
         }
         debug_assert_eq!(blocks.len(), sources.len());
         Ok(blocks)
+    }
+
+    /// The helper pool and one write permit per helper a request of `block_count` blocks
+    /// may have now; None: its writer compresses alone.
+    fn compression_helpers(&self, block_count: usize) -> Option<(&rayon::ThreadPool, Vec<WritePermit<'_>>)> {
+        let pool = self.codecs.helpers.as_ref()?;
+        // Only a lone writer: beside others (holding or waiting for a permit, or one that
+        // waited within the last few milliseconds) the cores are taken already, and a helper
+        // only delays them (128K writes at QD32 ran at 0.82x without this check).
+        if self.space.write_permits.load_besides_holder() > 0 {
+            return None;
+        }
+        let spare_cores =
+            self.codecs.cores.saturating_sub(1 + self.codecs.counters.compressing.load(Ordering::Relaxed));
+        let most_helpers = spare_cores.min((block_count / FAN_OUT_RUN_BLOCKS_MIN).saturating_sub(1));
+        let permits: Vec<_> = (0..most_helpers).map_while(|_| self.space.write_permits.try_acquire()).collect();
+        (!permits.is_empty()).then_some((pool, permits))
     }
 
     /// Compresses block `lba` with `codec`: its protection information (guard, LBA, length
