@@ -401,7 +401,7 @@ pub fn print_stats(store: &Path, info: &zdisk_engine::StoreInfo, stats: &Stats, 
              without the log since; give --key-file or --passphrase-stdin for current ones)"
         ),
         Source::Live { pid, age } => {
-            println!("source  live (served by nbdkit pid {pid}; snapshot {:.1} s old)", age.as_secs_f64())
+            println!("source  live (served by pid {pid}; snapshot {:.1} s old)", age.as_secs_f64())
         }
     }
     match stats.state {
