@@ -295,14 +295,7 @@ fn handshake(stream: Stream, peer: String, shared: &Shared, config: &Config, inb
         return;
     }
     let limits = negotiated.limits(&export);
-    inbox.deliver(Arc::new(Connection {
-        stream,
-        limits,
-        peer,
-        send_lock: Mutex::new(()),
-        broken: AtomicBool::new(false),
-        jobs_in_flight: AtomicUsize::new(0),
-    }));
+    inbox.deliver(Arc::new(Connection::new(stream, limits, peer, false)));
 }
 
 /// The export as a new connection sees it: the store's size now (a resize grows it for

@@ -111,14 +111,7 @@ pub(super) fn tls_connection(
         // `serve_now` takes a `Connection` for its limits. Replies here go through the TLS
         // session, never through this handle on the raw socket: marked broken, its `send` is
         // a no-op (a plain-text byte on a TLS connection would break it).
-        Ok(socket) => Connection {
-            stream: socket,
-            limits: negotiated.limits(export),
-            peer,
-            send_lock: Mutex::new(()),
-            broken: AtomicBool::new(true),
-            jobs_in_flight: AtomicUsize::new(0),
-        },
+        Ok(socket) => Connection::new(socket, negotiated.limits(export), peer, true),
         Err(e) => {
             tracing::warn!("NBD connection from {peer} closed: {e}");
             return;
