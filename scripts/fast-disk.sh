@@ -8,7 +8,7 @@
 # It is not an NVMe drive: the loop device's kernel thread copies every byte on the same
 # two cores the servers use (a drive's DMA costs the host nothing), and its syncs are
 # cheap. Writing fewer bytes saves zdisk that copy; report it with the numbers.
-# Holds SIZE of RAM while up.
+# Holds up to SIZE of RAM while up: what was written to it (deleting files does not give it back).
 #
 #   usage: scripts/fast-disk.sh up DIR [SIZE]    (SIZE for truncate; default 10G)
 #          scripts/fast-disk.sh down DIR
