@@ -101,33 +101,36 @@ pub enum CodecFallback {
     Uncompressed,
 }
 
+impl CodecFallback {
+    /// Every mode with the one name `FromStr` takes and `Display` prints (`zdisk serve`
+    /// passes it on to the nbdkit plugin).
+    const NAMES: [(CodecFallback, &'static str); 5] = [
+        (CodecFallback::Auto, "auto"),
+        (CodecFallback::AutoUncompressed, "auto-uncompressed"),
+        (CodecFallback::Always, "always"),
+        (CodecFallback::Never, "never"),
+        (CodecFallback::Uncompressed, "uncompressed"),
+    ];
+}
+
 impl FromStr for CodecFallback {
     type Err = String;
 
     fn from_str(s: &str) -> std::result::Result<CodecFallback, String> {
-        match s {
-            "auto" => Ok(CodecFallback::Auto),
-            "always" => Ok(CodecFallback::Always),
-            "never" => Ok(CodecFallback::Never),
-            "uncompressed" => Ok(CodecFallback::Uncompressed),
-            "auto-uncompressed" => Ok(CodecFallback::AutoUncompressed),
-            _ => Err(format!(
-                "unknown codec fallback {s:?} (expected auto, auto-uncompressed, always, never or uncompressed)"
-            )),
+        match CodecFallback::NAMES.iter().find(|(_, name)| *name == s) {
+            Some(&(mode, _)) => Ok(mode),
+            None => {
+                let names: Vec<&str> = CodecFallback::NAMES.iter().map(|(_, name)| *name).collect();
+                Err(format!("unknown codec fallback {s:?} (expected one of: {})", names.join(", ")))
+            }
         }
     }
 }
 
-/// The name `FromStr` takes (`zdisk serve` passes it on to the nbdkit plugin).
 impl std::fmt::Display for CodecFallback {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            CodecFallback::Auto => "auto",
-            CodecFallback::AutoUncompressed => "auto-uncompressed",
-            CodecFallback::Always => "always",
-            CodecFallback::Never => "never",
-            CodecFallback::Uncompressed => "uncompressed",
-        })
+        let (_, name) = CodecFallback::NAMES.iter().find(|(mode, _)| mode == self).expect("every mode is named");
+        f.write_str(name)
     }
 }
 
