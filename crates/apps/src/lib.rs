@@ -136,12 +136,12 @@ pub struct BenchArgs {
     pub fs_size: Option<u64>,
 
     /// Codec of the benchmarked zdisk store (zdisk format --codec). Default: zdisk's default.
-    #[arg(long, value_name = "CODEC")]
+    #[arg(long, value_parser = codec_name, value_name = "CODEC")]
     pub zdisk_codec: Option<String>,
 
     /// Codecs whose comp_ratio is measured on the final database files (a fresh store each).
     /// Default lz4,zstd:1,deflate:6 (smoke zstd:1).
-    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    #[arg(long, value_delimiter = ',', value_parser = codec_name, value_name = "LIST")]
     pub ratio_codecs: Option<Vec<String>>,
 
     /// sysbench --rand-type (uniform spreads reads over the whole data set).
@@ -249,6 +249,12 @@ pub struct PowercutArgs {
 pub fn parallel_requests() -> u32 {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get()) as u32;
     (4 * cores).clamp(8, 64)
+}
+
+/// A codec name as `zdisk format --codec` takes it, checked when the arguments are parsed
+/// (a bad one failed only after the whole benchmark, at its first ratio store).
+fn codec_name(text: &str) -> Result<String, String> {
+    text.parse::<zdisk_engine::Codec>().map(|_| text.to_string())
 }
 
 /// `--serve-options`' string as the arguments it holds.

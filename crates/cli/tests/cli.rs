@@ -185,6 +185,15 @@ fn scratch_directories_that_cannot_be_created_are_named() {
     }
 }
 
+/// A codec `zdisk format` would refuse is refused with the arguments, before anything runs
+/// (`--ratio-codecs none` ran the whole benchmark, then failed formatting its first ratio store).
+#[test]
+fn db_bench_refuses_unknown_codecs_up_front() {
+    let s = Scratch::new("db-codecs");
+    refused(&s, &["db", "bench", "mysql", "--quick", "--ratio-codecs", "lz4,none"], 2, "unknown codec \"none\"");
+    refused(&s, &["db", "bench", "mysql", "--quick", "--zdisk-codec", "zstd:99"], 2, "--zdisk-codec");
+}
+
 #[test]
 fn a_disk_bandwidth_cap_is_refused_where_it_cannot_apply() {
     let s = Scratch::new("disk-mbps");

@@ -576,6 +576,80 @@ fn bad_requests_get_nbd_errors_and_the_server_keeps_serving() {
     server.stop();
 }
 
+/// A pipelining client's requests arrive many to a `recv`; the native server parses them
+/// together and shares the small writes between its loop and a worker, a batch each, with
+/// their replies gathered (`server.rs` `share_small_writes`). Rounds of 98 requests sent at
+/// once — 4 KiB writes, unaligned 1 KiB writes, 16 KiB writes, trims, zeroings, 20 KiB
+/// writes (too large to share), a FUA write, a flush and a write past the end — each get one
+/// reply with their own result, and every byte reads back as its request left it.
+#[test]
+fn pipelined_small_requests_are_each_answered_once_and_land_where_addressed() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("pipeline");
+    let store = s.format("s.zdisk", "64M", "64M", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    let slot = 64usize << 10;
+    let slots = 96;
+    let mut model = vec![0u8; slot * slots];
+    let enospc = libc::ENOSPC as u32;
+    for round in 0..6u64 {
+        // Every request in its own slot: requests in flight together have no order.
+        let mut payloads: Vec<Vec<u8>> = Vec::new();
+        let mut shapes = Vec::new();
+        for i in 0..slots {
+            let at = i * slot + (round as usize % 3) * 4096;
+            let (command, flags, offset, length) = match (i + round as usize) % 10 {
+                0..=4 => (nbd::CMD_WRITE, 0, at, 4096),
+                5 => (nbd::CMD_WRITE, 0, at + 1000, 1024),
+                6 => (nbd::CMD_WRITE, 0, at, 16 << 10),
+                7 => (nbd::CMD_TRIM, 0, at, 8192),
+                8 => (nbd::CMD_WRITE_ZEROES, nbd::CMD_FLAG_NO_HOLE, at + 512, 3000),
+                _ => (nbd::CMD_WRITE, 0, at, 20 << 10),
+            };
+            let flags = if i == 41 { nbd::CMD_FLAG_FUA } else { flags };
+            let payload = match command {
+                nbd::CMD_WRITE => pattern(round, i as u64, offset as u64, length),
+                _ => Vec::new(),
+            };
+            match command {
+                nbd::CMD_WRITE => model[offset..offset + length].copy_from_slice(&payload),
+                _ => model[offset..offset + length].fill(0),
+            }
+            shapes.push((command, flags, offset as u64, length as u32));
+            payloads.push(payload);
+        }
+        shapes.insert(50, (nbd::CMD_FLUSH, 0, 0, 0));
+        payloads.insert(50, Vec::new());
+        shapes.push((nbd::CMD_WRITE, 0, c.size, 4096));
+        payloads.push(vec![1; 4096]);
+        let requests: Vec<nbd::Pipelined<'_>> = shapes
+            .iter()
+            .zip(&payloads)
+            .map(|(&(command, flags, offset, length), payload)| nbd::Pipelined {
+                command,
+                flags,
+                offset,
+                length,
+                payload,
+            })
+            .collect();
+        let errors = c.pipeline(&requests).unwrap();
+        let (past_end, served) = errors.split_last().unwrap();
+        assert_eq!(*past_end, enospc, "round {round}: the write past the end");
+        for (i, error) in served.iter().enumerate() {
+            assert_eq!(*error, 0, "round {round}: request {i} ({:?}) failed", shapes[i]);
+        }
+        assert_same(&c.read_ok(0, model.len()), &model, &format!("round {round}: pipelined requests"));
+    }
+    c.disconnect();
+    server.stop();
+    let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(out.contains("clean"), "{out}");
+}
+
 /// Malformed input closes its own connection and nothing else: garbage in place of the
 /// handshake, a request with a bad magic, a write announcing a payload over the 32 MiB cap.
 /// Another client's connection, opened before and kept throughout, sees every byte it wrote
@@ -788,6 +862,7 @@ mod through_nbdkit {
         decay_of_the_last_flushed_write_never_yields_its_previous_contents,
         writes_flushed_before_a_crash_survive_it,
         bad_requests_get_nbd_errors_and_the_server_keeps_serving,
+        pipelined_small_requests_are_each_answered_once_and_land_where_addressed,
         stat_is_live_while_served_and_metrics_are_served,
         malformed_input_closes_only_that_connection,
     );

@@ -6,7 +6,9 @@
 //!   read request    → ReadQueue::submit; replied when the ring completes it, out of order
 //!                     (decoded on the loop, or on a worker when it has > 4 fragments)
 //!   write/trim/zero → the engine, on the loop — or on a worker when the client has others
-//!                     in flight and the workers hold fewer jobs than there are cores
+//!                     in flight and the workers hold fewer jobs than there are cores;
+//!                     a pass's small writes (≤ 16 KiB) split between the loop and the
+//!                     workers, one batch per worker
 //!   flush, FUA      → a worker, which replies itself (they wait for the device)
 //! ```
 //!
@@ -15,12 +17,15 @@
 //! pass) and answers it when they complete. A write is CPU work (compress, append in
 //! memory; write admission bounds it to one per core, `store/space/permits.rs`): alone it runs on
 //! the loop, beside others it is shared with the workers so that one connection's writes
-//! use every core. What waits for the device — a flush, a FUA request — goes to a worker so
+//! use every core — small ones a batch per worker and pass, since for a 4 KiB write a
+//! worker's wake-up costs as much as the write. What waits for the device — a flush, a FUA request — goes to a worker so
 //! the loop keeps serving reads.
 //!
 //! Invariants:
 //! - a connection's requests are parsed in order; replies go out as they complete (NBD
-//!   allows any order), each whole under the connection's write lock;
+//!   allows any order), each whole under the connection's write lock — the replies a loop
+//!   or a worker produces in one pass or batch up to `REPLIES_PER_SEND` to a send, never
+//!   held past the end of that pass or batch;
 //! - malformed input (bad magic, an oversized write payload, a failed handshake) closes
 //!   that connection with one log line and touches nothing else: no other connection, no
 //!   store state;
@@ -94,6 +99,12 @@ const FIRST_CONNECTION_KEY: u64 = 2;
 /// reads at QD4 through NBD did 1.16x the IOPS at 0.7x the server CPU per read decoded on the
 /// loop, and 1.43x at 0.5x with two busy loops beside (a database's CPU); docs/nbd.md.
 const DECODE_ON_LOOP_FRAGMENTS_MAX: usize = 4;
+/// Writes (and trims, zeroings) of at most this many bytes that one pass parsed are shared
+/// with the workers a batch per worker: for a 4 KiB write the hand-off (a worker's wake-up
+/// and sleep, a futex each) cost about what the write itself does.
+const SHARED_WRITE_BYTES_MAX: usize = 16 << 10;
+/// Replies of small requests a loop or a worker gathers into one send.
+const REPLIES_PER_SEND: usize = 8;
 
 /// Where the server listens.
 pub enum Listener {
@@ -356,6 +367,26 @@ struct EventLoop {
     reads: HashMap<u64, PendingRead>,
     next_key: u64,
     next_tag: u64,
+    /// The requests of the pass being served (kept to reuse its memory).
+    parsed: Vec<Parsed>,
+}
+
+/// A whole request in a connection's received bytes.
+struct Parsed {
+    request: Request,
+    payload: std::ops::Range<usize>,
+    share: Share,
+}
+
+/// Who serves a parsed request.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Share {
+    /// As `dispatch` decides.
+    Dispatch,
+    /// The loop: its share of the pass's small writes.
+    Loop,
+    /// A worker, which serves and answers it.
+    Worker,
 }
 
 impl EventLoop {
@@ -383,6 +414,7 @@ impl EventLoop {
             reads: HashMap::new(),
             next_key: FIRST_CONNECTION_KEY,
             next_tag: 0,
+            parsed: Vec::new(),
         })
     }
 
@@ -479,42 +511,74 @@ impl EventLoop {
         self.parse(key);
     }
 
-    /// Serves the whole requests in a connection's received bytes, in order.
+    /// Serves the whole requests in a connection's received bytes, in order. They are parsed
+    /// first, so that the pass's small writes can be shared with the workers in one hand-off
+    /// each (`share_small_writes`) rather than one per write.
     fn parse(&mut self, key: u64) {
         let Some(served) = self.connections.get_mut(&key) else { return };
-        let mut received = std::mem::take(&mut served.received);
+        let received = std::mem::take(&mut served.received);
         let connection = served.connection.clone();
-        let mut at = 0;
-        let mut reply = Vec::new();
-        loop {
-            let (request, payload_bytes) = match proto::next_request(&received[at..], &connection.limits) {
-                Ok(Some(next)) => next,
+        // Parsing stops where the reads in flight would pass their limit (the rest waits in
+        // `received` until some complete) and after a goodbye.
+        let reads_room = READS_PER_CONNECTION_MAX.saturating_sub(served.reads_in_flight);
+        let mut parsed = std::mem::take(&mut self.parsed);
+        parsed.clear();
+        let (mut at, mut reads) = (0, 0);
+        let mut malformed = None;
+        while reads < reads_room {
+            match proto::next_request(&received[at..], &connection.limits) {
+                Ok(Some((request, payload_bytes))) => {
+                    let payload = at + REQUEST_HEADER_BYTES..at + REQUEST_HEADER_BYTES + payload_bytes;
+                    at = payload.end;
+                    reads += usize::from(request.command == Command::Read);
+                    let goodbye = request.command == Command::Disconnect;
+                    parsed.push(Parsed { request, payload, share: Share::Dispatch });
+                    if goodbye {
+                        break;
+                    }
+                }
                 Ok(None) => break,
                 Err(e) => {
-                    connection.break_with(&format!("closed: {e}"));
+                    malformed = Some(e);
                     break;
                 }
-            };
-            let payload = &received[at + REQUEST_HEADER_BYTES..at + REQUEST_HEADER_BYTES + payload_bytes];
-            at += REQUEST_HEADER_BYTES + payload_bytes;
-            reply.clear();
-            // The client has other requests in flight or already sent: a write handed to a
-            // worker runs beside them on another core. Alone (QD1), it runs here and
-            // saves the hand-off.
-            let served = self.connections.get(&key).expect("still served");
-            let alone = at == received.len()
-                && served.reads_in_flight == 0
-                && connection.jobs_in_flight.load(Ordering::SeqCst) == 0;
-            self.dispatch(key, &connection, request, payload, alone, &mut reply);
-            if !reply.is_empty() {
-                connection.send(&reply, &[]);
-            }
-            let served = self.connections.get_mut(&key).expect("still served");
-            if served.disconnecting || served.reads_in_flight >= READS_PER_CONNECTION_MAX {
-                break;
             }
         }
+        let started = Instant::now();
+        self.share_small_writes(&connection, &received, &mut parsed, started);
+        let mut reply = Vec::new();
+        let mut replies = 0;
+        for (i, next) in parsed.iter().enumerate() {
+            if next.share == Share::Worker {
+                continue;
+            }
+            // The client has other requests in flight or already sent: a write handed to a
+            // worker runs beside them on another core. Alone (QD1), it runs here and
+            // saves the hand-off; so does the loop's share of a pass's small writes.
+            let served = self.connections.get(&key).expect("still served");
+            let alone = i + 1 == parsed.len()
+                && at == received.len()
+                && served.reads_in_flight == 0
+                && connection.jobs_in_flight.load(Ordering::SeqCst) == 0;
+            let here = alone || next.share == Share::Loop;
+            let before = reply.len();
+            self.dispatch(key, &connection, next.request, &received[next.payload.clone()], here, &mut reply);
+            replies += usize::from(reply.len() > before);
+            if replies == REPLIES_PER_SEND {
+                connection.send(&reply, &[]);
+                reply.clear();
+                replies = 0;
+            }
+        }
+        if !reply.is_empty() {
+            connection.send(&reply, &[]);
+        }
+        if let Some(e) = malformed {
+            connection.break_with(&format!("closed: {e}"));
+        }
+        let mut received = received;
         received.drain(..at);
+        self.parsed = parsed;
         let served = self.connections.get_mut(&key).expect("still served");
         served.received = received;
         let pause = served.disconnecting || served.reads_in_flight >= READS_PER_CONNECTION_MAX;
@@ -522,6 +586,50 @@ impl EventLoop {
             served.disconnecting = true;
         }
         self.set_paused(key, pause || served_broken(&connection));
+    }
+
+    /// Hands a share of a pass's small writes to the workers, one job per worker, so that one
+    /// connection's writes use every core for one wake-up per pass instead of one per write
+    /// (`SHARED_WRITE_BYTES_MAX`). The loop keeps the first share and serves it itself.
+    fn share_small_writes(
+        &self,
+        connection: &Arc<Connection>,
+        received: &[u8],
+        parsed: &mut [Parsed],
+        started: Instant,
+    ) {
+        let shareable = |p: &Parsed| {
+            matches!(p.request.command, Command::Write | Command::Trim | Command::WriteZeroes)
+                && p.request.flags & proto::CMD_FLAG_FUA == 0
+                && p.request.length as usize <= SHARED_WRITE_BYTES_MAX
+                && proto::validate(&p.request, &connection.limits).is_ok()
+        };
+        let count = parsed.iter().filter(|p| shareable(p)).count();
+        let busy = self.workers.busy.load(Ordering::SeqCst);
+        // While GC paces writes, each goes to a worker of its own (`dispatch`).
+        if count < 2 || busy >= self.cores || self.shared.store.host_writes_may_wait() {
+            return;
+        }
+        let workers = (self.cores - 1).min(self.cores - busy).min(count - 1).max(1);
+        let share = count.div_ceil(workers + 1);
+        let mut batch = Vec::with_capacity(share);
+        let mut seen = 0;
+        for next in parsed.iter_mut().filter(|p| shareable(p)) {
+            seen += 1;
+            if seen <= share {
+                next.share = Share::Loop;
+                continue;
+            }
+            next.share = Share::Worker;
+            batch.push((next.request, received[next.payload.clone()].to_vec()));
+            if batch.len() == share {
+                let writes = std::mem::replace(&mut batch, Vec::with_capacity(share));
+                self.workers.push(Job { connection: connection.clone(), work: Work::Writes(writes), started });
+            }
+        }
+        if !batch.is_empty() {
+            self.workers.push(Job { connection: connection.clone(), work: Work::Writes(batch), started });
+        }
     }
 
     fn set_paused(&mut self, key: u64, pause: bool) {
@@ -535,7 +643,7 @@ impl EventLoop {
     }
 
     /// Serves one request: a read goes to the ring; a request that waits for the device,
-    /// or a write that is not `alone`, to a worker; the rest here. `reply` gets what is to
+    /// or a write not to be served `here`, to a worker; the rest here. `reply` gets what is to
     /// be sent now.
     fn dispatch(
         &mut self,
@@ -543,7 +651,7 @@ impl EventLoop {
         connection: &Arc<Connection>,
         request: Request,
         payload: &[u8],
-        alone: bool,
+        here: bool,
         reply: &mut Vec<u8>,
     ) {
         let limits = &connection.limits;
@@ -585,7 +693,7 @@ impl EventLoop {
             // writes (nbdkit has a thread per request in flight for the same reason).
             Command::Write | Command::Trim | Command::WriteZeroes
                 if fua
-                    || (!alone
+                    || (!here
                         && (self.workers.busy.load(Ordering::SeqCst) < self.cores
                             || self.shared.store.host_writes_may_wait())) =>
             {

@@ -1,6 +1,9 @@
 //! A minimal NBD client for tests: fixed-newstyle handshake, NBD_OPT_GO, simple replies,
-//! one request in flight. Enough to send requests nbdkit's own clients never send (zero
-//! length, unaligned, past the end) and to check the server's answer to each.
+//! one request in flight — or many sent at once (`pipeline`). Enough to send requests
+//! nbdkit's own clients never send (zero length, unaligned, past the end) and to check the
+//! server's answer to each.
+
+use std::collections::HashMap;
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -30,6 +33,15 @@ pub const CMD_WRITE_ZEROES: u16 = 6;
 pub const CMD_FLAG_FUA: u16 = 1 << 0;
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
+
+/// One request of a `pipeline`.
+pub struct Pipelined<'a> {
+    pub command: u16,
+    pub flags: u16,
+    pub offset: u64,
+    pub length: u32,
+    pub payload: &'a [u8],
+}
 
 pub struct NbdClient {
     stream: UnixStream,
@@ -154,6 +166,42 @@ impl NbdClient {
             }
         }
         Ok(error)
+    }
+
+    /// Sends every request in one write, as a pipelining client does, then takes their
+    /// replies in whatever order they come, and returns each request's error code in the
+    /// order of `requests`. No reads (their replies carry data). A reply with a cookie that
+    /// names no request, or one already answered, is an error.
+    pub fn pipeline(&mut self, requests: &[Pipelined<'_>]) -> io::Result<Vec<u32>> {
+        assert!(requests.iter().all(|r| r.command != CMD_READ && r.command != CMD_DISC), "no reads or goodbyes");
+        let first = self.next_handle;
+        let mut bytes = Vec::new();
+        for request in requests {
+            bytes.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+            bytes.extend_from_slice(&request.flags.to_be_bytes());
+            bytes.extend_from_slice(&request.command.to_be_bytes());
+            bytes.extend_from_slice(&self.next_handle.to_be_bytes());
+            bytes.extend_from_slice(&request.offset.to_be_bytes());
+            bytes.extend_from_slice(&request.length.to_be_bytes());
+            bytes.extend_from_slice(request.payload);
+            self.next_handle += 1;
+        }
+        self.stream.write_all(&bytes)?;
+        let mut errors: HashMap<u64, u32> = HashMap::new();
+        while errors.len() < requests.len() {
+            if read_u32(&mut self.stream)? != SIMPLE_REPLY_MAGIC {
+                return Err(protocol_error("bad reply magic".into()));
+            }
+            let error = read_u32(&mut self.stream)?;
+            let handle = read_u64(&mut self.stream)?;
+            if !(first..self.next_handle).contains(&handle) {
+                return Err(protocol_error(format!("a reply for handle {handle}, which names no request")));
+            }
+            if errors.insert(handle, error).is_some() {
+                return Err(protocol_error(format!("a second reply for handle {handle}")));
+            }
+        }
+        Ok((first..self.next_handle).map(|handle| errors[&handle]).collect())
     }
 
     /// Sends bytes as they are (malformed requests, for the bad-input tests).

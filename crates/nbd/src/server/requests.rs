@@ -33,6 +33,9 @@ pub(super) struct Job {
 pub(super) enum Work {
     /// A request other than a read.
     Request { request: Request, payload: Vec<u8> },
+    /// Small writes (trims, zeroings) of one pass, shared by a loop: served in order, their
+    /// replies gathered `REPLIES_PER_SEND` to a send.
+    Writes(Vec<(Request, Vec<u8>)>),
     /// A read whose device reads completed: decode it and reply.
     Decode { cookie: u64, offset: u64, plan: ReadPlan },
 }
@@ -86,6 +89,16 @@ impl Workers {
                     let mut reply = Vec::with_capacity(64);
                     serve_now(shared, &job.connection, &request, &payload, job.started, &mut reply);
                     job.connection.send(&reply, &[]);
+                }
+                Work::Writes(writes) => {
+                    let mut reply = Vec::with_capacity(64 * REPLIES_PER_SEND);
+                    for (i, (request, payload)) in writes.iter().enumerate() {
+                        serve_now(shared, &job.connection, request, payload, job.started, &mut reply);
+                        if (i + 1) % REPLIES_PER_SEND == 0 || i + 1 == writes.len() {
+                            job.connection.send(&reply, &[]);
+                            reply.clear();
+                        }
+                    }
                 }
                 Work::Decode { cookie, offset, plan } => {
                     let result = shared.store.finish_read(plan);
