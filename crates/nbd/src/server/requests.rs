@@ -40,9 +40,18 @@ pub(super) enum Work {
     Decode { cookie: u64, offset: u64, plan: ReadPlan },
 }
 
+/// The jobs waiting for a worker, behind `Workers::queue`.
+#[derive(Default)]
+pub(super) struct Queue {
+    jobs: VecDeque<Job>,
+    closed: bool,
+    /// Workers waiting on `ready`: a push wakes one only if there is one (a futex call each).
+    idle_workers: usize,
+}
+
 #[derive(Default)]
 pub(super) struct Workers {
-    pub(super) queue: Mutex<(VecDeque<Job>, bool)>,
+    pub(super) queue: Mutex<Queue>,
     pub(super) ready: Condvar,
     pub(super) room: Condvar,
     /// Jobs queued or running.
@@ -56,15 +65,20 @@ impl Workers {
         job.connection.jobs_in_flight.fetch_add(1, Ordering::SeqCst);
         self.busy.fetch_add(1, Ordering::SeqCst);
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        while queue.0.len() >= JOBS_MAX && !queue.1 {
+        while queue.jobs.len() >= JOBS_MAX && !queue.closed {
             queue = self.room.wait(queue).unwrap_or_else(|e| e.into_inner());
         }
-        queue.0.push_back(job);
-        self.ready.notify_one();
+        queue.jobs.push_back(job);
+        let wake = queue.idle_workers > 0;
+        // Woken after the lock is let go, so the worker does not wake only to wait for it.
+        drop(queue);
+        if wake {
+            self.ready.notify_one();
+        }
     }
 
     pub(super) fn close(&self) {
-        self.queue.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).closed = true;
         self.ready.notify_all();
         self.room.notify_all();
     }
@@ -74,14 +88,23 @@ impl Workers {
             let job = {
                 let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    if let Some(job) = queue.0.pop_front() {
-                        self.room.notify_one();
+                    let was_full = queue.jobs.len() >= JOBS_MAX;
+                    if let Some(job) = queue.jobs.pop_front() {
+                        // Loops wait for room only on a full queue, so the first job taken
+                        // from it wakes them all (each looks again; one that finds it full
+                        // again waits for the next); other takes skip the futex call.
+                        if was_full {
+                            drop(queue);
+                            self.room.notify_all();
+                        }
                         break job;
                     }
-                    if queue.1 {
+                    if queue.closed {
                         return;
                     }
+                    queue.idle_workers += 1;
                     queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner());
+                    queue.idle_workers -= 1;
                 }
             };
             match job.work {
