@@ -18,8 +18,8 @@
 //! memory; write admission bounds it to one per core, `store/space/permits.rs`): alone it runs on
 //! the loop, beside others it is shared with the workers so that one connection's writes
 //! use every core — small ones a batch per worker and pass, since for a 4 KiB write a
-//! worker's wake-up costs as much as the write. What waits for the device — a flush, a FUA request — goes to a worker so
-//! the loop keeps serving reads.
+//! worker's wake-up costs as much as the write. What waits for the device — a flush, a FUA
+//! request — goes to a worker so the loop keeps serving reads.
 //!
 //! Invariants:
 //! - a connection's requests are parsed in order; replies go out as they complete (NBD
