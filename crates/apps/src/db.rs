@@ -461,6 +461,29 @@ impl Load {
         matches!(self.child.try_wait(), Ok(None))
     }
 
+    /// The intervals the tool has reported so far (sysbench's and pgbench's per-second
+    /// progress lines, each naming its tps).
+    pub fn intervals_reported(&self) -> usize {
+        std::fs::read_to_string(&self.out).unwrap_or_default().lines().filter(|l| l.contains("tps")).count()
+    }
+
+    /// Waits until the tool reports its first interval: its clients are connected and
+    /// transactions run. Fails if it ends first or reports nothing within `timeout`.
+    pub fn wait_for_first_report(&mut self, timeout: Duration) -> Result<()> {
+        let end = Instant::now() + timeout;
+        while self.intervals_reported() == 0 {
+            if !self.running() {
+                bail!("{} ended before its first report:\n{}", self.kind, tail_of(&self.out, 20));
+            }
+            if Instant::now() > end {
+                bail!("{} reported nothing within {} s:\n{}", self.kind, timeout.as_secs(), tail_of(&self.out, 20));
+            }
+            sys::check_interrupt()?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
     /// Waits for the end (checking Ctrl-C) and parses the tool's summary.
     pub fn finish(mut self, timeout: Duration) -> Result<LoadResult> {
         let end = Instant::now() + timeout;

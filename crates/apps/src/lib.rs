@@ -203,7 +203,8 @@ pub struct PowercutArgs {
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
 
-    /// Shortest and longest load before a cut, seconds. Default 3,20 (smoke 1,3).
+    /// Shortest and longest load before a cut, seconds, counted from the load's first
+    /// reported interval. Default 3,20 (smoke 1,3).
     #[arg(long, value_delimiter = ',', value_name = "MIN,MAX")]
     pub cut_after: Option<Vec<f64>>,
 

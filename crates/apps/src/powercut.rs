@@ -20,6 +20,10 @@ use crate::stack::{self, Ctx, Device, Mount};
 use crate::PowercutArgs;
 use zdisk_bench::sys::{self, progress};
 
+/// How long a cycle's load may take to connect and report its first interval (the database
+/// has just finished its crash recovery).
+const LOAD_START_TIMEOUT: Duration = Duration::from_secs(120);
+
 #[derive(Debug, Default, Serialize)]
 pub struct Cycle {
     pub cycle: u32,
@@ -228,6 +232,10 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
                 Load::spawn(c, &out, "pgbench")?
             }
         };
+        // The cut falls `cut_after` seconds into the load itself: timed from the spawn, a
+        // cut at 1 s could come before the tool had connected (CI saw a cycle cut at 1.05 s
+        // with no interval reported).
+        load.wait_for_first_report(LOAD_START_TIMEOUT)?;
         sys::sleep(Duration::from_secs_f64(cut_after))?;
         if !load.running() {
             bail!("the load ended before the cut: {}", db::tail_of(&out, 20));
@@ -236,8 +244,7 @@ fn cycles(ctx: &Ctx, a: &PowercutArgs, setup: &Setup, seed: u64, result: &mut Re
         dev.kill_server()?;
         let db_killed = server.kill();
         load.kill();
-        cy.load_seconds_reported =
-            std::fs::read_to_string(&out).unwrap_or_default().lines().filter(|l| l.contains("tps")).count();
+        cy.load_seconds_reported = load.intervals_reported();
         // Nothing of the cut-off server may live on: a process left running on the dead
         // device keeps the filesystem busy (and so the loop device and the FUSE mount), and a
         // postmaster pid that still answers kill(pid, 0) makes the recovery start refuse its
