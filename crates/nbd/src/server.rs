@@ -375,6 +375,8 @@ struct EventLoop {
 struct Parsed {
     request: Request,
     payload: std::ops::Range<usize>,
+    /// A valid write, trim or zeroing of at most `SHARED_WRITE_BYTES_MAX`, without FUA.
+    shareable: bool,
     share: Share,
 }
 
@@ -532,7 +534,8 @@ impl EventLoop {
                     at = payload.end;
                     reads += usize::from(request.command == Command::Read);
                     let goodbye = request.command == Command::Disconnect;
-                    parsed.push(Parsed { request, payload, share: Share::Dispatch });
+                    let shareable = is_shareable(&request, &connection.limits);
+                    parsed.push(Parsed { request, payload, shareable, share: Share::Dispatch });
                     if goodbye {
                         break;
                     }
@@ -598,13 +601,7 @@ impl EventLoop {
         parsed: &mut [Parsed],
         started: Instant,
     ) {
-        let shareable = |p: &Parsed| {
-            matches!(p.request.command, Command::Write | Command::Trim | Command::WriteZeroes)
-                && p.request.flags & proto::CMD_FLAG_FUA == 0
-                && p.request.length as usize <= SHARED_WRITE_BYTES_MAX
-                && proto::validate(&p.request, &connection.limits).is_ok()
-        };
-        let count = parsed.iter().filter(|p| shareable(p)).count();
+        let count = parsed.iter().filter(|p| p.shareable).count();
         let busy = self.workers.busy.load(Ordering::SeqCst);
         // While GC paces writes, each goes to a worker of its own (`dispatch`).
         if count < 2 || busy >= self.cores || self.shared.store.host_writes_may_wait() {
@@ -614,7 +611,7 @@ impl EventLoop {
         let share = count.div_ceil(workers + 1);
         let mut batch = Vec::with_capacity(share);
         let mut seen = 0;
-        for next in parsed.iter_mut().filter(|p| shareable(p)) {
+        for next in parsed.iter_mut().filter(|p| p.shareable) {
             seen += 1;
             if seen <= share {
                 next.share = Share::Loop;
@@ -768,6 +765,15 @@ impl EventLoop {
         }
         self.connections.clear();
     }
+}
+
+/// Whether a pass may share `request` with the workers (`share_small_writes`): a valid write,
+/// trim or zeroing small enough that a hand-off of its own would cost about what it does.
+fn is_shareable(request: &Request, limits: &Limits) -> bool {
+    matches!(request.command, Command::Write | Command::Trim | Command::WriteZeroes)
+        && request.flags & proto::CMD_FLAG_FUA == 0
+        && request.length as usize <= SHARED_WRITE_BYTES_MAX
+        && proto::validate(request, limits).is_ok()
 }
 
 fn served_broken(connection: &Connection) -> bool {

@@ -219,6 +219,22 @@ pub fn frontend() -> &'static str {
     FRONTEND.with(|f| f.get()).unwrap_or("native")
 }
 
+/// Runs the named tests of the file again against `zdisk serve --frontend nbdkit`, as the
+/// tests of a module `through_nbdkit` (each test body starts its servers with `Server`).
+#[macro_export]
+macro_rules! through_nbdkit {
+    ($($name:ident),* $(,)?) => {
+        mod through_nbdkit {
+            $(
+                #[test]
+                fn $name() {
+                    $crate::common::with_frontend("nbdkit", super::$name);
+                }
+            )*
+        }
+    };
+}
+
 /// Runs `test` with every `Server` it starts served by `frontend` ("native" or "nbdkit").
 pub fn with_frontend(frontend: &'static str, test: impl FnOnce()) {
     FRONTEND.with(|f| f.set(Some(frontend)));
