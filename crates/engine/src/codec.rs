@@ -9,11 +9,12 @@
 //!
 //! A block is stored raw when the codec does not save `MIN_SAVING_BYTES`. Before the host
 //! write path runs a slow codec (zstd, DEFLATE) it estimates whether the codec could save that
-//! much at all (`looks_incompressible`: the collision entropy of up to 1,024 sampled bytes,
-//! 0.3–0.6 µs on compressible blocks, 1 µs on random ones); a block that cannot is stored raw
-//! without running the codec (`skips_codec`), so incompressible data (random, encrypted,
-//! already compressed) costs 40% of zstd:1's CPU (1.5 against 3.9 µs a block) and a
-//! twentieth of DEFLATE:6's. The estimate errs towards compressing: it never skips a block
+//! much at all (`looks_incompressible`: the collision entropy of 64 to 1,024 sampled bytes,
+//! about 0.2 µs on plainly compressible blocks, 0.4 µs on most random ones); a block that
+//! cannot is stored raw without running the codec (`skips_codec`), so incompressible data
+//! (random, encrypted, already compressed) costs a sixth of zstd:1's CPU and a fiftieth of
+//! DEFLATE:6's (docs/space.md, "Incompressible data").
+//! The estimate errs towards compressing: it never skips a block
 //! holding a run of zeros or any byte distribution an entropy coder shrinks by
 //! `MIN_SAVING_BYTES`; what it cannot see is a random string repeated inside the block
 //! (measured in docs/space.md, "Incompressible data").
@@ -222,9 +223,8 @@ pub fn write_choice(configured: Codec, fallback: CodecFallback, load: WriteLoad)
 /// "uncompressed for now" tier: its fragments carry the LZ4 tag, so GC, idle recompression
 /// and `pending_recompress_bytes` take them as they take the LZ4 fallback's, without a new
 /// tag in the format. (lz4_flex has no store-only mode; its fastest compression still
-/// searches for matches.)
+/// searches for matches.) Appends to `out`, as `store_raw` does.
 pub fn lz4_literals(block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-    out.clear();
     out.reserve(block.len() + block.len() / 255 + 2);
     let len = block.len();
     if len < 15 {
@@ -365,16 +365,20 @@ impl Dictionary {
     /// Compresses one block with this dictionary at its level into `out` (cleared first).
     /// Returns `ZstdDict`, or `Raw` when that does not save `MIN_SAVING_BYTES`.
     pub fn compress_block(&self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-        assert_eq!(block.len(), BLOCK_SIZE);
         out.clear();
-        out.resize(OUT_BOUND_BYTES, 0);
-        match with_contexts(|c| c.zstd_dictionary_compress(self, block, out)) {
-            Some(len) if len + MIN_SAVING_BYTES <= BLOCK_SIZE => {
-                out.truncate(len);
+        self.compress_append(block, out)
+    }
+
+    /// `compress_block`, appending to `out`.
+    pub(crate) fn compress_append(&self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
+        assert_eq!(block.len(), BLOCK_SIZE);
+        with_contexts(|c| match c.compress(Compression::Dictionary(self), block) {
+            Some(compressed) if compressed.len() + MIN_SAVING_BYTES <= BLOCK_SIZE => {
+                out.extend_from_slice(compressed);
                 CodecTag::ZstdDict
             }
             _ => store_raw(block, out),
-        }
+        })
     }
 }
 
@@ -458,6 +462,16 @@ struct Contexts {
     /// By `Dictionary::serial`, the most recently added last.
     zstd_dictionary_compressors: Vec<(u64, zstd::bulk::Compressor<'static>)>,
     zstd_dictionary_decompressors: Vec<(u64, zstd::bulk::Decompressor<'static>)>,
+    /// Where the compressors write (`OUT_BOUND_BYTES`, zeroed once): the caller copies out
+    /// only what it keeps.
+    out: Vec<u8>,
+}
+
+/// What `Contexts::compress` compresses with.
+#[derive(Clone, Copy)]
+enum Compression<'a> {
+    Codec(Codec),
+    Dictionary(&'a Dictionary),
 }
 
 /// The index of `serial`'s context in `cache`, made by `make` (and the oldest dropped when
@@ -493,27 +507,45 @@ fn with_contexts<R>(f: impl FnOnce(&mut Contexts) -> R) -> R {
 }
 
 impl Contexts {
-    fn zstd_compress(&mut self, level: i32, block: &[u8], out: &mut [u8]) -> Option<usize> {
-        let index = match self.zstd_compressors.iter().position(|(l, _)| *l == level) {
-            Some(index) => index,
-            None => {
-                self.zstd_compressors.push((level, zstd::bulk::Compressor::new(level).ok()?));
-                self.zstd_compressors.len() - 1
+    /// Compresses `block` into this thread's output buffer: the compressed bytes, or None
+    /// when the codec fails (no room: the block does not compress).
+    fn compress(&mut self, compression: Compression, block: &[u8]) -> Option<&[u8]> {
+        if self.out.len() < OUT_BOUND_BYTES {
+            self.out.resize(OUT_BOUND_BYTES, 0);
+        }
+        let out = &mut self.out[..];
+        let len = match compression {
+            Compression::Codec(Codec::Lz4) => lz4_flex::block::compress_into(block, out).ok()?,
+            Compression::Codec(Codec::Zstd { level }) => {
+                let index = match self.zstd_compressors.iter().position(|(l, _)| *l == level) {
+                    Some(index) => index,
+                    None => {
+                        self.zstd_compressors.push((level, zstd::bulk::Compressor::new(level).ok()?));
+                        self.zstd_compressors.len() - 1
+                    }
+                };
+                self.zstd_compressors[index].1.compress_to_buffer(block, out).ok()?
+            }
+            Compression::Codec(Codec::Deflate { level }) => {
+                let index = match self.deflate_compressors.iter().position(|(l, _)| *l == level) {
+                    Some(index) => index,
+                    None => {
+                        let lvl = libdeflater::CompressionLvl::new(level).unwrap_or_default();
+                        self.deflate_compressors.push((level, libdeflater::Compressor::new(lvl)));
+                        self.deflate_compressors.len() - 1
+                    }
+                };
+                self.deflate_compressors[index].1.deflate_compress(block, out).ok()?
+            }
+            Compression::Dictionary(dictionary) => {
+                let cache = &mut self.zstd_dictionary_compressors;
+                let index = cached_context(cache, dictionary.serial, || {
+                    zstd::bulk::Compressor::with_dictionary(dictionary.level, &dictionary.bytes).ok()
+                })?;
+                cache[index].1.compress_to_buffer(block, out).ok()?
             }
         };
-        self.zstd_compressors[index].1.compress_to_buffer(block, out).ok()
-    }
-
-    fn deflate_compress(&mut self, level: i32, block: &[u8], out: &mut [u8]) -> Option<usize> {
-        let index = match self.deflate_compressors.iter().position(|(l, _)| *l == level) {
-            Some(index) => index,
-            None => {
-                let lvl = libdeflater::CompressionLvl::new(level).unwrap_or_default();
-                self.deflate_compressors.push((level, libdeflater::Compressor::new(lvl)));
-                self.deflate_compressors.len() - 1
-            }
-        };
-        self.deflate_compressors[index].1.deflate_compress(block, out).ok()
+        Some(&self.out[..len])
     }
 
     fn zstd_decompress(&mut self, input: &[u8], block: &mut [u8]) -> Option<usize> {
@@ -521,14 +553,6 @@ impl Contexts {
             self.zstd_decompressor = Some(zstd::bulk::Decompressor::new().ok()?);
         }
         self.zstd_decompressor.as_mut()?.decompress_to_buffer(input, block).ok()
-    }
-
-    fn zstd_dictionary_compress(&mut self, dictionary: &Dictionary, block: &[u8], out: &mut [u8]) -> Option<usize> {
-        let cache = &mut self.zstd_dictionary_compressors;
-        let index = cached_context(cache, dictionary.serial, || {
-            zstd::bulk::Compressor::with_dictionary(dictionary.level, &dictionary.bytes).ok()
-        })?;
-        cache[index].1.compress_to_buffer(block, out).ok()
     }
 
     fn zstd_dictionary_decompress(&mut self, dictionary: &Dictionary, input: &[u8], block: &mut [u8]) -> Option<usize> {
@@ -596,25 +620,54 @@ const fn sample_offsets() -> [u16; SAMPLES] {
 /// Measured in docs/space.md, "Incompressible data".
 pub const INCOMPRESSIBLE_MAX_COLLISIONS: u32 = 5_793;
 
+/// `looks_incompressible`'s first look: after this many samples a block whose sum is at
+/// most `FIRST_LOOK_MAX_COLLISIONS` is taken as incompressible without the rest.
+const FIRST_LOOK_SAMPLES: usize = 256;
+/// 256 random bytes give 511 on average (standard deviation about 23), so about 90% of
+/// random blocks stop here; the rest take the whole sample. A block an entropy coder could
+/// save `MIN_SAVING_BYTES` of has a collision entropy of at most 7.5 bits a byte, an
+/// expected sum of at least 617 — 3 of its standard deviations above the bound.
+const FIRST_LOOK_MAX_COLLISIONS: u32 = 540;
+
+/// The sum above which a block is taken as compressible after `samples` samples: the
+/// expected sum at a collision entropy of 6 bits a byte (`n + n(n−1)/64`, 4 times random
+/// bytes' excess over `n`), or `INCOMPRESSIBLE_MAX_COLLISIONS` if lower (from 704 samples on).
+/// Random bytes never reach it (at 64 samples 127 against 80 ± 4); text, half-zero blocks
+/// and other plainly compressible data pass it at the first or second check.
+const fn compressible_above(samples: usize) -> u32 {
+    let bound = samples + samples * (samples - 1) / 64;
+    if bound < INCOMPRESSIBLE_MAX_COLLISIONS as usize {
+        bound as u32
+    } else {
+        INCOMPRESSIBLE_MAX_COLLISIONS
+    }
+}
+
 /// A cheap test for data no codec would compress by `MIN_SAVING_BYTES` (random or already
 /// compressed bytes): the collision entropy of a sample of the block's bytes is high. Costs a
 /// histogram of at most 1,024 bytes, no logarithms; the sum of squares is kept as the
-/// histogram fills (each new occurrence of a byte adds 2·count + 1), so a compressible block
-/// is known as soon as the sum passes the bound — after about 150 samples of a block half
-/// zeros, a few hundred of text. Pure: the answer depends on the block alone.
+/// histogram fills (each new occurrence of a byte adds 2·count + 1) and looked at every 64
+/// samples: a block whose sum is well above random bytes' (`compressible_above`) is
+/// compressible — text and half-zero blocks after 64 or 128 samples —, and one still at
+/// random bytes' sum after 256 (`FIRST_LOOK_MAX_COLLISIONS`) is incompressible; the others
+/// take the whole sample. Pure: the answer depends on the block alone.
 pub fn looks_incompressible(block: &[u8]) -> bool {
     let block: &[u8; BLOCK_SIZE] = block.try_into().expect("a whole block");
     let mut counts = [0u32; 256];
     let mut collisions: u32 = 0;
-    for offsets in SAMPLE_OFFSETS.chunks_exact(SAMPLES_PER_CHECK) {
+    for (check, offsets) in SAMPLE_OFFSETS.chunks_exact(SAMPLES_PER_CHECK).enumerate() {
         for &offset in offsets {
             // (The mask is a no-op — every offset is inside the block — that spares a bounds check.)
             let count = &mut counts[block[offset as usize & (BLOCK_SIZE - 1)] as usize];
             collisions += 2 * *count + 1;
             *count += 1;
         }
-        if collisions > INCOMPRESSIBLE_MAX_COLLISIONS {
+        let samples = (check + 1) * SAMPLES_PER_CHECK;
+        if collisions > compressible_above(samples) {
             return false;
+        }
+        if samples == FIRST_LOOK_SAMPLES && collisions <= FIRST_LOOK_MAX_COLLISIONS {
+            return true;
         }
     }
     true
@@ -622,10 +675,11 @@ pub fn looks_incompressible(block: &[u8]) -> bool {
 
 /// Whether the host write path stores `block` raw without running `codec`, the codec it chose
 /// for the block (module comment): when `codec` is slower than LZ4 and the block looks
-/// incompressible. LZ4 (an LZ4 store's, or the fallback's) is not gated: it gives up on
-/// random data about as fast as the estimate runs (1.3 µs against 1.0 µs and the copy, a
-/// block: docs/space.md, "Incompressible data"), so gating it would only add the estimate's
-/// cost to every compressible block.
+/// incompressible. LZ4 (an LZ4 store's, or the fallback's) is not gated: the estimate gives up
+/// on random bytes about twice as fast as LZ4 (0.4–0.7 µs against 1.3 µs a block), but LZ4
+/// is the codec of a loaded write path, whose compressible blocks it takes in about 1 µs
+/// (fio's 2:1 data), and gating it cost 128K writes of such data 5% more server CPU
+/// (docs/space.md, "Incompressible data").
 pub fn skips_codec(codec: Codec, block: &[u8]) -> bool {
     codec != Codec::Lz4 && looks_incompressible(block)
 }
@@ -664,6 +718,7 @@ impl Codec {
     /// running the codec. The store's write path gates its slow codecs only (`skips_codec`).
     pub fn compress_block_with_test(self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
         if looks_incompressible(block) {
+            out.clear();
             return store_raw(block, out);
         }
         self.compress_block(block, out)
@@ -672,27 +727,27 @@ impl Codec {
     /// Compresses one block into `out` (cleared first). Returns the tag actually used: `Raw`
     /// when compression does not save at least `MIN_SAVING_BYTES`.
     pub fn compress_block(self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-        assert_eq!(block.len(), BLOCK_SIZE);
         out.clear();
-        out.resize(OUT_BOUND_BYTES, 0);
-        let compressed_len = match self {
-            Codec::Lz4 => lz4_flex::block::compress_into(block, out).ok(),
-            Codec::Zstd { level } => with_contexts(|c| c.zstd_compress(level, block, out)),
-            Codec::Deflate { level } => with_contexts(|c| c.deflate_compress(level, block, out)),
-        };
-        match compressed_len {
-            Some(len) if len + MIN_SAVING_BYTES <= BLOCK_SIZE => {
-                out.truncate(len);
+        self.compress_append(block, out)
+    }
+
+    /// `compress_block`, appending to `out`: the write path appends to the fragment it
+    /// builds, after the protection information, so a block is copied once, into its
+    /// fragment (the codec works in its thread's own output buffer, not zeroed again per block).
+    pub(crate) fn compress_append(self, block: &[u8], out: &mut Vec<u8>) -> CodecTag {
+        assert_eq!(block.len(), BLOCK_SIZE);
+        with_contexts(|c| match c.compress(Compression::Codec(self), block) {
+            Some(compressed) if compressed.len() + MIN_SAVING_BYTES <= BLOCK_SIZE => {
+                out.extend_from_slice(compressed);
                 self.tag()
             }
             _ => store_raw(block, out),
-        }
+        })
     }
 }
 
-/// Stores `block` as it is into `out` (cleared first).
+/// Stores `block` as it is: appends it to `out`.
 pub fn store_raw(block: &[u8], out: &mut Vec<u8>) -> CodecTag {
-    out.clear();
     out.extend_from_slice(block);
     CodecTag::Raw
 }
@@ -896,11 +951,20 @@ mod tests {
     /// The collision sum of a whole sample without the early exit: what the running sum must
     /// agree with.
     fn looks_incompressible_reference(block: &[u8]) -> bool {
-        let mut counts = [0u32; 256];
-        for &offset in &SAMPLE_OFFSETS {
-            counts[block[offset as usize] as usize] += 1;
+        for samples in (SAMPLES_PER_CHECK..=SAMPLES).step_by(SAMPLES_PER_CHECK) {
+            let mut counts = [0u32; 256];
+            for &offset in &SAMPLE_OFFSETS[..samples] {
+                counts[block[offset as usize] as usize] += 1;
+            }
+            let sum = counts.iter().map(|&c| c * c).sum::<u32>();
+            if sum > compressible_above(samples) {
+                return false;
+            }
+            if samples == FIRST_LOOK_SAMPLES && sum <= FIRST_LOOK_MAX_COLLISIONS {
+                return true;
+            }
         }
-        counts.iter().map(|&c| c * c).sum::<u32>() <= INCOMPRESSIBLE_MAX_COLLISIONS
+        true
     }
 
     /// fio's `buffer_compress_percentage` data (lib/rand.c, `__fill_random_buf_percentage`):
@@ -1018,9 +1082,31 @@ mod tests {
         let random = noise(3, BLOCK_SIZE);
         assert!(skips_codec(Codec::Zstd { level: 1 }, &random));
         assert!(skips_codec(Codec::Deflate { level: 6 }, &random));
-        assert!(!skips_codec(Codec::Lz4, &random), "LZ4 stores keep their bytes");
+        assert!(!skips_codec(Codec::Lz4, &random), "LZ4 is not gated");
         assert!(!skips_codec(Codec::Zstd { level: 1 }, &text(3)));
         assert!(!skips_codec(Codec::Zstd { level: 1 }, &fio_block(3, 50, 4096)));
+    }
+
+    #[test]
+    fn the_estimate_stops_early_on_plain_cases() {
+        // Which check the estimate stops at, from the reference's sums.
+        let stops_at = |block: &[u8]| {
+            (SAMPLES_PER_CHECK..=SAMPLES).step_by(SAMPLES_PER_CHECK).find(|&samples| {
+                let mut counts = [0u32; 256];
+                for &offset in &SAMPLE_OFFSETS[..samples] {
+                    counts[block[offset as usize] as usize] += 1;
+                }
+                let sum = counts.iter().map(|&c| c * c).sum::<u32>();
+                sum > compressible_above(samples) || (samples == FIRST_LOOK_SAMPLES && sum <= FIRST_LOOK_MAX_COLLISIONS)
+            })
+        };
+        for seed in 1..50 {
+            assert_eq!(stops_at(&text(seed)), Some(64), "text");
+            assert!(stops_at(&fio_block(seed, 50, 4096)) <= Some(128), "fio's 2:1 data");
+        }
+        let first_look =
+            (1..200).filter(|&seed| stops_at(&noise(seed, BLOCK_SIZE)) == Some(FIRST_LOOK_SAMPLES)).count();
+        assert!(first_look >= 150, "most random blocks are judged at the first look: {first_look} of 199");
     }
 
     #[test]
@@ -1122,6 +1208,7 @@ mod tests {
     fn literal_only_lz4_blocks_decode_to_the_block_and_cost_18_bytes() {
         let mut out = Vec::new();
         for block in [text(5), noise(5, BLOCK_SIZE), vec![0; BLOCK_SIZE], fio_block(5, 50, 4096)] {
+            out.clear();
             assert_eq!(lz4_literals(&block, &mut out), CodecTag::Lz4);
             assert_eq!(out.len(), BLOCK_SIZE + 18);
             let mut back = vec![0u8; BLOCK_SIZE];
@@ -1132,6 +1219,7 @@ mod tests {
         // Short inputs and the length encoding's edges (14, 15, 15 + 255).
         for len in [0usize, 1, 14, 15, 16, 269, 270, 271, 1000] {
             let input: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
+            out.clear();
             lz4_literals(&input, &mut out);
             assert_eq!(lz4_flex::block::decompress(&out, len).unwrap(), input, "length {len}");
         }

@@ -605,7 +605,7 @@ impl Inner {
             }
             let new = match &target.dictionary {
                 Some(dictionary) => self.compress_fragment(&block, fragment.lba, &mut scratch, |block, out| {
-                    dictionary.compress_block(block, out)
+                    dictionary.compress_append(block, out)
                 }),
                 None => self.compress_with(target.codec, &block, fragment.lba, &mut scratch),
             };

@@ -137,6 +137,9 @@ impl LogState {
     }
 }
 
+/// Written segments' buffers kept for reuse.
+pub(crate) const BUFFER_POOL_MAX: usize = 4;
+
 /// Where the next record goes and what it chains to.
 pub(crate) struct Appender {
     pub next_seq: u64,
@@ -149,6 +152,8 @@ pub(crate) struct Appender {
     /// The batch record growing in the open segment, if any.
     pub batch: Option<OpenBatch>,
     pub sealed_unwritten: VecDeque<SealedSegment>,
+    /// Buffers of written segments for the next ones to open, zeroed (padding between
+    /// records must read as zeros), at most `BUFFER_POOL_MAX`.
     pub buffer_pool: Vec<AlignedBuf>,
     /// The segment the log continues in after the open one: named by the open segment's
     /// link record, kept out of nobody's way (only the appender takes free segments).

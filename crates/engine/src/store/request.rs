@@ -129,11 +129,11 @@ impl Inner {
     /// (`codec::write_choice`): with the store's codec; with LZ4 when every codec core is
     /// already compressing or busy with other writers' CPU work (`permits.rs`) — with
     /// `auto-uncompressed`, unless the disk binds; and there, stored uncompressed for now
-    /// when every core is compressing and the disk idles. Counts the choice. A block that looks incompressible does not go through the
-    /// store's (slow) codec, nor into the uncompressed tier (recompression would try it for
-    /// nothing): it is stored raw (`codec::skips_codec`). LZ4, when the fallback picks it,
-    /// runs on every block: it gives up on random data as fast as the estimate would run,
-    /// and compressible blocks under load then pay no estimate.
+    /// when every core is compressing and the disk idles. Counts the choice. A block that looks
+    /// incompressible does not go through the store's (slow) codec, nor into the
+    /// uncompressed tier (recompression would try it for nothing): it is stored raw
+    /// (`codec::skips_codec`). LZ4, when the fallback picks it, runs on every block (see
+    /// there).
     pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
         let counters = &self.codecs.counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
@@ -248,11 +248,13 @@ impl Inner {
     /// and codec), then the codec's output (or the block raw when compression does not
     /// pay). An all-zero block stores its protection information alone.
     pub(crate) fn compress_with(&self, codec: Codec, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
-        self.compress_fragment(block, lba, scratch, |block, out| codec.compress_block(block, out))
+        self.compress_fragment(block, lba, scratch, |block, out| codec.compress_append(block, out))
     }
 
-    /// `compress_with` for any compression (`compress` fills `out` and returns the tag it
-    /// used): a store codec, or a trained dictionary.
+    /// `compress_with` for any compression (`compress` appends to `out` and returns the tag
+    /// it used): a store codec, or a trained dictionary. Unencrypted, the codec appends to
+    /// the fragment itself, after room for its protection information (known once the
+    /// length is); encrypted, to `scratch`, which the cipher seals into the fragment.
     pub(crate) fn compress_fragment(
         &self,
         block: &[u8],
@@ -265,14 +267,17 @@ impl Inner {
             let bytes = Protection { guard: crc32c::crc32c(block), lba, entry }.encode().to_vec();
             return Ok(Block { entry, bytes, nonce_epoch: None });
         }
-        let codec = compress(block, scratch);
         let Some(cipher) = &self.log.cipher else {
-            let entry = FragmentEntry { stored_len: (PI_BYTES + scratch.len()) as u16, codec };
-            let mut bytes = Vec::with_capacity(entry.stored_len as usize);
-            bytes.extend_from_slice(&Protection { guard: crc32c::crc32c(block), lba, entry }.encode());
-            bytes.extend_from_slice(scratch);
+            // (Room for a block stored as LZ4 literals, the largest a codec appends.)
+            let mut bytes = Vec::with_capacity(PI_BYTES + BLOCK_SIZE + 32);
+            bytes.resize(PI_BYTES, 0);
+            let codec = compress(block, &mut bytes);
+            let entry = FragmentEntry { stored_len: bytes.len() as u16, codec };
+            bytes[..PI_BYTES].copy_from_slice(&Protection { guard: crc32c::crc32c(block), lba, entry }.encode());
             return Ok(Block { entry, bytes, nonce_epoch: None });
         };
+        scratch.clear();
+        let codec = compress(block, scratch);
         // Encrypted: the codec's output sealed (bound to the LBA). The guard is the placement
         // tag, which the log sets where the fragment lands (`Inner::place_fragment`); zero
         // until then (a plaintext CRC would leak a hash of the data).

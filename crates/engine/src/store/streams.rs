@@ -358,8 +358,8 @@ impl LogGuard<'_> {
         }
         let size = self.log.geometry.segment_size_bytes as usize;
         let data = match self.state.appender.buffer_pool.pop() {
-            Some(mut buf) => {
-                buf.fill(0);
+            Some(buf) => {
+                debug_assert!(buf.iter().all(|&b| b == 0), "a pooled segment buffer is zeroed");
                 buf
             }
             None => new_buffer(size),

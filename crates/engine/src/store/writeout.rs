@@ -16,6 +16,7 @@ use std::sync::Arc;
 use aligned_vec::AVec;
 
 use super::geometry::{new_buffer, round_up, AlignedBuf, SegmentBuffer};
+use super::log::BUFFER_POOL_MAX;
 use super::proof::{ProofState, Proven};
 use super::state::Inner;
 use crate::error::{Error, Result};
@@ -162,14 +163,21 @@ impl Inner {
             return;
         }
         self.log.buffered.write().retain(|b| !done.contains(&b.segment));
+        // Zeroed here, before the log's lock (a segment's worth of memset held every
+        // appender up when it was done at the next segment's opening).
+        let mut zeroed: Vec<_> = (jobs.into_iter().filter(|j| j.sealed))
+            .filter_map(|job| Arc::try_unwrap(job.buffer).ok())
+            .take(BUFFER_POOL_MAX)
+            .map(|buffer| {
+                let mut data = buffer.data.into_inner();
+                data.fill(0);
+                data
+            })
+            .collect();
         let mut log = self.log.lock();
-        for job in jobs.into_iter().filter(|j| j.sealed) {
-            if let Ok(buffer) = Arc::try_unwrap(job.buffer) {
-                if log.appender.buffer_pool.len() < 4 {
-                    log.appender.buffer_pool.push(buffer.data.into_inner());
-                }
-            }
-        }
+        let room = BUFFER_POOL_MAX.saturating_sub(log.appender.buffer_pool.len());
+        zeroed.truncate(room);
+        log.appender.buffer_pool.append(&mut zeroed);
     }
 
     /// Makes every record appended so far durable. (A request is acknowledged after its
