@@ -58,6 +58,11 @@ pub struct ServeArgs {
     /// reads at QD32 -4%; docs/nbd.md, "Threads").
     #[arg(long, short = 't', value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub threads: Option<u32>,
+    /// Event loops of the native front end (default one per core): each serves the
+    /// connections it was given (in turn, as they connect) and sleeps in epoll while none
+    /// of them has a request (docs/nbd.md, "Event loops").
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub loops: Option<u32>,
     /// Cores the store's codec (zstd, DEFLATE) may keep busy before host writes fall back to
     /// LZ4: 1 up to the cores this process may run on (default half of them, at least 1;
     /// environment ZDISK_CODEC_CORES). More keeps more blocks in the store's codec under load
@@ -526,6 +531,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let stop = stop_flag()?;
     if args.frontend == Frontend::Native {
         return crate::serve_native::run(args, &stop);
+    }
+    if args.loops.is_some() {
+        bail!(crate::Usage("--loops is an option of the native front end (nbdkit has --threads)".into()));
     }
     let info = Store::info(&args.store)?;
     let mut nbdkit = start(args)?;

@@ -107,7 +107,10 @@ pub fn run(args: &ServeArgs, stop: &AtomicBool) -> Result<()> {
         .with_context(|| format!("cannot start live stats in {}", run_dir.display()))?;
     let listener = bind(args)?;
     let description = format!("zdisk store {}", store_path.display());
-    let config = Config { tls: tls.clone(), ..Config::new(String::new(), description) };
+    let mut config = Config { tls: tls.clone(), ..Config::new(String::new(), description) };
+    if let Some(loops) = args.loops {
+        config.loops = loops as usize;
+    }
     let server = Server::start(listener, shared.clone(), config).context("starting the NBD server")?;
     let uri = crate::serve::uri(args)?;
     if let Some(pid_file) = &args.pid_file {

@@ -219,6 +219,11 @@ fn serve_needs_a_listen_address() {
         assert_eq!(code, 2, "-t {threads}");
         assert!(stderr.contains("1..=1024"), "-t {threads}: {stderr}");
     }
+    // Event loops are the native front end's; nbdkit has threads.
+    let (store, socket) = (store.to_str().unwrap(), socket.to_str().unwrap());
+    refused(&s, &["serve", store, "--unix", socket, "--loops", "0"], 2, "1..=256");
+    let nbdkit = ["serve", store, "--unix", socket, "--frontend", "nbdkit", "--loops", "2"];
+    refused(&s, &nbdkit, 2, "--loops is an option of the native front end");
 }
 
 /// `--codec-cores` of `serve` and `attach` takes 1 up to the cores the process may run on:

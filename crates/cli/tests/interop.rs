@@ -188,12 +188,32 @@ fn fio_verifies_at_qd1_and_qd32_and_stat_shows_the_ratio() {
 
 #[test]
 fn four_connections_write_disjoint_ranges_at_once() {
+    four_connections_write_disjoint_ranges("multiconn", &[]);
+}
+
+/// The native front end's `--loops 1`: one event loop takes all four connections.
+#[test]
+fn one_event_loop_serves_four_connections_writing_at_once() {
+    four_connections_write_disjoint_ranges("one-loop", &["--loops", "1"]);
+}
+
+fn four_connections_write_disjoint_ranges(name: &str, serve_args: &[&str]) {
     if !require(BASIC_TOOLS) {
         return;
     }
-    let s = Scratch::new("multiconn");
+    let s = Scratch::new(name);
     let store = s.format("s.zdisk", "128M", "2x", &[]);
-    let server = Server::start(&s, &store, &[]);
+    let server = Server::start(&s, &store, serve_args);
+    if let Some(at) = serve_args.iter().position(|&a| a == "--loops") {
+        let loops = std::fs::read_dir(format!("/proc/{}/task", server.server_pid()))
+            .unwrap()
+            .flatten()
+            .filter(|task| {
+                std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.starts_with("zdisk-nbd-loop"))
+            })
+            .count();
+        assert_eq!(loops.to_string(), serve_args[at + 1], "event loop threads");
+    }
     let region = 16u64 << 20;
     let seed = 0x5eed_0004;
     let threads: Vec<_> = (0..4u64)
@@ -229,7 +249,7 @@ fn four_connections_write_disjoint_ranges_at_once() {
     client.disconnect();
     server.stop();
     // And after a clean restart.
-    let server = Server::start(&s, &store, &[]);
+    let server = Server::start(&s, &store, serve_args);
     let mut client = NbdClient::connect(&server.socket).unwrap();
     for (t, model) in models.iter().enumerate() {
         assert!(client.read_ok(t as u64 * region, region as usize) == *model, "range {t} differs after restart");
