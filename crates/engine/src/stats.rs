@@ -236,7 +236,8 @@ pub struct CodecStats {
     #[serde(default)]
     pub codec_fallback_blocks: u64,
     /// Of `blocks_written_raw`, the host blocks stored raw without running the store's codec
-    /// because they looked incompressible (`codec::skips_codec`; docs/space.md,
+    /// because they looked incompressible (`codec::skips_codec`), or — under the LZ4
+    /// fallback — followed a block of their request LZ4 could not shrink (docs/space.md,
     /// "Incompressible data").
     #[serde(default)]
     pub incompressible_skipped_blocks: u64,

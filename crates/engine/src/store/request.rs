@@ -53,8 +53,47 @@ enum StoredAs {
     Fallback,
     /// The uncompressed tier.
     Uncompressed,
-    /// Raw without running a codec: it looked incompressible.
+    /// Raw without running a codec: it looked incompressible, or it followed a block the
+    /// LZ4 fallback could not shrink (`RunMemory`).
     Skipped,
+}
+
+/// After the LZ4 fallback stored a block of a request raw, the run's next blocks are stored
+/// raw without LZ4 until this many have passed, and LZ4 is tried again on the next.
+pub(crate) const LZ4_RETRY_BLOCKS: u32 = 4;
+
+/// What the LZ4 fallback made of a request's previous blocks (`Inner::compress`). LZ4 gives
+/// up on a block it cannot shrink only after 1.3 µs — about what the rest of the write path
+/// spends on the block — and random, encrypted or compressed data comes in runs: on 128 KiB
+/// writes of incompressible data the fallback's LZ4 was 15% of the server's CPU. So while
+/// the codec binds (the fallback is chosen), a block that follows one LZ4 stored raw is
+/// stored raw too, without LZ4, and LZ4 is tried again every `LZ4_RETRY_BLOCKS`th block.
+/// The price, where a request's data turns compressible after incompressible blocks: at most
+/// `LZ4_RETRY_BLOCKS - 1` compressible blocks stored raw, which recompression never takes
+/// (`codec::recompresses`) — a bounded loss, only while the CPU binds. (Stored in the
+/// uncompressed tier instead, the blocks would be recompressed at idle, but every block of
+/// incompressible data would then be read and written again to save 18 bytes.)
+#[derive(Debug, Default)]
+pub(crate) struct RunMemory {
+    /// Blocks since LZ4 last stored one of the run raw; None: it did not (or it shrank the last).
+    since_lz4_gave_up: Option<u32>,
+}
+
+impl RunMemory {
+    /// Whether this block skips LZ4 (counted as one more since it gave up).
+    fn skips_lz4(&mut self) -> bool {
+        match self.since_lz4_gave_up {
+            Some(blocks) if blocks + 1 < LZ4_RETRY_BLOCKS => {
+                self.since_lz4_gave_up = Some(blocks + 1);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn lz4_stored(&mut self, codec: CodecTag) {
+        self.since_lz4_gave_up = (codec == CodecTag::Raw).then_some(0);
+    }
 }
 
 /// When a write, trim or write-zeroes must be durable: the NBD FUA flag, named.
@@ -133,8 +172,8 @@ impl Inner {
     /// incompressible does not go through the store's (slow) codec, nor into the
     /// uncompressed tier (recompression would try it for nothing): it is stored raw
     /// (`codec::skips_codec`). LZ4, when the fallback picks it, runs on every block (see
-    /// there).
-    pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>) -> Result<Block> {
+    /// there) but those of a run it just failed to shrink (`run`, `RunMemory`).
+    pub(crate) fn compress(&self, block: &[u8], lba: Lba, scratch: &mut Vec<u8>, run: &mut RunMemory) -> Result<Block> {
         let counters = &self.codecs.counters;
         let (compressing, compressing_before) = Compressing::enter(&counters.compressing);
         let load = WriteLoad {
@@ -160,8 +199,13 @@ impl Inner {
             WriteChoice::Compress(codec) if skips_codec(codec, block) => {
                 (self.compress_fragment(block, lba, scratch, store_raw)?, StoredAs::Skipped)
             }
+            WriteChoice::Compress(Codec::Lz4) if configured != Codec::Lz4 && run.skips_lz4() => {
+                (self.compress_fragment(block, lba, scratch, store_raw)?, StoredAs::Skipped)
+            }
             WriteChoice::Compress(codec) if codec != configured => {
-                (self.compress_with(codec, block, lba, scratch)?, StoredAs::Fallback)
+                let block = self.compress_with(codec, block, lba, scratch)?;
+                run.lz4_stored(block.entry.codec);
+                (block, StoredAs::Fallback)
             }
             WriteChoice::Compress(codec) => (self.compress_with(codec, block, lba, scratch)?, StoredAs::Configured),
         };
@@ -198,7 +242,8 @@ impl Inner {
     ) -> Result<Vec<Block>> {
         let compress_run = |first: usize, run: &[&[u8]], scratch: &mut Vec<u8>| -> Result<Vec<Block>> {
             let lba_of = |i: usize| Lba(first_lba.0 + (first + i) as u64);
-            run.iter().enumerate().map(|(i, block)| self.compress(block, lba_of(i), scratch)).collect()
+            let mut memory = RunMemory::default();
+            run.iter().enumerate().map(|(i, block)| self.compress(block, lba_of(i), scratch, &mut memory)).collect()
         };
         let Some((pool, helpers)) = self.compression_helpers(sources.len()) else {
             return compress_run(0, sources, scratch);
@@ -462,7 +507,7 @@ impl Inner {
         for (lba, range) in edges {
             let (mut bytes, entry) = self.read_block(lba)?;
             bytes[range].fill(0);
-            let blocks = vec![self.compress(&bytes, lba, &mut scratch)?];
+            let blocks = vec![self.compress(&bytes, lba, &mut scratch, &mut RunMemory::default())?];
             ops.push(Op::Write { start_lba: lba, blocks, expected: vec![(lba, entry)] });
         }
         if full_end > full_start {

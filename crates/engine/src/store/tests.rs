@@ -519,7 +519,7 @@ fn a_large_write_is_compressed_beside_its_writer_with_the_same_fragments() {
     assert!(helped(&store) >= 8, "a helper compressed a run: {}", helped(&store));
     let mut scratch = Vec::new();
     for (i, (block, source)) in shared.iter().zip(&blocks).enumerate() {
-        let alone = store.inner.compress(source, Lba(i as u64), &mut scratch).unwrap();
+        let alone = store.inner.compress(source, Lba(i as u64), &mut scratch, &mut Default::default()).unwrap();
         assert_eq!((block.entry, &block.bytes), (alone.entry, &alone.bytes), "block {i}");
     }
     let before = helped(&store);
@@ -536,5 +536,46 @@ fn a_large_write_is_compressed_beside_its_writer_with_the_same_fragments() {
     assert!(back[..48 * BLOCK_SIZE] == data[15 * BLOCK_SIZE..63 * BLOCK_SIZE], "the shared write reads back");
     let report = store.check(&mut |_, _| {}).unwrap();
     assert!(report.problems.is_empty(), "{:?}", report.problems);
+    store.close().unwrap();
+}
+
+/// Under the LZ4 fallback, a request's blocks that follow one LZ4 could not shrink are stored
+/// raw without LZ4, and LZ4 is tried again every `LZ4_RETRY_BLOCKS`th block: a run that turns
+/// compressible loses at most `LZ4_RETRY_BLOCKS - 1` blocks to raw, and every block reads back.
+#[test]
+fn the_lz4_fallback_skips_a_run_it_just_failed_to_shrink_and_tries_again() {
+    use rand::{RngCore, SeedableRng};
+    let disk = sim_disk_formatted(4 << 20, 64, 8 << 20, Codec::Zstd { level: 1 }, 78);
+    let options =
+        OpenOptions { background: false, codec_fallback: crate::CodecFallback::Always, ..OpenOptions::default() };
+    let store = Store::open_backing(disk, &options).unwrap();
+    let counters = |store: &Store| {
+        let c = &store.inner.codecs.counters;
+        (c.fallback_blocks.load(Ordering::Relaxed), c.incompressible_skipped_blocks.load(Ordering::Relaxed))
+    };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(78);
+    let mut random = vec![0u8; 32 * BLOCK_SIZE];
+    rng.fill_bytes(&mut random);
+    let text: Vec<u8> = (0..32 * BLOCK_SIZE).map(|i| b"the quick brown fox jumps "[(i * 7 + i / 4096) % 26]).collect();
+
+    // 32 random blocks: LZ4 on blocks 0, 4, 8, ..., 28, the others raw without it.
+    store.write(0, &random, Durability::Fua).unwrap();
+    let retry = super::request::LZ4_RETRY_BLOCKS as u64;
+    assert_eq!(counters(&store), (32 / retry, 32 - 32 / retry));
+    // 4 random blocks, then text: LZ4 on block 0 (raw), blocks 1-3 raw without it, block 4
+    // shrinks and every later one goes through LZ4 again.
+    let mixed = [&random[..4 * BLOCK_SIZE], &text[4 * BLOCK_SIZE..]].concat();
+    let before = counters(&store);
+    store.write(32 * BLOCK_SIZE as u64, &mixed, Durability::Fua).unwrap();
+    let after = counters(&store);
+    assert_eq!((after.0 - before.0, after.1 - before.1), (29, 3), "(LZ4 runs, raw without LZ4)");
+    // Text alone never skips.
+    store.write(64 * BLOCK_SIZE as u64, &text, Durability::Fua).unwrap();
+    assert_eq!(counters(&store).1, after.1);
+    let mut back = vec![0u8; 32 * BLOCK_SIZE];
+    for (at, data) in [(0u64, &random), (32, &mixed), (64, &text)] {
+        store.read(at * BLOCK_SIZE as u64, &mut back).unwrap();
+        assert!(back == *data, "blocks {at}..{} read back", at + 32);
+    }
     store.close().unwrap();
 }
