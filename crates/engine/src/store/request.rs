@@ -91,8 +91,10 @@ impl RunMemory {
         }
     }
 
-    fn lz4_stored(&mut self, codec: CodecTag) {
-        self.since_lz4_gave_up = (codec == CodecTag::Raw).then_some(0);
+    /// What LZ4 made of a block: raw (an all-zero block is not LZ4's doing and says nothing).
+    fn lz4_stored(&mut self, entry: FragmentEntry) {
+        let gave_up = entry.codec == CodecTag::Raw && !entry.is_zero_block(FragmentFormat::V3);
+        self.since_lz4_gave_up = gave_up.then_some(0);
     }
 }
 
@@ -204,7 +206,7 @@ impl Inner {
             }
             WriteChoice::Compress(codec) if codec != configured => {
                 let block = self.compress_with(codec, block, lba, scratch)?;
-                run.lz4_stored(block.entry.codec);
+                run.lz4_stored(block.entry);
                 (block, StoredAs::Fallback)
             }
             WriteChoice::Compress(codec) => (self.compress_with(codec, block, lba, scratch)?, StoredAs::Configured),
