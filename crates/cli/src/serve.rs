@@ -452,6 +452,9 @@ impl Drop for Nbdkit {
 
 /// Starts nbdkit and waits until it serves (or fails).
 pub fn start(args: &ServeArgs) -> Result<Nbdkit> {
+    if args.loops.is_some() {
+        bail!(crate::Usage("--loops is an option of the native front end (nbdkit has --threads)".into()));
+    }
     Store::info(&args.store).with_context(|| format!("{} is not a servable zdisk store", args.store.display()))?;
     if runtime::store_is_locked(
         &args.store,
@@ -531,9 +534,6 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let stop = stop_flag()?;
     if args.frontend == Frontend::Native {
         return crate::serve_native::run(args, &stop);
-    }
-    if args.loops.is_some() {
-        bail!(crate::Usage("--loops is an option of the native front end (nbdkit has --threads)".into()));
     }
     let info = Store::info(&args.store)?;
     let mut nbdkit = start(args)?;
