@@ -12,7 +12,9 @@
 #   e.g.   bash scripts/fast-disk.sh up /mnt/fast 14G
 #          bash scripts/server-cost.sh /mnt/fast/cost 3 /tmp/old/zdisk target/release/zdisk raw
 # Environment: RW (randwrite), BS (4k), QD (32), SECS (8), COMPRESS_PERCENT (50: fio's 2:1
-# data; 0: incompressible), ZDISK_PHYSICAL (4G), ZDISK_SERVE_ARGS (added to `zdisk serve`).
+# data; 0: incompressible), ZDISK_PHYSICAL (4G), ZDISK_SERVE_ARGS (added to `zdisk serve`),
+# FIO_ARGS (added to the measured fio job, e.g. "--numjobs=8 --fsync=4 --rwmixread=70" for a
+# database's mix: jobs are reported as a group, and flushes count as requests).
 # Idle work is off while serving (ZDISK_IDLE_AFTER_MS=0).
 set -euo pipefail
 usage() { sed -n '/^#   usage/,/^#   e.g./p' "$0" | sed 's/^# \{0,3\}//' >&2; exit 2; }
@@ -65,8 +67,9 @@ for round in $(seq "$rounds"); do
       futex=$!
     fi
     # fio prints the nbd engine's connection line before its JSON.
+    # shellcheck disable=SC2086 # FIO_ARGS is a list of arguments
     fio --name=job --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth="$qd" --size=1G --time_based=1 \
-      --runtime="$secs" "${data[@]}" --output-format=json | sed -n '/^{/,$p' >"$dir/t/fio.json"
+      --runtime="$secs" "${data[@]}" --group_reporting=1 ${FIO_ARGS:-} --output-format=json | sed -n '/^{/,$p' >"$dir/t/fio.json"
     futex_calls=-
     if [[ -n $futex ]]; then
       kill -INT "$futex" && wait "$futex" || true
@@ -74,7 +77,7 @@ for round in $(seq "$rounds"); do
     fi
     cpu1=$(server_cpu) switches1=$(server_switches)
     read -r idle1 total1 < <(machine)
-    requests=$(jq '.jobs[0].read.total_ios + .jobs[0].write.total_ios' "$dir/t/fio.json")
+    requests=$(jq '.jobs[0].read.total_ios + .jobs[0].write.total_ios + (.jobs[0].sync.total_ios // 0)' "$dir/t/fio.json")
     iops=$(jq '.jobs[0].read.iops + .jobs[0].write.iops' "$dir/t/fio.json")
     name=$target
     [[ $target == raw ]] || name=$(realpath "$target")

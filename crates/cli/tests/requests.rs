@@ -165,6 +165,62 @@ fn pipelined_small_requests_are_each_answered_once_and_land_where_addressed() {
     assert!(out.contains("clean"), "{out}");
 }
 
+/// Flushes in flight together share engine flushes (the native front end's group commit,
+/// `crates/nbd/src/server/requests.rs`): 4 rounds of 16 writes and then 32 flushes sent in
+/// one write each get exactly one reply per request, the writes read back, and the engine
+/// flushed (`flush_ops`) at most half as often as it was asked — one flush per request, the
+/// server before, counts 128. Native front end only: nbdkit calls the engine once per flush.
+#[test]
+fn flushes_in_flight_together_share_engine_flushes() {
+    if !require(BASIC_TOOLS) {
+        return;
+    }
+    let s = Scratch::new("flushes");
+    let store = s.format("s.zdisk", "64M", "64M", &[]);
+    let server = Server::start(&s, &store, &[]);
+    let mut c = NbdClient::connect(&server.socket).unwrap();
+    let (rounds, writes, flushes) = (4usize, 16usize, 32usize);
+    let mut model = vec![0u8; rounds * writes * 4096];
+    for round in 0..rounds {
+        let payloads: Vec<Vec<u8>> = (0..writes)
+            .map(|i| {
+                let offset = (round * writes + i) * 4096;
+                let payload = pattern(round as u64, i as u64, offset as u64, 4096);
+                model[offset..offset + 4096].copy_from_slice(&payload);
+                payload
+            })
+            .collect();
+        let mut requests: Vec<nbd::Pipelined<'_>> = payloads
+            .iter()
+            .enumerate()
+            .map(|(i, payload)| nbd::Pipelined {
+                command: nbd::CMD_WRITE,
+                flags: 0,
+                offset: ((round * writes + i) * 4096) as u64,
+                length: 4096,
+                payload,
+            })
+            .collect();
+        let flush = nbd::Pipelined { command: nbd::CMD_FLUSH, flags: 0, offset: 0, length: 0, payload: &[] };
+        requests.extend((0..flushes).map(|_| flush));
+        let errors = c.pipeline(&requests).unwrap();
+        assert!(errors.iter().all(|&e| e == 0), "round {round}: errors {errors:?}");
+    }
+    assert_same(&c.read_ok(0, model.len()), &model, "the writes before the flushes");
+    c.disconnect();
+    server.stop();
+    let stat = s.stat_json(&store);
+    let engine_flushes = stat["flush_ops"].as_u64().expect("flush_ops in zdisk stat");
+    let asked = (rounds * flushes) as u64;
+    eprintln!("{asked} flush requests, {engine_flushes} engine flushes");
+    assert!(
+        engine_flushes >= 1 && engine_flushes * 2 <= asked,
+        "{asked} flush requests, {engine_flushes} engine flushes"
+    );
+    let out = s.zdisk_ok(&["check", store.to_str().unwrap()]);
+    assert!(out.contains("clean"), "{out}");
+}
+
 /// Malformed input closes its own connection and nothing else: garbage in place of the
 /// handshake, a request with a bad magic, a write announcing a payload over the 32 MiB cap.
 /// Another client's connection, opened before and kept throughout, sees every byte it wrote

@@ -121,6 +121,8 @@ pub struct Stats {
     pub write_ops: u64,
     pub trim_ops: u64,
     pub zero_ops: u64,
+    /// `Store::flush` calls: a front end may answer several flush requests with one (the
+    /// native server does, docs/nbd.md), so this can be below the clients' flush count.
     pub flush_ops: u64,
     pub fua_ops: u64,
     /// Size of the backing store.

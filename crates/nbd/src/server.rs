@@ -9,7 +9,8 @@
 //!                     in flight and the workers hold fewer jobs than there are cores;
 //!                     a pass's small writes (≤ 16 KiB) split between the loop and the
 //!                     workers, one batch per worker
-//!   flush, FUA      → a worker, which replies itself (they wait for the device)
+//!   flush, FUA      → a worker, which replies itself (they wait for the device); the
+//!                     flushes queued meanwhile are all answered by one engine flush
 //! ```
 //!
 //! A read costs no thread hand-off: the loop that parsed it submits its device reads to

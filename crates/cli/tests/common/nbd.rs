@@ -35,6 +35,7 @@ pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
 /// One request of a `pipeline`.
+#[derive(Clone, Copy)]
 pub struct Pipelined<'a> {
     pub command: u16,
     pub flags: u16,

@@ -44,9 +44,27 @@ pub(super) enum Work {
 #[derive(Default)]
 pub(super) struct Queue {
     jobs: VecDeque<Job>,
+    /// Flush requests waiting, served together: one worker at a time claims all of them and
+    /// answers them with one engine flush (`Workers::serve_flushes`).
+    flushes: Vec<Job>,
+    /// A worker is serving flushes, and takes those queued meanwhile before it lets go: a
+    /// flush pushed then wakes nobody.
+    flushes_claimed: bool,
     closed: bool,
     /// Workers waiting on `ready`: a push wakes one only if there is one (a futex call each).
     idle_workers: usize,
+}
+
+impl Queue {
+    fn len(&self) -> usize {
+        self.jobs.len() + self.flushes.len()
+    }
+}
+
+/// What a worker took from the queue.
+enum Taken {
+    Job(Job),
+    Flushes(Vec<Job>),
 }
 
 #[derive(Default)]
@@ -65,11 +83,20 @@ impl Workers {
         job.connection.jobs_in_flight.fetch_add(1, Ordering::SeqCst);
         self.busy.fetch_add(1, Ordering::SeqCst);
         let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        while queue.jobs.len() >= JOBS_MAX && !queue.closed {
+        while queue.len() >= JOBS_MAX && !queue.closed {
             queue = self.room.wait(queue).unwrap_or_else(|e| e.into_inner());
         }
-        queue.jobs.push_back(job);
-        let wake = queue.idle_workers > 0;
+        let flush = matches!(&job.work, Work::Request { request, .. } if request.command == Command::Flush);
+        let wake = match flush {
+            true => {
+                queue.flushes.push(job);
+                !queue.flushes_claimed && queue.idle_workers > 0
+            }
+            false => {
+                queue.jobs.push_back(job);
+                queue.idle_workers > 0
+            }
+        };
         // Woken after the lock is let go, so the worker does not wake only to wait for it.
         drop(queue);
         if wake {
@@ -85,19 +112,25 @@ impl Workers {
 
     pub(super) fn run(&self, shared: &Shared) {
         loop {
-            let job = {
+            let taken = {
                 let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
-                    let was_full = queue.jobs.len() >= JOBS_MAX;
-                    if let Some(job) = queue.jobs.pop_front() {
-                        // Loops wait for room only on a full queue, so the first job taken
-                        // from it wakes them all (each looks again; one that finds it full
-                        // again waits for the next); other takes skip the futex call.
+                    let was_full = queue.len() >= JOBS_MAX;
+                    let taken = if !queue.flushes_claimed && !queue.flushes.is_empty() {
+                        queue.flushes_claimed = true;
+                        Some(Taken::Flushes(std::mem::take(&mut queue.flushes)))
+                    } else {
+                        queue.jobs.pop_front().map(Taken::Job)
+                    };
+                    if let Some(taken) = taken {
+                        // Loops wait for room only on a full queue, so the first take from
+                        // it wakes them all (each looks again; one that finds it full again
+                        // waits for the next); other takes skip the futex call.
                         if was_full {
                             drop(queue);
                             self.room.notify_all();
                         }
-                        break job;
+                        break taken;
                     }
                     if queue.closed {
                         return;
@@ -105,6 +138,13 @@ impl Workers {
                     queue.idle_workers += 1;
                     queue = self.ready.wait(queue).unwrap_or_else(|e| e.into_inner());
                     queue.idle_workers -= 1;
+                }
+            };
+            let job = match taken {
+                Taken::Job(job) => job,
+                Taken::Flushes(flushes) => {
+                    self.serve_flushes(shared, flushes);
+                    continue;
                 }
             };
             match job.work {
@@ -128,8 +168,51 @@ impl Workers {
                     send_read_reply(shared, &job.connection, cookie, offset, job.started, result);
                 }
             }
-            job.connection.jobs_in_flight.fetch_sub(1, Ordering::SeqCst);
-            self.busy.fetch_sub(1, Ordering::SeqCst);
+            self.done(&job.connection);
+        }
+    }
+
+    fn done(&self, connection: &Connection) {
+        connection.jobs_in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.busy.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Group commit at the server: the flushes queued are answered by one engine flush, and
+    /// those queued while it syncs by the next, until none wait. One worker serves flushes at
+    /// a time, so N clients flushing at once cost one wake-up and one sync per round instead
+    /// of N workers woken to queue on the engine's write-out lock (`Store::flush` also joins
+    /// flushes, but each waiter there is a thread woken twice). One engine flush answers a
+    /// flush request it started after: it makes durable every write acknowledged before it
+    /// read the log's end, which is every write acknowledged before the request arrived.
+    fn serve_flushes(&self, shared: &Shared, mut flushes: Vec<Job>) {
+        loop {
+            let result = shared.store.flush();
+            for job in &flushes {
+                let Work::Request { request, .. } = &job.work else { unreachable!("only flushes are claimed") };
+                let mut reply = Vec::with_capacity(64);
+                match &result {
+                    Ok(()) => proto::simple_reply(&mut reply, request.cookie, 0),
+                    Err(e) => {
+                        let message = format!("zdisk flush: {e}");
+                        proto::error_reply(
+                            &mut reply,
+                            &job.connection.limits,
+                            request.cookie,
+                            nbd_errno(Op::Flush, e),
+                            &message,
+                        );
+                    }
+                }
+                shared.metrics.record(Op::Flush, 0, job.started.elapsed(), result.is_ok());
+                job.connection.send(&reply, &[]);
+                self.done(&job.connection);
+            }
+            let mut queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if queue.flushes.is_empty() {
+                queue.flushes_claimed = false;
+                return;
+            }
+            flushes = std::mem::take(&mut queue.flushes);
         }
     }
 }
