@@ -190,20 +190,8 @@ impl Workers {
             for job in &flushes {
                 let Work::Request { request, .. } = &job.work else { unreachable!("only flushes are claimed") };
                 let mut reply = Vec::with_capacity(64);
-                match &result {
-                    Ok(()) => proto::simple_reply(&mut reply, request.cookie, 0),
-                    Err(e) => {
-                        let message = format!("zdisk flush: {e}");
-                        proto::error_reply(
-                            &mut reply,
-                            &job.connection.limits,
-                            request.cookie,
-                            nbd_errno(Op::Flush, e),
-                            &message,
-                        );
-                    }
-                }
                 shared.metrics.record(Op::Flush, 0, job.started.elapsed(), result.is_ok());
+                answer(&job.connection, request, Op::Flush, &result, &mut reply);
                 job.connection.send(&reply, &[]);
                 self.done(&job.connection);
             }
@@ -314,11 +302,17 @@ pub(super) fn serve_now(
     };
     let bytes = if op == Op::Write { payload.len() as u64 } else { length };
     shared.metrics.record(op, bytes, started.elapsed(), result.is_ok());
+    answer(connection, request, op, &result, reply);
+}
+
+/// Appends a served request's reply: success, or the NBD error for the engine's error, with
+/// its message.
+fn answer(connection: &Connection, request: &Request, op: Op, result: &zdisk_engine::Result<()>, reply: &mut Vec<u8>) {
     match result {
         Ok(()) => proto::simple_reply(reply, request.cookie, 0),
         Err(e) => {
             let message = format!("zdisk {}: {e}", op.name());
-            proto::error_reply(reply, &connection.limits, request.cookie, nbd_errno(op, &e), &message);
+            proto::error_reply(reply, &connection.limits, request.cookie, nbd_errno(op, e), &message);
         }
     }
 }
