@@ -205,14 +205,26 @@ fn four_connections_write_disjoint_ranges(name: &str, serve_args: &[&str]) {
     let store = s.format("s.zdisk", "128M", "2x", &[]);
     let server = Server::start(&s, &store, serve_args);
     if let Some(at) = serve_args.iter().position(|&a| a == "--loops") {
-        let loops = std::fs::read_dir(format!("/proc/{}/task", server.server_pid()))
-            .unwrap()
-            .flatten()
-            .filter(|task| {
-                std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.starts_with("zdisk-nbd-loop"))
-            })
-            .count();
-        assert_eq!(loops.to_string(), serve_args[at + 1], "event loop threads");
+        // A thread takes its name once it first runs, which may be after the server is up:
+        // counted again for a few seconds until the count is what was asked.
+        let pid = server.server_pid();
+        let count_loops = || {
+            std::fs::read_dir(format!("/proc/{pid}/task"))
+                .unwrap()
+                .flatten()
+                .filter(|task| {
+                    std::fs::read_to_string(task.path().join("comm")).is_ok_and(|c| c.starts_with("zdisk-nbd-loop"))
+                })
+                .count()
+                .to_string()
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut loops = count_loops();
+        while loops != serve_args[at + 1] && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            loops = count_loops();
+        }
+        assert_eq!(loops, serve_args[at + 1], "event loop threads");
     }
     let region = 16u64 << 20;
     let seed = 0x5eed_0004;
