@@ -49,6 +49,7 @@ const MORE_COUNTER_STATS: &[&str] = &[
     "host_backing_reads",
     "host_backing_read_bytes",
     "host_reads_replanned",
+    "flushes_written_through",
     "paced_writes",
     "paced_wait_ns",
     "blocks_written_raw",
@@ -208,6 +209,11 @@ pub struct Stats {
     /// the device read finished, read again synchronously (`Store::finish_read`).
     #[serde(default)]
     pub host_reads_replanned: u64,
+    /// Flushes since open (of `flush_ops` and the engine's own) whose only unsynced data was
+    /// their own range, written through (RWF_DSYNC) instead of written and synced: a device
+    /// round trip saved each (docs/format.md, "Flush proof").
+    #[serde(default)]
+    pub flushes_written_through: u64,
     /// Host writes paced against GC since open (docs/space.md, "Pacing"), and their
     /// total wait.
     #[serde(default)]

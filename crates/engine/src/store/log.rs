@@ -86,6 +86,9 @@ pub(crate) struct Log {
     /// The backlog would not say it: the write-behind bound keeps it at ~2 MiB however slow
     /// the disk is, by making writers write out themselves.
     pub disk_writers: std::sync::atomic::AtomicUsize,
+    /// Flushes since open that wrote their one range through instead of syncing
+    /// (`writeout.rs`): the `flushes_written_through` statistic.
+    pub flushes_written_through: AtomicU64,
     /// Free segments, as of the last release of the log lock: whether the write path may
     /// spend space on storing blocks uncompressed for now (`codec::WriteLoad`).
     pub free_segments: AtomicU64,
@@ -250,6 +253,7 @@ impl Log {
             durable_seq: AtomicU64::new(0),
             map_write_bytes: AtomicU64::new(0),
             disk_writers: std::sync::atomic::AtomicUsize::new(0),
+            flushes_written_through: AtomicU64::new(0),
             free_segments: AtomicU64::new(0),
             gc_cold_bytes_moved: AtomicU64::new(0),
             gc_colder_bytes_moved: AtomicU64::new(0),

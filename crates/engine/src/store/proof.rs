@@ -24,6 +24,10 @@ pub(crate) struct ProofState {
     pub proven_seq: u64,
     /// This run's session nonce (set at open, before the first proof; never 0).
     pub session: u32,
+    /// Every log write so far is durable: none since the last sync (or write-through write)
+    /// under this lock. False until the first (a store just opened has made no such sync),
+    /// and from a write-out without a sync, or a failed write, on.
+    pub log_synced: bool,
 }
 
 /// What recovery knows from the proof sector.

@@ -101,6 +101,7 @@ impl Inner {
             host_backing_reads: Counters::get(&self.reads.backing_reads),
             host_backing_read_bytes: Counters::get(&self.reads.backing_read_bytes),
             host_reads_replanned: Counters::get(&self.reads.replanned),
+            flushes_written_through: Counters::get(&self.log.flushes_written_through),
             paced_writes: self.space.pacer.paced_writes(),
             paced_wait_ns: self.space.pacer.paced_wait_ns(),
         }

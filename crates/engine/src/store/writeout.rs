@@ -9,6 +9,13 @@
 //!   written after it (`proof.rs`).
 //! - A sealed segment leaves the buffered list (readers go to disk) only after its bytes
 //!   are written.
+//! - A flush skips its sync only when nothing it must make durable could be left in a
+//!   volatile cache: every log write before it was synced (`ProofState::log_synced`, kept
+//!   under the `io` lock every log write holds) and it writes at most one range, written
+//!   through (`Backing::write_durable_at`: RWF_DSYNC, a FUA write where the device has
+//!   FUA). That is the commit case — a few writes, then a flush — and it saves the flush
+//!   one device round trip: two (the tail and the proof, each written through) where it
+//!   took three (the tail, a sync, the proof).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -85,29 +92,47 @@ impl Inner {
             return Ok(());
         }
         let (jobs, target_seq) = self.take_write_jobs(mode);
+        let ranges = jobs.iter().filter(|job| job.end_bytes > job.start_bytes).count();
+        // The commit case (module comment): the flush's own range is all there is to make
+        // durable, so it is written through and the sync is left out.
+        let write_through = mode == WriteOut::Flush && io.log_synced && ranges <= 1;
         let mut scratch: Option<AlignedBuf> = None;
         for job in &jobs {
             if job.end_bytes > job.start_bytes {
                 let offset = self.geometry.segment_base(job.buffer.segment) + job.start_bytes as u64;
                 let range = job.start_bytes..job.end_bytes;
+                let write = |data: &[u8]| match write_through {
+                    true => self.backing.write_durable_at(offset, data),
+                    false => self.backing.write_at(offset, data),
+                };
+                // Unsynced from before the write: a failed write may have left part of it.
+                io.log_synced = write_through;
                 let written = if job.sealed {
                     // Nobody appends to a sealed segment: write straight from its buffer.
-                    self.backing.write_at(offset, &job.buffer.data.read()[range])
+                    write(&job.buffer.data.read()[range])
                 } else {
                     // The open segment is appended to concurrently: copy the range out so the
                     // buffer lock is not held across the backing write.
                     let copy = scratch.get_or_insert_with(|| AVec::new(4096));
                     copy.clear();
                     copy.extend_from_slice(&job.buffer.data.read()[range]);
-                    self.backing.write_at(offset, copy)
+                    write(copy)
                 };
-                written.map_err(|e| self.fail(Error::io(format!("write log at {offset}"), e)))?;
+                written.map_err(|e| {
+                    io.log_synced = false;
+                    self.fail(Error::io(format!("write log at {offset}"), e))
+                })?;
                 Counters::add(&self.counters.backing_write_bytes, (job.end_bytes - job.start_bytes) as u64);
             }
         }
         self.retire_written(jobs);
         if mode == WriteOut::Flush {
-            self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
+            if write_through {
+                Counters::add(&self.log.flushes_written_through, 1);
+            } else {
+                self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
+                io.log_synced = true;
+            }
             // Only a write after the sync can show a later recovery that the sync completed
             // (`proof.rs`); the flush is acknowledged after it.
             if target_seq > io.proven_seq {
