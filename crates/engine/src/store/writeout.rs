@@ -105,7 +105,8 @@ impl Inner {
                     true => self.backing.write_durable_at(offset, data),
                     false => self.backing.write_at(offset, data),
                 };
-                // Unsynced from before the write: a failed write may have left part of it.
+                // A plain write leaves the log unsynced from here on; a written-through one
+                // keeps it synced, unless it fails (below).
                 io.log_synced = write_through;
                 let written = if job.sealed {
                     // Nobody appends to a sealed segment: write straight from its buffer.
