@@ -153,6 +153,23 @@ impl SimDisk {
     }
 }
 
+impl SimDisk {
+    /// Counts a sync (or a write-through write's durability) and says whether it may go on:
+    /// the power is on and no fault is aimed at it. A failed fsync may have written some,
+    /// all or none of the cache, so the caller leaves everything pending then.
+    fn sync_started(&self) -> io::Result<parking_lot::MutexGuard<'_, State>> {
+        let mut s = self.state.lock();
+        if s.crashed {
+            return Err(power_lost());
+        }
+        s.syncs += 1;
+        if s.faults.fail_sync_at == Some(s.syncs) {
+            return Err(io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(s)
+    }
+}
+
 impl Backing for SimDisk {
     fn size_bytes(&self) -> u64 {
         self.size_bytes
@@ -209,15 +226,7 @@ impl Backing for SimDisk {
     }
 
     fn sync(&self) -> io::Result<()> {
-        let mut s = self.state.lock();
-        if s.crashed {
-            return Err(power_lost());
-        }
-        s.syncs += 1;
-        if s.faults.fail_sync_at == Some(s.syncs) {
-            // A failed fsync may have written some, all or none of the cache: leave it pending.
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
+        let mut s = self.sync_started()?;
         let pending = std::mem::take(&mut s.pending);
         for (offset, data) in pending {
             s.durable[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
@@ -233,14 +242,7 @@ impl Backing for SimDisk {
     /// write then stays pending).
     fn write_durable_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
         self.write_at(offset, data)?;
-        let mut s = self.state.lock();
-        if s.crashed {
-            return Err(power_lost());
-        }
-        s.syncs += 1;
-        if s.faults.fail_sync_at == Some(s.syncs) {
-            return Err(io::Error::from_raw_os_error(libc::EIO));
-        }
+        let mut s = self.sync_started()?;
         let (start, end) = (offset, offset + data.len() as u64);
         s.durable[start as usize..end as usize].copy_from_slice(data);
         let pending = std::mem::take(&mut s.pending);
