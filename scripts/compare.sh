@@ -80,7 +80,15 @@ print(f'{j["read"]["iops"] + j["write"]["iops"]:.0f} {side["lat_ns"]["mean"] / 1
 PY
 }
 for s in "${targets[@]}"; do
-  fio --name=fill --ioengine=nbd --uri="$(uri $s)" --rw=write --bs=128k --iodepth=32 "${data[@]}" >/dev/null 2>&1
+  # A failed fill (a server that did not start, a full disk under it) says so, with the
+  # server's log, instead of ending the run without a word.
+  fio --name=fill --ioengine=nbd --uri="$(uri "$s")" --rw=write --bs=128k --iodepth=32 "${data[@]}" \
+    >"$dir/fill.log" 2>&1 || {
+    echo "compare.sh: filling target $s failed (disk: $(df -h --output=avail "$dir" | tail -1 | tr -d ' ') free):" >&2
+    grep -iE 'error|err=' "$dir/fill.log" | tail -3 >&2 || tail -5 "$dir/fill.log" >&2
+    for log in "$dir"/serve*.log "$dir"/qemu.log; do [[ -s $log ]] && { echo "--- $log" >&2; tail -5 "$log" >&2; }; done
+    exit 1
+  }
 done
 header="| workload | zdisk IOPS | raw IOPS | memory IOPS | zdisk/raw | zdisk/memory | mean lat µs zdisk / raw |"
 rule="|---|---|---|---|---|---|---|"
