@@ -302,6 +302,18 @@ pub struct CodecStats {
     pub idle_room_steps: u64,
 }
 
+/// The log's statistics since open (not persisted, unlike [`Counters`]).
+#[derive(Debug, Default)]
+pub struct LogCounters {
+    /// Bytes of map pages appended (the map's share of write amplification).
+    pub map_write_bytes: AtomicU64,
+    /// Bytes GC moved into the GC streams, and of those into the colder stream.
+    pub gc_cold_bytes_moved: AtomicU64,
+    pub gc_colder_bytes_moved: AtomicU64,
+    /// Flushes that wrote their one range through instead of syncing (`store/writeout.rs`).
+    pub flushes_written_through: AtomicU64,
+}
+
 /// The live counters behind [`CodecStats`], and the load signal of the adaptive fallback.
 #[derive(Debug, Default)]
 pub struct CodecCounters {

@@ -41,8 +41,8 @@ use crate::format::{
 use crate::map::page::PageId;
 use crate::map::PageSource;
 use crate::map::PagedMap;
-use crate::stats::CodecCounters;
 use crate::stats::Counters;
+use crate::stats::{CodecCounters, LogCounters};
 use crate::types::{Lba, SegmentId};
 
 /// Buffered log bytes past which the writer thread is woken.
@@ -78,24 +78,16 @@ pub(crate) struct Log {
     pub cold_stream: bool,
     pub counters: Arc<Counters>,
     pub codec_counters: Arc<CodecCounters>,
-    /// Bytes of map pages appended since open (the map's share of write amplification;
-    /// not persisted, unlike `counters`).
-    pub map_write_bytes: AtomicU64,
+    /// Map pages' bytes, GC's moves into the cold streams, flushes written through.
+    pub log_counters: LogCounters,
     /// Threads writing log bytes out to the disk or waiting to (`writeout.rs`): how busy the
     /// disk is, read by the write path's codec choice without a lock (`codec::WriteLoad`).
     /// The backlog would not say it: the write-behind bound keeps it at ~2 MiB however slow
     /// the disk is, by making writers write out themselves.
     pub disk_writers: std::sync::atomic::AtomicUsize,
-    /// Flushes since open that wrote their one range through instead of syncing
-    /// (`writeout.rs`): the `flushes_written_through` statistic.
-    pub flushes_written_through: AtomicU64,
     /// Free segments, as of the last release of the log lock: whether the write path may
     /// spend space on storing blocks uncompressed for now (`codec::WriteLoad`).
     pub free_segments: AtomicU64,
-    /// Bytes GC moved into the GC streams since open (not persisted).
-    pub gc_cold_bytes_moved: AtomicU64,
-    /// Of those, bytes GC moved into the colder stream.
-    pub gc_colder_bytes_moved: AtomicU64,
     pub(super) health: Arc<Health>,
     pub(super) wakeups: Arc<Wakeups>,
 }
@@ -251,12 +243,9 @@ impl Log {
             io: Mutex::new(Rank::Io, ProofState::default()),
             buffered: RwLock::new(Rank::Buffered, Vec::new()),
             durable_seq: AtomicU64::new(0),
-            map_write_bytes: AtomicU64::new(0),
+            log_counters: LogCounters::default(),
             disk_writers: std::sync::atomic::AtomicUsize::new(0),
-            flushes_written_through: AtomicU64::new(0),
             free_segments: AtomicU64::new(0),
-            gc_cold_bytes_moved: AtomicU64::new(0),
-            gc_colder_bytes_moved: AtomicU64::new(0),
             geometry: parts.geometry,
             segment_uses,
             cipher: parts.cipher,
@@ -538,10 +527,10 @@ impl LogGuard<'_> {
     fn count_gc_moved(&self, bytes: u64) {
         Counters::add(&self.log.counters.gc_bytes_moved, bytes);
         if self.state.appender.stream.is_gc() {
-            Counters::add(&self.log.gc_cold_bytes_moved, bytes);
+            Counters::add(&self.log.log_counters.gc_cold_bytes_moved, bytes);
         }
         if self.state.appender.stream == Stream::Colder {
-            Counters::add(&self.log.gc_colder_bytes_moved, bytes);
+            Counters::add(&self.log.log_counters.gc_colder_bytes_moved, bytes);
         }
     }
 
@@ -587,7 +576,7 @@ impl LogGuard<'_> {
             }
             let page_bytes = part.iter().map(|(_, b)| b.bytes.len() as u64).sum();
             Counters::add(&self.log.counters.metadata_bytes, page_bytes);
-            Counters::add(&self.log.map_write_bytes, page_bytes);
+            Counters::add(&self.log.log_counters.map_write_bytes, page_bytes);
             done += take;
         }
         Ok(offsets)

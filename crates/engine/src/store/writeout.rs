@@ -129,7 +129,7 @@ impl Inner {
         self.retire_written(jobs);
         if mode == WriteOut::Flush {
             if write_through {
-                Counters::add(&self.log.flushes_written_through, 1);
+                Counters::add(&self.log.log_counters.flushes_written_through, 1);
             } else {
                 self.backing.sync().map_err(|e| self.fail(Error::io("sync", e)))?;
                 io.log_synced = true;
