@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
 # The engine source files a 4 KiB host write runs code in (docs/architecture.md, "The data
-# path through them"): runs crates/engine/examples/write_path.rs (a debug build, so nothing
-# is inlined away) under callgrind, collecting only inside `Store::write` on the writing
-# thread, and lists the files of crates/engine/src whose functions ran, with how many of
-# their functions did. Usage: scripts/write-path.sh [COUNT]   (needs valgrind)
+# path through them"): runs crates/engine/examples/write_path.rs under callgrind, collecting
+# only inside `Store::write` on the writing thread, and lists the files of crates/engine/src
+# whose functions ran, with how many of their functions did — twice:
+#   release: the build zdisk ships (`--release`, line tables on): the calls a write makes,
+#            after the compiler inlined the small helpers into their callers;
+#   debug:   nothing inlined, so every function counts, down to derived comparisons
+#            (`Lba == Lba`), lock guards' `Deref` and `format::Writer::u32`.
+# Usage: scripts/write-path.sh [COUNT]   (needs valgrind; WRITE_PATH_FUNCS=1 lists the functions)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 count=${1:-64}
 command -v valgrind >/dev/null || { echo "write-path.sh: valgrind is not installed (apt-get install valgrind)" >&2; exit 1; }
-cargo build -q -p zdisk-engine --example write_path
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-valgrind --tool=callgrind --callgrind-out-file="$work/out" \
-  --toggle-collect='zdisk_engine::store::Store::write' \
-  "${CARGO_TARGET_DIR:-target}/debug/examples/write_path" "$work/store" "$count" 2>"$work/log" >/dev/null
-# Every function with cost inside the toggle, with its file: `fl=` names files, `fn=` the
-# functions in the current file.
-python3 - "$work/out" <<'PY'
-import re, sys, collections
+for build in release debug; do
+  if [ "$build" = release ]; then
+    cargo build -q --release -p zdisk-engine --example write_path
+  else
+    cargo build -q -p zdisk-engine --example write_path
+  fi
+  valgrind --tool=callgrind --callgrind-out-file="$work/$build.out" \
+    --toggle-collect='zdisk_engine::store::Store::write' \
+    "${CARGO_TARGET_DIR:-target}/$build/examples/write_path" "$work/store-$build" "$count" 2>"$work/log" >/dev/null
+  echo "== $build build"
+  # Every function with cost inside the toggle, with its file: `fl=` names files, `fn=` the
+  # functions in the current file.
+  python3 - "$work/$build.out" <<'PY'
+import collections, os, re, sys
 files, names = {}, {}
 current = None
 funcs = collections.defaultdict(set)
@@ -40,5 +50,9 @@ for line in open(sys.argv[1], encoding="utf-8", errors="replace"):
                 funcs[path.split("crates/engine/src/")[1]].add(names.get(m.group(2), m.group(2)))
 for f in sorted(funcs):
     print(f"{len(funcs[f]):4d}  {f}")
+    if os.environ.get("WRITE_PATH_FUNCS"):
+        for n in sorted(funcs[f]):
+            print(f"        {n}")
 print(f"{len(funcs)} engine files")
 PY
+done

@@ -25,7 +25,8 @@ pub use proof::{FlushProof, ProofSector, FLUSH_PROOF_BYTES, FLUSH_PROOF_OFFSET_B
 pub use record::{
     decode_tail, record_is_authentic, relocate_entries_from_damaged_tail, BatchEntry, EncodedRecord, Head, RecordBody,
     RecordHeader, RecordKind, RecordVersion, BATCH_ENTRY_BYTES, BATCH_LBA_LIMIT, FLAG_FIRST, FLAG_LAST, HEAD_BYTES,
-    RECORD_MAC_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES, WRITE_ENTRY_BYTES,
+    RECORD_BLOCKS_MAX, RECORD_MAC_BYTES, RECORD_MAGIC, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES, TAIL_FIXED_BYTES,
+    WRITE_ENTRY_BYTES,
 };
 pub use superblock::{
     ChunkRef, Superblock, CHUNK_REFS_MAX, FEATURE_AUTHENTICATED_LOG, FEATURE_DICTIONARIES, FEATURE_ENCRYPTED,

@@ -43,6 +43,10 @@ pub const RECORD_MIN_BYTES: usize = HEAD_BYTES + TAIL_FIXED_BYTES;
 
 const _: () = assert!(HEAD_BYTES == 64, "docs/format.md: the head is 64 bytes");
 
+/// The most blocks the log puts in one write record, so headers stay small (a writer's
+/// limit, not the format's: a reader takes any count whose entries fit the record).
+pub const RECORD_BLOCKS_MAX: usize = 512;
+
 /// Per block of a write record: fragment u16.
 pub const WRITE_ENTRY_BYTES: usize = 2;
 /// A batch entry: LBA u48, fragment u16.

@@ -1,6 +1,6 @@
-//! The arithmetic of space, with no state: the checkpoint room and the host reserve the
-//! reserves are made of (`space/mod.rs` keeps the reserves as of now, by class), native
-//! capacity, and image sizing.
+//! The arithmetic of space, with no state: the space classes and their reserves
+//! (`SpaceClass`, `Reserves`: `space.rs` keeps the reserves as of now), the checkpoint room
+//! and the host reserve they are made of, native capacity, and image sizing.
 //!
 //! Native capacity: the largest logical size that incompressible data can fill completely
 //! and overwrite in any pattern, forever, without ENOSPC (docs/space.md, "Native capacity
@@ -9,7 +9,7 @@
 //! It is what is left of the data area after the host reserve, the open segments, metadata
 //! at its worst and the operator's over-provisioning (OP), counted in incompressible blocks
 //! as densely as GC packs them. Why that suffices: GC can always run (the reserves,
-//! `space/mod.rs`), and with live data at most `1 - OP` of the data segments' block slots,
+//! `space.rs`), and with live data at most `1 - OP` of the data segments' block slots,
 //! the emptiest segment holds at most that share live, so cleaning it gives back at least
 //! OP of a segment for the relocations it costs — every GC step makes room.
 //!
@@ -17,10 +17,10 @@
 //! size), so `Nx` means the same bytes before and after a resize.
 
 use super::geometry::{default_segment_size, segment_size_is_valid, FRAGMENT_END_WASTE_BYTES};
-use super::op::RECORD_BLOCKS_MAX;
 use crate::crypto::cipher::SEAL_OVERHEAD_BYTES;
 use crate::format::{
-    BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_MAC_BYTES, RECORD_MIN_BYTES, RELOCATE_ENTRY_BYTES,
+    BATCH_ENTRY_BYTES, DATA_START_BYTES, PI_BYTES, RECORD_BLOCKS_MAX, RECORD_MAC_BYTES, RECORD_MIN_BYTES,
+    RELOCATE_ENTRY_BYTES,
 };
 use crate::map::DIRTY_PAGES_HARD;
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
@@ -178,6 +178,105 @@ pub fn over_provision_ppm_from_percent(percent: f64) -> Result<u32, String> {
         ));
     }
     Ok(ppm as u32)
+}
+
+/// Who is asking for space: host writes may not eat into the reserve kept for GC and
+/// checkpoints; metadata-only requests (trim, zero) may use most of it; GC and checkpoints
+/// all of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SpaceClass {
+    Host,
+    /// A host write that replaces more stored bytes than it adds: it frees space once GC
+    /// runs, so it may use one segment of the reserve that other host writes may not.
+    HostShrinking,
+    HostMetadata,
+    /// A trim or zero on a full store, after GC could not make the metadata reserve.
+    TrimWhileFull,
+    /// GC relocations out of a segment the reuse horizon has not passed: may use the
+    /// reserve but must leave room for the two checkpoints that make it reusable.
+    Gc,
+    /// GC relocations out of a segment behind the horizon: it is reusable after one flush,
+    /// so this may go further, keeping room for one checkpoint.
+    GcSettled,
+    Internal,
+}
+
+impl SpaceClass {
+    /// Classes whose appends never wait for foreground GC: they fail at once when short.
+    pub fn is_internal(self) -> bool {
+        matches!(self, SpaceClass::Internal | SpaceClass::Gc | SpaceClass::GcSettled | SpaceClass::TrimWhileFull)
+    }
+}
+
+/// The reserves of every class, in bytes (docs/space.md, "Reserves"): what an append of a
+/// class must leave unused in the log. Invariant (liveness): every append of a class leaves
+/// the reserve of the classes below it unused, counted in bytes of the log (free segments'
+/// capacity and the open segment's room), so GC — and the checkpoints that free what it
+/// cleaned — can always run, and trim works on a full store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Reserves {
+    segment_capacity_bytes: u64,
+    checkpoint_room_bytes: u64,
+    /// `host_reserve_for`'s answer, kept so that asking needs no arithmetic of `capacity.rs`.
+    host_bytes: u64,
+}
+
+impl Reserves {
+    /// The reserves for a store of this logical size and geometry whose dictionary table
+    /// takes `dictionary_table_bytes` in a checkpoint: the checkpoint room (see
+    /// [`checkpoint_room_for`]) and the trained dictionaries a checkpoint carries — up to 8
+    /// of up to 256 KiB, which the static bound does not know (native capacity does not
+    /// count them: they come out of the bound's slack and the over-provisioning,
+    /// docs/space.md, "Reserves").
+    pub fn compute(
+        logical_size_bytes: u64,
+        dictionary_table_bytes: u64,
+        segment_count: u64,
+        segment_capacity_bytes: u64,
+    ) -> Reserves {
+        let checkpoint_room_bytes =
+            checkpoint_room_for(logical_size_bytes, segment_count, segment_capacity_bytes) + dictionary_table_bytes;
+        Reserves {
+            segment_capacity_bytes,
+            checkpoint_room_bytes,
+            host_bytes: host_reserve_for(segment_capacity_bytes, checkpoint_room_bytes),
+        }
+    }
+
+    /// The reserve of a class in bytes: what an append of that class must leave unused in
+    /// the log (free segments and the open segment's room) for the classes below it.
+    ///
+    /// Each class leaves the ones below it room to work, down to GC, which leaves room for
+    /// the checkpoints that make its victims reusable. The reserve is in bytes, not whole
+    /// segments, and binds every append, even one that fits the open segment: GC must be
+    /// able to relocate a victim into the last free segment and still have room for those
+    /// checkpoints, or a store at GC's floor, with nothing cleaned, could never move again
+    /// (it did: ENOSPC forever at 50% utilisation). See docs/space.md, "Reserves".
+    pub fn of(&self, class: SpaceClass) -> u64 {
+        let capacity = self.segment_capacity_bytes;
+        let checkpoint = self.checkpoint_room_bytes;
+        match class {
+            SpaceClass::Host => self.host_bytes,
+            SpaceClass::HostShrinking | SpaceClass::HostMetadata => capacity + 2 * checkpoint,
+            // Trim and zero records are a fixed header each, and every one that unmaps data
+            // makes garbage: they may go below the metadata reserve when GC cannot give it
+            // back (trim must work on a full store), but leave GC a victim's worth of room.
+            SpaceClass::TrimWhileFull => capacity / 8 + 2 * checkpoint,
+            SpaceClass::Gc => 2 * checkpoint,
+            SpaceClass::GcSettled => checkpoint,
+            SpaceClass::Internal => 0,
+        }
+    }
+
+    /// Room one checkpoint takes in the log.
+    pub fn checkpoint_room_bytes(&self) -> u64 {
+        self.checkpoint_room_bytes
+    }
+
+    /// The host reserve in whole segments, for the background worker's targets.
+    pub fn host_segments(&self) -> u64 {
+        self.host_bytes.div_ceil(self.segment_capacity_bytes)
+    }
 }
 
 #[cfg(test)]

@@ -40,7 +40,7 @@ struct MapTotals {
     live: Vec<u64>,
     /// Bytes of the current map's pages.
     pages: Vec<u64>,
-    /// Of `live`, the LZ4 fragments' bytes (`pending.rs`).
+    /// Of `live`, the LZ4 fragments' bytes (`segments.rs`, `PendingRecompress`).
     lz4: Vec<u64>,
     stored: u64,
     zero: u64,

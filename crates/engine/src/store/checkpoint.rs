@@ -22,12 +22,12 @@
 
 use std::sync::atomic::Ordering;
 
+use super::capacity::SpaceClass;
 use super::geometry::{round_up, Geometry};
 use super::lock::MutexGuard;
 use super::log::Attempt;
-use super::op::Op;
+use super::log::Op;
 use super::pages::PageCheckpoint;
-use super::space::SpaceClass;
 use super::state::Inner;
 use super::writeout::WriteOut;
 use crate::backing::Backing;

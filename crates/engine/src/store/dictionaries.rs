@@ -28,10 +28,10 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
+use super::capacity::SpaceClass;
 use super::gc::{RecompressReport, RecompressTarget};
 use super::geometry::{new_buffer, round_up};
-use super::op::{Block, LiveFragment};
-use super::space::SpaceClass;
+use super::log::{Block, LiveFragment};
 use super::state::Inner;
 use crate::codec::CodecTag;
 use crate::codec::{Dictionary, DictionarySet, DICTIONARIES_MAX, DICTIONARY_BYTES_DEFAULT};

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::log::LogGuard;
-use super::op::{Block, LiveFragment, Op};
+use super::log::{Block, LiveFragment, Op};
 use super::options::OpenOptions;
 use super::recovery::read_superblocks;
 use super::state::Inner;

@@ -40,12 +40,12 @@
 //!   older dictionary is replaced even when the new one is not smaller; one that fails its
 //!   check is moved as it is and counted (`older_dictionary_fragments_kept`).
 
+use super::capacity::SpaceClass;
 use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
-use super::op::{gc_copy_bytes, group_bytes, Block, LiveFragment, Op};
+use super::log::{gc_copy_bytes, group_bytes, Block, LiveFragment, Op};
 use super::read::verify_fragment;
 use super::scan::{parse_segment, RecordContext};
-use super::space::SpaceClass;
 use super::state::Inner;
 use std::sync::Arc;
 
@@ -391,7 +391,7 @@ impl Inner {
         Ok(found.into_iter().collect())
     }
 
-    /// Chooses a victim. A store whose GC output has a stream of its own (`streams.rs`)
+    /// Chooses a victim. A store whose GC output has a stream of its own (`log.rs`, "Streams")
     /// takes the best cost-benefit victim, settled or not, in the background and the
     /// foreground alike — except when a writer waits and free segments are short (fewer
     /// than the host reserve and two), or after a foreground round that gained nothing

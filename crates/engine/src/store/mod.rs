@@ -38,7 +38,6 @@
 //! reused only under the reuse rule; a failed backing write or sync makes the store
 //! read-only until reopened.
 
-mod apply;
 mod background;
 pub(crate) mod capacity;
 mod check;
@@ -53,10 +52,8 @@ mod health;
 mod idle;
 pub(crate) mod lock;
 mod log;
-mod op;
 pub(crate) mod options;
 mod pages;
-mod pending;
 mod proof;
 pub(crate) mod read;
 pub(crate) mod read_queue;
@@ -69,7 +66,6 @@ mod space;
 mod spare_cpu;
 mod state;
 mod statistics;
-mod streams;
 #[cfg(test)]
 mod tests;
 mod worker;
@@ -92,7 +88,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use lock::{Mutex, Rank};
-use op::RangeKind;
+use log::RangeKind;
 use state::Inner;
 
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};

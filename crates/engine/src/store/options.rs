@@ -143,18 +143,18 @@ pub struct OpenOptions {
     /// one (`codec::default_codec_cores`). Defaults to `ZDISK_CODEC_CORES` (measurements),
     /// else None; `zdisk serve --codec-cores N` sets it.
     pub codec_cores: Option<usize>,
-    /// Pace host writes against GC as free space runs low (`space/pacing.rs`). On unless
+    /// Pace host writes against GC as free space runs low (`space.rs`, `Pacer`). On unless
     /// `ZDISK_PACING=off`: at native capacity it cut p99.9 write latency about sevenfold and
     /// raised throughput by a third (docs/space.md, "Pacing").
     pub pacing: bool,
     /// Host writes (and trims, write-zeroes) that compress and append at once; the others
-    /// sleep until a permit is free or they are overdue (`space/permits.rs`). 0: no limit.
+    /// sleep until a permit is free or they are overdue (`space.rs`, `WritePermits`). 0: no limit.
     /// Defaults to `ZDISK_WRITE_PERMITS`, else the number of cores: more writers than cores
     /// only preempt each other while holding the store's locks (docs/space.md, "Write
     /// admission").
     pub write_concurrency: usize,
     /// How long a host write waiting for a permit may be passed over by writers arriving
-    /// after it (`space/permits.rs`): longer trades the tail for throughput. Defaults to
+    /// after it (`space.rs`, `WritePermits`): longer trades the tail for throughput. Defaults to
     /// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else 1 ms (docs/space.md, "Write
     /// admission").
     pub write_permit_fair_after: Duration,
@@ -240,9 +240,17 @@ fn codec_fallback_from_env() -> CodecFallback {
     }
 }
 
-/// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else `space::permits::FAIR_AFTER`.
+/// How long a waiter for a write permit (`space.rs`) may be passed over by writers arriving after it. Handing a permit to a
+/// sleeping waiter leaves it idle until the scheduler runs that thread (on a busy 2-core
+/// machine ~0.4 ms on average), so permits go to whoever asks first while the wait is
+/// short, and in order once it is not: strict order cost 22% of the throughput of 4K
+/// writes, none cost the tail (docs/space.md, "Write admission"). The default of
+/// `OpenOptions::write_permit_fair_after`.
+pub(crate) const WRITE_PERMIT_FAIR_AFTER: Duration = Duration::from_millis(1);
+
+/// `ZDISK_WRITE_PERMIT_FAIR_US` (microseconds), else `WRITE_PERMIT_FAIR_AFTER`.
 fn write_permit_fair_after_from_env() -> Duration {
-    let default = super::space::permits::FAIR_AFTER;
+    let default = WRITE_PERMIT_FAIR_AFTER;
     match std::env::var("ZDISK_WRITE_PERMIT_FAIR_US") {
         Ok(v) => v.parse().map(Duration::from_micros).unwrap_or_else(|_| {
             tracing::warn!("ZDISK_WRITE_PERMIT_FAIR_US={v:?} is not a number of microseconds; using the default");

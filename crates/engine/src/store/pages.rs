@@ -9,12 +9,12 @@
 
 use std::collections::BTreeMap;
 
-use super::apply::SnapshotAccount;
+use super::capacity::SpaceClass;
 use super::geometry::{new_buffer, round_up};
 use super::log::Attempt;
-use super::op::{Block, Op};
+use super::log::SnapshotAccount;
+use super::log::{Block, Op};
 use super::segments::BlockCounts;
-use super::space::SpaceClass;
 use super::state::Inner;
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::SegmentUsage;
@@ -93,7 +93,7 @@ pub(crate) struct PageCheckpoint {
 #[derive(Default)]
 struct WalkDebt {
     live_bytes: BTreeMap<SegmentId, u64>,
-    /// Of `live_bytes`, the LZ4 fragments' (`pending.rs`).
+    /// Of `live_bytes`, the LZ4 fragments' (`segments.rs`, `PendingRecompress`).
     lz4_bytes: BTreeMap<SegmentId, u64>,
     counts: BlockCounts,
     pages: BTreeMap<SegmentId, u64>,

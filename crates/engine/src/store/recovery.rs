@@ -19,13 +19,13 @@ use super::codecs::{Codecs, DictionaryState};
 use super::geometry::Geometry;
 use super::health::Health;
 use super::lock::{Mutex, Rank, RwLock};
+use super::log::Stream;
 use super::log::{Appender, CheckpointEpochs, Log, LogParts, LogState};
 use super::options::{OpenOptions, StoreInfo};
 use super::segments::{BlockCounts, SegmentTable};
 use super::space::{Space, SpaceParts};
 use super::state::Inner;
-use super::streams::Stream;
-use super::{create, encryption, pending};
+use super::{create, encryption, segments};
 use crate::backing::Backing;
 use crate::cache::{FragmentCache, Reads};
 use crate::codec::{available_cores, Codec};
@@ -402,7 +402,7 @@ fn log_state_at(chosen: &Chosen, segments: SegmentTable, cipher: Option<&StoreCi
             release_after_next: chosen.checkpoint.as_ref().map_or_else(Vec::new, |cp| cp.superseded.clone()),
             superseded_carry: Default::default(),
         },
-        pending: pending::PendingRecompress::new(codec, sb.checkpoint_seq),
+        pending: segments::PendingRecompress::new(codec, sb.checkpoint_seq),
     }
 }
 

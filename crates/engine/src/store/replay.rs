@@ -29,10 +29,10 @@
 
 use std::collections::HashMap;
 
-use super::apply::{apply_record, lbas_set};
 use super::geometry::Geometry;
 use super::health::{DamagedRecord, Degraded, RecoveryFindings};
 use super::log::LogState;
+use super::log::{apply_record, lbas_set};
 use super::proof::Proven;
 use super::read::Sealed;
 use super::scan::{parse_record_at, probe, FoundRecord, Probe, RecordContext, SegmentCache};

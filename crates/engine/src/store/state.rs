@@ -40,7 +40,7 @@ pub(crate) struct Inner {
     /// Rank 2: serialises checkpoints and holds the superblock of the newest durable one.
     pub checkpoint: Mutex<Superblock>,
     /// When host writers wait: pacing, permits, block stripes (rank 1), the reserves as of
-    /// now (`space/`).
+    /// now (`space.rs`).
     pub space: Space,
     /// GC's locks (ranks 1 and 3) and the background threads' wake-ups (`background.rs`).
     pub background: Background,

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::capacity::native_capacity_for;
-use super::space::SpaceClass;
+use super::capacity::SpaceClass;
 use super::state::Inner;
 use crate::format::{SegmentState, SUPERBLOCK_SLOT_BYTES};
 use crate::stats::{Counters, Stats};
@@ -130,7 +130,7 @@ impl Inner {
     fn codec_stats(&self, pending_recompress_bytes: u64) -> crate::stats::CodecStats {
         let mut codec = self.codecs.counters.snapshot();
         codec.pending_recompress_bytes = pending_recompress_bytes;
-        codec.pending_recompress_saving_bytes = super::pending::recompress_saving_bytes(
+        codec.pending_recompress_saving_bytes = super::segments::recompress_saving_bytes(
             pending_recompress_bytes,
             Counters::get(&self.codecs.counters.lz4_recompress_tried_bytes),
             Counters::get(&self.codecs.counters.lz4_recompress_kept_bytes),

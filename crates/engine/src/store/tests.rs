@@ -3,8 +3,8 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::capacity::SpaceClass;
 use super::gc::GcMode;
-use super::space::SpaceClass;
 use super::state::Inner;
 use super::{Durability, FormatOptions, OpenOptions, Store};
 use crate::codec::Codec;
@@ -292,7 +292,7 @@ fn segment_of_block(inner: &Inner, lba: u64) -> crate::types::SegmentId {
 /// segments); and a power cut replays the log through all three streams' jumps.
 #[test]
 fn data_gc_moved_before_goes_to_the_colder_stream_which_is_sealed_when_space_runs_short() {
-    use super::streams::Stream;
+    use super::log::Stream;
     let (disk, store) = small_store_on_disk(13);
     let inner = &store.inner;
     let mut rng = crate::sim::SimRng::new(13);
@@ -439,7 +439,7 @@ fn a_victim_owed_a_racing_overwrite_is_cleaned_or_waits_for_a_checkpoint_never_k
         store.write(racing * 4096, &newer, Durability::Buffered).unwrap();
         expected.insert(racing, newer);
         assert!(!inner.map.read().unsettled_among(&leaves).is_empty(), "the overwrite owes nothing: no race made");
-        let relocated_bytes = super::op::gc_copy_bytes(&live, inner.log.record_extra_bytes());
+        let relocated_bytes = super::log::gc_copy_bytes(&live, inner.log.record_extra_bytes());
         inner.relocate(live, Vec::new(), SpaceClass::Gc).unwrap();
         let victim = Victim { segment, settled: false };
         let why = if settle_after_copies { "settled after the copies" } else { "raced after the settling" };

@@ -159,7 +159,7 @@ impl Inner {
 
 #[cfg(test)]
 mod tests {
-    use super::super::space::pacing::{pacing_band_segments, PACING_BAND_SEGMENTS_MAX};
+    use super::super::space::{pacing_band_segments, PACING_BAND_SEGMENTS_MAX};
     use super::*;
 
     #[test]
