@@ -261,8 +261,9 @@ pub struct CodecStats {
     pub helper_compressed_blocks: u64,
     /// Stored bytes of the live LZ4 fragments written since open in a store of a slower
     /// codec: what the fallback left for idle work, GC or `zdisk recompress` to recompress
-    /// (`store/segments.rs`, `PendingRecompress`; fragments from before the open are not counted). Between
-    /// checkpoints an upper bound (overwrites may still owe their removal), exact after each.
+    /// (`PendingRecompress` in `store/segments.rs`; fragments from before the open are not
+    /// counted). Between checkpoints an upper bound (overwrites may still owe their
+    /// removal), exact after each.
     #[serde(default)]
     pub pending_recompress_bytes: u64,
     /// The bytes recompressing them is expected to free: at the share recompression saved

@@ -16,7 +16,7 @@
 //! A read costs no thread hand-off: the loop that parsed it submits its device reads to
 //! its own ring (`zdisk_engine::ReadQueue`, one `io_uring_enter` for every read parsed in a
 //! pass) and answers it when they complete. A write is CPU work (compress, append in
-//! memory; write admission bounds it to one per core, `store/space.rs`, `WritePermits`): alone it runs on
+//! memory; write admission bounds it to one per core, `WritePermits` in `store/space.rs`): alone it runs on
 //! the loop, beside others it is shared with the workers so that one connection's writes
 //! use every core — small ones a batch per worker and pass, since for a 4 KiB write a
 //! worker's wake-up costs as much as the write. What waits for the device — a flush, a FUA
@@ -682,7 +682,7 @@ impl EventLoop {
             // there are cores, and runs here otherwise: each hand-off costs a wake-up, so
             // the loop keeps a share. One writer more than the cores is what lets a writer
             // wait for a write permit, the write path's load signal for its LZ4 fallback
-            // (`store/space.rs`, `WritePermits`): with only as many writers as cores no permit was ever
+            // (`WritePermits` in `store/space.rs`): with only as many writers as cores no permit was ever
             // waited for, 50–65% of blocks got zstd:1 and 128K sequential writes ran at
             // 197–325 MB/s with 286 µs of CPU each; with one more, 424–581 MB/s, 186 µs, 1–20%
             // zstd:1 (nbdkit's 8 threads: 334–498 MB/s). While GC

@@ -217,7 +217,7 @@ impl SpaceClass {
 pub(crate) struct Reserves {
     segment_capacity_bytes: u64,
     checkpoint_room_bytes: u64,
-    /// `host_reserve_for`'s answer, kept so that asking needs no arithmetic of `capacity.rs`.
+    /// `host_reserve_for`'s answer, kept so that asking needs no arithmetic.
     host_bytes: u64,
 }
 

@@ -125,7 +125,8 @@ pub(crate) struct LogState {
     pub appender: Appender,
     pub segments: SegmentTable,
     pub epochs: CheckpointEpochs,
-    /// The live LZ4 fragments written since open, for the statistics (`segments.rs`, `PendingRecompress`).
+    /// The live LZ4 fragments written since open, for the statistics (`PendingRecompress`,
+    /// `segments.rs`).
     pub pending: super::segments::PendingRecompress,
 }
 
@@ -816,9 +817,9 @@ impl LogGuard<'_> {
 // ==============================================================================================
 
 /// Which open segment a record goes to (see the invariants at the head of this section).
-/// GC relocates data that outlived the segment it was written to: likely cold. Kept apart from new host
-/// writes, it fills segments that stay full, while host segments die whole — the
-/// separation that lets skewed workloads pay less GC than uniform ones (docs/space.md,
+/// GC relocates data that outlived the segment it was written to: likely cold. Kept apart
+/// from new host writes, it fills segments that stay full, while host segments die whole —
+/// the separation that lets skewed workloads pay less GC than uniform ones (docs/space.md,
 /// "Hot and cold"). Data GC moves a second time (its victim held GC's output) outlived
 /// a cleaning as well: colder still, kept apart again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
