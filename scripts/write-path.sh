@@ -7,10 +7,12 @@
 #            after the compiler inlined the small helpers into their callers;
 #   debug:   nothing inlined, so every function counts, down to derived comparisons
 #            (`Lba == Lba`), lock guards' `Deref` and `format::Writer::u32`.
-# Usage: scripts/write-path.sh [COUNT]   (needs valgrind; WRITE_PATH_FUNCS=1 lists the functions)
+# Usage: scripts/write-path.sh [COUNT [DATA]]   DATA: half (2:1, the default), random or zero.
+# Needs valgrind; WRITE_PATH_FUNCS=1 lists the functions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 count=${1:-64}
+data=${2:-half}
 command -v valgrind >/dev/null || { echo "write-path.sh: valgrind is not installed (apt-get install valgrind)" >&2; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -22,7 +24,7 @@ for build in release debug; do
   fi
   valgrind --tool=callgrind --callgrind-out-file="$work/$build.out" \
     --toggle-collect='zdisk_engine::store::Store::write' \
-    "${CARGO_TARGET_DIR:-target}/$build/examples/write_path" "$work/store-$build" "$count" 2>"$work/log" >/dev/null
+    "${CARGO_TARGET_DIR:-target}/$build/examples/write_path" "$work/store-$build" "$count" "$data" 2>"$work/log" >/dev/null
   echo "== $build build"
   # Every function with cost inside the toggle, with its file: `fl=` names files, `fn=` the
   # functions in the current file.
