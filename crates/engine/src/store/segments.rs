@@ -598,7 +598,7 @@ pub(crate) const RECOMPRESS_SAVING_DEFAULT: f64 = 0.21;
 /// default: 1 MiB, a few hundred blocks, so that one odd segment does not set it.
 pub(crate) const RECOMPRESS_MEASURED_MIN_BYTES: u64 = 1 << 20;
 
-/// The live LZ4 fragments written since open (module comment).
+/// The live LZ4 fragments written since open (see the head of this section).
 #[derive(Debug)]
 pub(crate) struct PendingRecompress {
     /// Whether LZ4 fragments are pending at all: not in an LZ4 store, which has nothing
