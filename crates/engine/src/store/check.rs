@@ -201,7 +201,7 @@ impl Inner {
 
     /// The retained checkpoints (both superblock slots) load.
     fn check_checkpoints(&self, report: &mut CheckReport) {
-        let Ok((best, other)) = super::recovery::read_superblocks(self.backing.as_ref()) else {
+        let Ok((best, other)) = super::create::read_superblocks(self.backing.as_ref()) else {
             report.problem(0, "a superblock slot does not decode".into(), Vec::new());
             return;
         };

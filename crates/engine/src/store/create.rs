@@ -11,7 +11,6 @@ use std::path::Path;
 use super::capacity::{native_capacity_for, OVER_PROVISION_MAX_PPM, OVER_PROVISION_MIN_PPM};
 use super::geometry::{default_segment_size, segment_size_is_valid};
 use super::options::{Allocation, FormatOptions, StoreInfo};
-use super::recovery::read_superblocks;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::codec::Codec;
 use crate::crypto::cipher::StoreCipher;
@@ -19,7 +18,7 @@ use crate::crypto::keys::{KeyHeader, KEY_HEADER_OFFSETS};
 use crate::error::{Error, ErrorKind, Result};
 use crate::format::{
     Superblock, DATA_START_BYTES, FEATURE_AUTHENTICATED_LOG, FEATURE_ENCRYPTED, FEATURE_LOG_JUMPS,
-    FEATURE_PLACEMENT_USE, FEATURE_SHORT_NONCES, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES,
+    FEATURE_PLACEMENT_USE, FEATURE_SHORT_NONCES, LOGICAL_SIZE_MAX_BYTES, SUPERBLOCK_MAC_BYTES, SUPERBLOCK_SLOT_BYTES,
 };
 use crate::{BLOCK_SIZE, SECTOR_SIZE};
 
@@ -324,4 +323,46 @@ pub(crate) fn info(path: &Path) -> Result<StoreInfo> {
         backing::open(path, &BackingOptions { access: Access::ReadOnly, direct_io: false, lock: Lock::None })?;
     let (sb, _) = read_superblocks(&backing)?;
     Ok(info_from(&sb))
+}
+
+/// Both superblock slots: the newest valid one, and the other if it is valid and of the same
+/// store (what opening starts from, and what `info`, `check` and key changes read).
+pub(crate) fn read_superblocks(backing: &dyn Backing) -> Result<(Superblock, Option<Superblock>)> {
+    if backing.size_bytes() < 2 * SUPERBLOCK_SLOT_BYTES as u64 {
+        return Err(Error::new(ErrorKind::NotAStore, "too small to hold a zdisk superblock"));
+    }
+    let mut slots = vec![0u8; 2 * SUPERBLOCK_SLOT_BYTES];
+    backing.read_at(0, &mut slots).map_err(|e| Error::io("read superblocks", e))?;
+    pick_superblock(&slots, backing.size_bytes())
+}
+
+/// Chooses the newest valid superblock slot; also returns the other one if valid and of the
+/// same store.
+fn pick_superblock(slots: &[u8], backing_size_bytes: u64) -> Result<(Superblock, Option<Superblock>)> {
+    let decoded = [
+        Superblock::decode(&slots[..SUPERBLOCK_SLOT_BYTES]),
+        Superblock::decode(&slots[SUPERBLOCK_SLOT_BYTES..2 * SUPERBLOCK_SLOT_BYTES]),
+    ];
+    let (mut valid, errors): (Vec<_>, Vec<_>) = decoded.into_iter().partition(|r| r.is_ok());
+    if valid.is_empty() {
+        // Report the most telling error: a newer version beats corruption beats "foreign".
+        let errors: Vec<Error> = errors.into_iter().filter_map(|r| r.err()).collect();
+        for kind in [ErrorKind::NewerVersion, ErrorKind::Corrupt] {
+            if let Some(e) = errors.iter().find(|e| e.kind() == kind) {
+                return Err(Error::new(kind, e.to_string()));
+            }
+        }
+        return Err(Error::new(ErrorKind::NotAStore, "no valid zdisk superblock"));
+    }
+    let mut valid: Vec<Superblock> = valid.drain(..).filter_map(|r| r.ok()).collect();
+    valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
+    let best = valid.remove(0);
+    let other = valid.pop().filter(|sb| sb.uuid == best.uuid);
+    if best.physical_size_bytes > backing_size_bytes {
+        return Err(Error::new(
+            ErrorKind::Truncated,
+            format!("the superblock says {} bytes, the backing has {}", best.physical_size_bytes, backing_size_bytes),
+        ));
+    }
+    Ok((best, other))
 }

@@ -11,10 +11,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use super::create::read_superblocks;
 use super::log::LogGuard;
 use super::log::{Block, LiveFragment, Op};
 use super::options::OpenOptions;
-use super::recovery::read_superblocks;
 use super::state::Inner;
 use crate::backing::{self, Access, Backing, BackingOptions, Lock};
 use crate::crypto::cipher::{Domain, NonceSource, StoreCipher};

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use super::background::{Background, Wakeups};
 use super::codecs::{Codecs, DictionaryState};
+use super::create::read_superblocks;
 use super::geometry::Geometry;
 use super::health::Health;
 use super::lock::{Mutex, Rank, RwLock};
@@ -31,7 +32,7 @@ use crate::cache::{FragmentCache, Reads};
 use crate::codec::{available_cores, Codec};
 use crate::crypto::cipher::StoreCipher;
 use crate::error::{Error, ErrorKind, Result};
-use crate::format::{Checkpoint, SegmentUsage, Superblock, FEATURE_LOG_JUMPS, FORMAT_VERSION, SUPERBLOCK_SLOT_BYTES};
+use crate::format::{Checkpoint, SegmentUsage, Superblock, FEATURE_LOG_JUMPS, FORMAT_VERSION};
 use crate::map::page;
 use crate::map::{Entry, PackedEntry, PagedMap};
 use crate::stats::{CodecCounters, Counters, Stats};
@@ -45,46 +46,6 @@ pub(crate) struct Chosen {
     pub checkpoint: Option<Checkpoint>,
     /// The other slot's superblock, when valid and older: the older retained checkpoint.
     pub older: Option<Superblock>,
-}
-
-pub(crate) fn read_superblocks(backing: &dyn Backing) -> Result<(Superblock, Option<Superblock>)> {
-    if backing.size_bytes() < 2 * SUPERBLOCK_SLOT_BYTES as u64 {
-        return Err(Error::new(ErrorKind::NotAStore, "too small to hold a zdisk superblock"));
-    }
-    let mut slots = vec![0u8; 2 * SUPERBLOCK_SLOT_BYTES];
-    backing.read_at(0, &mut slots).map_err(|e| Error::io("read superblocks", e))?;
-    pick_superblock(&slots, backing.size_bytes())
-}
-
-/// Chooses the newest valid superblock slot; also returns the other one if valid and of the
-/// same store.
-fn pick_superblock(slots: &[u8], backing_size_bytes: u64) -> Result<(Superblock, Option<Superblock>)> {
-    let decoded = [
-        Superblock::decode(&slots[..SUPERBLOCK_SLOT_BYTES]),
-        Superblock::decode(&slots[SUPERBLOCK_SLOT_BYTES..2 * SUPERBLOCK_SLOT_BYTES]),
-    ];
-    let (mut valid, errors): (Vec<_>, Vec<_>) = decoded.into_iter().partition(|r| r.is_ok());
-    if valid.is_empty() {
-        // Report the most telling error: a newer version beats corruption beats "foreign".
-        let errors: Vec<Error> = errors.into_iter().filter_map(|r| r.err()).collect();
-        for kind in [ErrorKind::NewerVersion, ErrorKind::Corrupt] {
-            if let Some(e) = errors.iter().find(|e| e.kind() == kind) {
-                return Err(Error::new(kind, e.to_string()));
-            }
-        }
-        return Err(Error::new(ErrorKind::NotAStore, "no valid zdisk superblock"));
-    }
-    let mut valid: Vec<Superblock> = valid.drain(..).filter_map(|r| r.ok()).collect();
-    valid.sort_by_key(|sb| std::cmp::Reverse(sb.generation));
-    let best = valid.remove(0);
-    let other = valid.pop().filter(|sb| sb.uuid == best.uuid);
-    if best.physical_size_bytes > backing_size_bytes {
-        return Err(Error::new(
-            ErrorKind::Truncated,
-            format!("the superblock says {} bytes, the backing has {}", best.physical_size_bytes, backing_size_bytes),
-        ));
-    }
-    Ok((best, other))
 }
 
 /// Step 1: the newest superblock whose checkpoint loads; the older one if it does not.
