@@ -1,13 +1,16 @@
-//! The engine's modules import one another one way (docs/architecture.md, "Which modules may
-//! import which"): no circle of imports joins more than two files. A component that imports
-//! a module of the store's work (`impl Inner`: request, gc, writeout, …) pulls that module
-//! and everything it reaches into one circle with `state.rs` — which is how merging Space's
-//! admission into `space.rs` made a circle of seven files on 2026-11-29 — so this reads the
-//! sources and fails naming the circle.
+//! The rules of docs/architecture.md that the sources themselves can be checked against:
 //!
-//! What counts as an import: a `crate::`, `super::` or `self::` path outside comments and
-//! before the file's first `#[cfg(test)]`, with one level of `{…}` groups; it points at the
-//! deepest module file the path names (a type's path points at its module).
+//! - The engine's modules import one another one way ("Which modules may import which"): no
+//!   circle of imports joins more than two files. A component that imports a module of the
+//!   store's work (`impl Inner`: request, gc, writeout, …) pulls that module and everything
+//!   it reaches into one circle with `state.rs` — which is how merging Space's admission into
+//!   `space.rs` made a circle of seven files on 2026-11-29 — so this reads the sources and
+//!   fails naming the circle. What counts as an import: a `crate::`, `super::` or `self::`
+//!   path outside comments and before the file's first `#[cfg(test)]`, with one level of
+//!   `{…}` groups; it points at the deepest module file the path names.
+//! - `Inner` is a short composition of components ("The store as components": at most 12
+//!   fields), and no function takes the log as a parameter (`&Log`, `&mut Log`): the log's
+//!   logic lives on `Log` and `LogGuard`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -217,4 +220,40 @@ fn the_reader_finds_paths_in_groups_and_skips_comments() {
     edges.insert("d".to_string(), BTreeSet::new());
     let found = circles(&edges);
     assert!(found.iter().any(|c| c.len() == 3), "a circle of three was missed: {found:?}");
+}
+
+fn engine_sources() -> BTreeMap<String, String> {
+    modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
+}
+
+#[test]
+fn no_function_takes_the_log_as_a_parameter() {
+    let mut found = Vec::new();
+    for (name, text) in engine_sources() {
+        for (n, line) in code(&text).lines().enumerate() {
+            for pattern in [": &Log", ": &mut Log"] {
+                for (at, _) in line.match_indices(pattern) {
+                    let after = line[at + pattern.len()..].chars().next();
+                    if !after.is_some_and(is_ident) {
+                        found.push(format!("{name}:{}: {}", n + 1, line.trim()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "functions that take the log as a parameter:\n{}", found.join("\n"));
+    // The check must be able to see one.
+    assert!(code("fn f(log: &Log) {}").contains(": &Log"));
+}
+
+#[test]
+fn inner_is_a_short_composition() {
+    let sources = engine_sources();
+    let state = code(&sources["store::state"]);
+    let start = state.find("pub(crate) struct Inner {").expect("Inner is declared in store/state.rs");
+    let body = &state[start..start + state[start..].find("\n}").expect("Inner's closing brace")];
+    let fields: Vec<&str> = body.lines().skip(1).map(str::trim).filter(|l| l.starts_with("pub ")).collect();
+    println!("Inner's fields: {fields:?}");
+    assert!(fields.len() >= 8, "the reader found {} fields: {fields:?}", fields.len());
+    assert!(fields.len() <= 12, "Inner has {} fields (docs/architecture.md: at most 12): {fields:?}", fields.len());
 }
