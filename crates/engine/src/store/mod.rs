@@ -46,6 +46,7 @@ mod codecs;
 mod create;
 pub(crate) mod dictionaries;
 mod encryption;
+mod foreground_gc;
 mod gc;
 mod geometry;
 mod health;

@@ -16,8 +16,9 @@
 //! 4. **Map memory** (`request.rs`, `wait_for_map_memory`): when the map's unwritten changes
 //!    reached their memory limit (the background checkpoint fell behind, or there is no
 //!    background thread), the writer writes the checkpoint itself before it adds more.
-//! 5. **Reserves, foreground GC, ENOSPC** (`request.rs`, `Inner::admit`): an append of a class
-//!    ([`SpaceClass`]) must leave the [`Reserves`] of the classes below it unused in the log.
+//! 5. **Reserves, foreground GC, ENOSPC** (`request.rs`, `Inner::admit`; its rounds in
+//!    `foreground_gc.rs`): an append of a class ([`SpaceClass`]) must leave the
+//!    [`Reserves`] of the classes below it unused in the log.
 //!    A host request that does not fit runs foreground GC rounds (one writer at a time; the
 //!    others wait for it) and tries again while they make progress; then a trim or zero may
 //!    go below the metadata reserve (`SpaceClass::TrimWhileFull`), and anything else fails
@@ -382,49 +383,6 @@ fn scale(slack_bytes: u64, band_bytes: u64) -> f64 {
     ((1.0 - free_share) / free_share).min(SCALE_MAX)
 }
 
-#[cfg(test)]
-mod pacing_tests {
-    use super::*;
-
-    #[test]
-    fn nothing_waits_before_gc_is_measured_or_above_the_band() {
-        let pacer = Pacer::new();
-        assert_eq!(pacer.wait_for(4096, 0, 1 << 20), Duration::ZERO);
-        pacer.note_gc(Duration::from_millis(10), 1 << 20);
-        assert_eq!(pacer.wait_for(4096, 1 << 20, 1 << 20), Duration::ZERO);
-        assert_eq!(pacer.wait_for(4096, 2 << 20, 1 << 20), Duration::ZERO);
-    }
-
-    #[test]
-    fn slots_queue_on_one_clock_and_lengthen_towards_the_reserve() {
-        let pacer = Pacer::new();
-        // 1 ms per MiB given back: a 1 MiB write at the band's middle takes a 1 ms slot.
-        pacer.note_gc(Duration::from_millis(1), 1 << 20);
-        let first = pacer.wait_for(1 << 20, 512 << 10, 1 << 20);
-        let second = pacer.wait_for(1 << 20, 512 << 10, 1 << 20);
-        assert!(first < Duration::from_micros(200), "{first:?}");
-        assert!(second > Duration::from_micros(700) && second < Duration::from_micros(1100), "{second:?}");
-        // Deeper into the band, each slot is longer.
-        let deep = Pacer::new();
-        deep.note_gc(Duration::from_millis(1), 1 << 20);
-        deep.wait_for(1 << 20, 128 << 10, 1 << 20);
-        let after_deep = deep.wait_for(1 << 20, 128 << 10, 1 << 20);
-        assert!(after_deep > Duration::from_micros(6000), "{after_deep:?}");
-        // Waits are bounded.
-        for _ in 0..200 {
-            assert!(deep.wait_for(1 << 20, 1, 1 << 20) <= WAIT_MAX);
-        }
-    }
-
-    #[test]
-    fn the_scale_is_one_at_the_middle_of_the_band() {
-        assert!((scale(50, 100) - 1.0).abs() < 1e-9);
-        assert!(scale(90, 100) < 0.2);
-        assert!(scale(10, 100) > 8.0);
-        assert_eq!(scale(0, 100), SCALE_MAX);
-    }
-}
-
 // ==============================================================================================
 // Write permits: admission of host writes' CPU work (docs/space.md, "Write admission")
 //
@@ -651,6 +609,110 @@ impl Drop for WritePermit<'_> {
 }
 
 #[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::capacity::{host_reserve_for, SpaceClass};
+    use crate::store::options::WRITE_PERMIT_FAIR_AFTER;
+
+    fn space(logical_size_bytes: u64, dictionary_table_bytes: u64) -> Space {
+        Space::new(SpaceParts {
+            write_concurrency: 2,
+            write_permit_fair_after: WRITE_PERMIT_FAIR_AFTER,
+            pacing: true,
+            logical_size_bytes,
+            over_provision_ppm: 100_000,
+            dictionary_table_bytes,
+            segment_count: 64,
+            segment_capacity_bytes: 1 << 20,
+        })
+    }
+
+    #[test]
+    fn the_cached_reserves_follow_the_logical_size_and_the_dictionary_table() {
+        let s = space(1 << 30, 0);
+        s.assert_reserves_fresh(0);
+        let before = s.reserves();
+        s.set_logical_size(64 << 30);
+        s.assert_reserves_fresh(0);
+        let grown = s.reserves();
+        assert!(grown.checkpoint_room_bytes() > before.checkpoint_room_bytes());
+        s.set_dictionary_table_bytes(300 << 10);
+        s.assert_reserves_fresh(300 << 10);
+        assert_eq!(s.reserves().checkpoint_room_bytes(), grown.checkpoint_room_bytes() + (300 << 10));
+        assert_eq!(s.reserves(), space(64 << 30, 300 << 10).reserves());
+    }
+
+    #[test]
+    #[should_panic(expected = "stale")]
+    fn a_missed_change_of_the_logical_size_is_caught() {
+        let s = space(1 << 30, 0);
+        s.logical_size_bytes.store(2 << 30, Ordering::Release);
+        s.assert_reserves_fresh(0);
+    }
+
+    #[test]
+    fn each_class_leaves_the_ones_below_it_room() {
+        let r = space(1 << 30, 0).reserves();
+        let order = [
+            SpaceClass::Host,
+            SpaceClass::HostMetadata,
+            SpaceClass::TrimWhileFull,
+            SpaceClass::Gc,
+            SpaceClass::GcSettled,
+            SpaceClass::Internal,
+        ];
+        for pair in order.windows(2) {
+            assert!(r.of(pair[0]) > r.of(pair[1]), "{:?} vs {:?}", pair[0], pair[1]);
+        }
+        assert_eq!(r.of(SpaceClass::Host), host_reserve_for(1 << 20, r.checkpoint_room_bytes()));
+        assert_eq!(r.host_segments(), r.of(SpaceClass::Host).div_ceil(1 << 20));
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use super::*;
+
+    #[test]
+    fn nothing_waits_before_gc_is_measured_or_above_the_band() {
+        let pacer = Pacer::new();
+        assert_eq!(pacer.wait_for(4096, 0, 1 << 20), Duration::ZERO);
+        pacer.note_gc(Duration::from_millis(10), 1 << 20);
+        assert_eq!(pacer.wait_for(4096, 1 << 20, 1 << 20), Duration::ZERO);
+        assert_eq!(pacer.wait_for(4096, 2 << 20, 1 << 20), Duration::ZERO);
+    }
+
+    #[test]
+    fn slots_queue_on_one_clock_and_lengthen_towards_the_reserve() {
+        let pacer = Pacer::new();
+        // 1 ms per MiB given back: a 1 MiB write at the band's middle takes a 1 ms slot.
+        pacer.note_gc(Duration::from_millis(1), 1 << 20);
+        let first = pacer.wait_for(1 << 20, 512 << 10, 1 << 20);
+        let second = pacer.wait_for(1 << 20, 512 << 10, 1 << 20);
+        assert!(first < Duration::from_micros(200), "{first:?}");
+        assert!(second > Duration::from_micros(700) && second < Duration::from_micros(1100), "{second:?}");
+        // Deeper into the band, each slot is longer.
+        let deep = Pacer::new();
+        deep.note_gc(Duration::from_millis(1), 1 << 20);
+        deep.wait_for(1 << 20, 128 << 10, 1 << 20);
+        let after_deep = deep.wait_for(1 << 20, 128 << 10, 1 << 20);
+        assert!(after_deep > Duration::from_micros(6000), "{after_deep:?}");
+        // Waits are bounded.
+        for _ in 0..200 {
+            assert!(deep.wait_for(1 << 20, 1, 1 << 20) <= WAIT_MAX);
+        }
+    }
+
+    #[test]
+    fn the_scale_is_one_at_the_middle_of_the_band() {
+        assert!((scale(50, 100) - 1.0).abs() < 1e-9);
+        assert!(scale(90, 100) < 0.2);
+        assert!(scale(10, 100) > 8.0);
+        assert_eq!(scale(0, 100), SCALE_MAX);
+    }
+}
+
+#[cfg(test)]
 mod permits_tests {
     use super::*;
     use crate::store::options::WRITE_PERMIT_FAIR_AFTER;
@@ -820,66 +882,5 @@ mod permits_tests {
         let permits = WritePermits::new(0, WRITE_PERMIT_FAIR_AFTER);
         let all: Vec<_> = (0..100).map(|_| permits.acquire()).collect();
         assert!(all.iter().all(Option::is_none));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::capacity::{host_reserve_for, SpaceClass};
-    use crate::store::options::WRITE_PERMIT_FAIR_AFTER;
-
-    fn space(logical_size_bytes: u64, dictionary_table_bytes: u64) -> Space {
-        Space::new(SpaceParts {
-            write_concurrency: 2,
-            write_permit_fair_after: WRITE_PERMIT_FAIR_AFTER,
-            pacing: true,
-            logical_size_bytes,
-            over_provision_ppm: 100_000,
-            dictionary_table_bytes,
-            segment_count: 64,
-            segment_capacity_bytes: 1 << 20,
-        })
-    }
-
-    #[test]
-    fn the_cached_reserves_follow_the_logical_size_and_the_dictionary_table() {
-        let s = space(1 << 30, 0);
-        s.assert_reserves_fresh(0);
-        let before = s.reserves();
-        s.set_logical_size(64 << 30);
-        s.assert_reserves_fresh(0);
-        let grown = s.reserves();
-        assert!(grown.checkpoint_room_bytes() > before.checkpoint_room_bytes());
-        s.set_dictionary_table_bytes(300 << 10);
-        s.assert_reserves_fresh(300 << 10);
-        assert_eq!(s.reserves().checkpoint_room_bytes(), grown.checkpoint_room_bytes() + (300 << 10));
-        assert_eq!(s.reserves(), space(64 << 30, 300 << 10).reserves());
-    }
-
-    #[test]
-    #[should_panic(expected = "stale")]
-    fn a_missed_change_of_the_logical_size_is_caught() {
-        let s = space(1 << 30, 0);
-        s.logical_size_bytes.store(2 << 30, Ordering::Release);
-        s.assert_reserves_fresh(0);
-    }
-
-    #[test]
-    fn each_class_leaves_the_ones_below_it_room() {
-        let r = space(1 << 30, 0).reserves();
-        let order = [
-            SpaceClass::Host,
-            SpaceClass::HostMetadata,
-            SpaceClass::TrimWhileFull,
-            SpaceClass::Gc,
-            SpaceClass::GcSettled,
-            SpaceClass::Internal,
-        ];
-        for pair in order.windows(2) {
-            assert!(r.of(pair[0]) > r.of(pair[1]), "{:?} vs {:?}", pair[0], pair[1]);
-        }
-        assert_eq!(r.of(SpaceClass::Host), host_reserve_for(1 << 20, r.checkpoint_room_bytes()));
-        assert_eq!(r.host_segments(), r.of(SpaceClass::Host).div_ceil(1 << 20));
     }
 }
